@@ -1,0 +1,114 @@
+"""Hugging Face Transformers adapter: resolve spec anchors to modules and patch them at load time."""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import defaultdict
+
+import torch
+
+from ...errors import AnchorError
+from ...plan import Plan
+from ...siteop import SiteHandle
+from ...spec import Document
+from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, parameter_position, rewrite_forward, wrap_io
+
+
+def transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def available_sites(model: torch.nn.Module, arch: Document) -> set[tuple[str, int | None]]:
+    """(canonical, layer) pairs whose HF module exists in this model (MoE sites only on MoE layers)."""
+    n_layers = model.config.num_hidden_layers
+    out = set()
+    for canonical, site in arch.data["sites"].items():
+        anchor = site.get("hf")
+        if anchor is None:
+            continue
+        for layer in (range(n_layers) if site.get("per_layer") else [None]):
+            if _module(model, anchor["module"], layer) is not None:
+                out.add((canonical, layer))
+    return out
+
+
+def _module(model: torch.nn.Module, pattern: str, layer: int | None):
+    try:
+        return model.get_submodule(pattern.format(i=layer) if layer is not None else pattern)
+    except AttributeError:
+        return None
+
+
+def _anchor_error(arch: Document, site_name: str, module, what: str) -> AnchorError:
+    rng = arch.data.get("hf", {}).get("transformers", "unspecified")
+    line = arch.line_of(("sites", site_name, "hf"))
+    return AnchorError(
+        f"{arch.file}:{line}: sites.{site_name}.hf: {what} not found in {type(module).__qualname__}.forward of the "
+        f"installed transformers {transformers_version()}; this spec was written for transformers {rng}. "
+        f"Fix: install transformers {rng}, or update the anchor in {arch.file} to this version's source "
+        f"({inspect.getsourcefile(type(module))})")
+
+
+def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
+    """Patch every planned site into ``model``; returns a function that undoes it."""
+    source_edits: dict[torch.nn.Module, list[tuple[str, SourceEdit]]] = defaultdict(list)
+    io: dict[torch.nn.Module, tuple[list, list]] = defaultdict(lambda: ([], []))
+    handles: dict[torch.nn.Module, dict[str, SiteHandle]] = defaultdict(dict)
+    for s in plan.sites:
+        anchor = s.anchor
+        module = _module(model, anchor["module"], s.layer)
+        if module is None:
+            raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
+        handle = SiteHandle(run.id, s.index, run.ticket)
+        if "assign" in anchor or "compute" in anchor:
+            frozen = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else
+                                   tuple(v) if isinstance(v, list) else v) for k, v in anchor.items()))
+            source_edits[module].append((s.canonical, SourceEdit(s.canonical, frozen)))
+            handles[module][s.canonical] = handle
+        elif "input" in anchor:
+            try:
+                pos, name = parameter_position(module, anchor["input"])
+            except AnchorNotFound as e:
+                raise _anchor_error(arch, s.canonical, module, str(e)) from None
+            io[module][0].append((pos, name, handle))
+        else:
+            io[module][1].append((anchor["output"], handle))
+
+    patched: list[torch.nn.Module] = []
+    for module, edits in source_edits.items():
+        try:
+            fn = rewrite_forward(type(module), tuple(sorted((e for _, e in edits), key=lambda e: e.canonical)))
+        except AnchorNotFound as e:
+            raise _anchor_error(arch, edits[0][0], module, str(e)) from None
+        setattr(module, SITES_ATTR, handles[module])
+        bind_rewritten(module, fn)
+        patched.append(module)
+    for module, (inputs, outputs) in io.items():
+        wrap_io(module, inputs, outputs)
+        patched.append(module)
+    _wrap_step(model, run)
+    patched.append(model)
+
+    def detach() -> None:
+        for m in patched:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop(SITES_ATTR, None)
+    return detach
+
+
+def _wrap_step(model: torch.nn.Module, run) -> None:
+    """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
+    inner = model.forward
+    ticket, run_id = run.ticket, run.id
+
+    @functools.wraps(inner)   # keeps the signature: generate() inspects it (e.g. logits_to_keep)
+    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, *args, **kwargs):
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        torch.ops.dmi.step_begin(tokens, attention_mask, position_ids, past_len, ticket, run_id)
+        out = inner(input_ids, attention_mask, position_ids, past_key_values, *args, **kwargs)
+        torch.ops.dmi.step_end(ticket, run_id)
+        return out
+
+    model.forward = forward

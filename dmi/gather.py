@@ -1,0 +1,72 @@
+"""Row selection of a site tensor, in torch: the reference capture every backend must match.
+
+An engine tensor arrives in the engine's layout (``[batch, head, seq, head_dim]`` for HF's q,
+``[token, expert]`` for flattened router logits, ...). ``gather`` turns it into the canonical
+``[rows, *site dims]`` of the rows a step selected, applies head selection, key alignment and
+on-device reductions, and returns the outputs in the order they are laid out in the payload.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import CaptureError
+from .plan import SitePlan
+
+
+def token_major(x: torch.Tensor, layout: list[str], batch: int) -> tuple[torch.Tensor, int]:
+    """x as [batch * seq', *features] (rows b*seq'+s), and seq': the positions x holds."""
+    if layout[0] == "token":
+        return x, x.shape[0] // batch
+    bi, si = layout.index("batch"), layout.index("seq")
+    rest = [i for i in range(x.ndim) if i not in (bi, si)]
+    x = x.permute(bi, si, *rest)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), x.shape[1]
+
+
+def source_rows(rows: torch.Tensor, seq: int, src_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map step rows b*seq+s to rows of a tensor holding only the last ``src_seq`` positions.
+
+    Returns (row indices into the tensor, mask over ``rows`` of those it holds)."""
+    b, s = rows // seq, rows % seq - (seq - src_seq)
+    held = s >= 0
+    return (b * src_seq + s)[held], held
+
+
+def gather(x: torch.Tensor, site: SitePlan, rows: torch.Tensor, step_seq: int, batch: int,
+           pad: torch.Tensor | None, dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
+    """Outputs ([n, *output shape] each) for the selected ``rows`` and the seq' x held."""
+    layout = site.anchor["layout"]
+    flat, src_seq = token_major(x, layout, batch)
+    idx, held = source_rows(rows.to(flat.device), step_seq, src_seq)
+    feat = [x.shape[layout.index(d)] if d in layout and d == "key" else n for d, n in zip(site.dims, site.shape)]
+    sel = flat.index_select(0, idx).reshape(len(idx), *feat)
+    if site.heads is not None:
+        axis = 1 + next(k for k, d in enumerate(site.dims) if d in ("head", "kv_head"))
+        sel = sel.index_select(axis, torch.tensor(site.heads, device=sel.device))
+    if "key" in site.dims:
+        sel = _align_keys(sel, site, (rows.to(flat.device) // step_seq)[held], pad)
+    sel = sel.to(dtype)
+    if site.reduce and "topk" in site.reduce:
+        values, indices = torch.topk(sel, site.reduce["topk"], dim=-1)
+        return [values, indices.to(torch.int32)], src_seq
+    if site.reduce and site.reduce.get("norm"):
+        return [torch.linalg.vector_norm(sel.float(), dim=-1).to(dtype)], src_seq
+    return [sel], src_seq
+
+
+def _align_keys(sel: torch.Tensor, site: SitePlan, batch_of_row: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """Re-index the key axis (last) from cache columns to key positions 0..max_keys-1.
+
+    Left-padded batches keep ``pad[b]`` padding columns before a request's first key."""
+    width = site.shape[-1]
+    offset = pad.to(sel.device)[batch_of_row] if pad is not None else torch.zeros(len(sel), dtype=torch.long, device=sel.device)
+    k = sel.shape[-1]
+    if len(sel) and int((k - offset).max()) > width:
+        raise CaptureError(f"{site.name}: {int((k - offset).max())} key positions exceed max_keys={width}. "
+                           f"Fix: raise max_keys in the hook spec entry that captures {site.canonical}")
+    cols = torch.arange(width, device=sel.device)[None, :] + offset[:, None]     # [rows, max_keys]
+    valid = cols < k
+    shape = [sel.shape[0]] + [1] * (sel.ndim - 2) + [width]
+    idx = cols.clamp(max=k - 1).reshape(shape).expand(*sel.shape[:-1], width)
+    out = torch.gather(sel, -1, idx)
+    return torch.where(valid.reshape(shape), out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -1,0 +1,289 @@
+"""Resolve a hook spec against an architecture spec and a model config into a Plan.
+
+The Plan is the single description every later stage reads: which sites are captured (with their
+engine anchor), which tokens, the shape of one captured row, and the policy budgets.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PolicyError, SpecError
+from .spec import Document, parse_bytes
+
+DEFAULT_RING_BYTES = 64 << 20
+DEFAULT_MAX_KEYS = 256
+STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
+
+
+@dataclass(frozen=True)
+class TokenFilter:
+    """Which rows of a step a site keeps. Applied on the host to build the row selection."""
+    phase: str = "all"              # all | prefill | decode
+    last: bool = False              # only the last token of each request in the step
+    every_n_steps: int = 1          # decode steps of a request: keep every n-th
+    positions: tuple[int, int] | None = None   # [start, stop)
+    max_per_request: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "TokenFilter":
+        if value is None or value == "all":
+            return cls()
+        if value in ("prefill", "decode"):
+            return cls(phase=value)
+        if value == "last":
+            return cls(last=True)
+        return cls(phase=value.get("phase", "all"), last=value.get("last", False),
+                   every_n_steps=value.get("every_n_steps", 1),
+                   positions=tuple(value["positions"]) if "positions" in value else None,
+                   max_per_request=value.get("max_per_request"))
+
+
+@dataclass(frozen=True)
+class Output:
+    """One stored array of a site: ``name`` with trailing ``dims``/``shape`` after the token dim."""
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    kind: str            # 'float' (stored in the plan's float dtype) or 'int32'
+
+    @property
+    def row_elems(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """One captured site of one layer (or a model-level site)."""
+    index: int                  # dense id used by the site op and the meta ring
+    name: str                   # full name: 'layers.3.attn.q', 'final_norm'
+    canonical: str              # 'attn.q'
+    layer: int | None
+    group: str                  # store group: 'layers/attn/q'
+    dims: tuple[str, ...]       # canonical dims after 'token'
+    shape: tuple[int, ...]      # their sizes (before reduction / head selection)
+    anchor: dict                # the engine anchor from the architecture spec
+    tokens: TokenFilter
+    outputs: tuple[Output, ...]
+    reduce: dict | None = None
+    heads: tuple[int, ...] | None = None
+    priority: int = 0
+
+    def row_bytes(self, float_itemsize: int) -> int:
+        return sum(o.row_elems * (float_itemsize if o.kind == "float" else 4) for o in self.outputs)
+
+
+@dataclass
+class Policy:
+    mode: str = "full"
+    ring_bytes: int = DEFAULT_RING_BYTES
+    host_bytes: int = 256 << 20
+    meta_records: int = 4096
+    max_step_tokens: int | None = None
+    on_store_error: str = "raise"
+
+
+@dataclass
+class Plan:
+    family: str
+    sites: list[SitePlan]
+    policy: Policy
+    layers: int
+    store_dtype: str = "native"
+    chunk_bytes: int = 4 << 20
+    arch_file: str = ""
+    hook_file: str = ""
+    hook_spec: dict = field(default_factory=dict)
+
+    def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
+        return {(s.canonical, s.layer): s for s in self.sites}
+
+    def step_bytes(self, tokens: int, float_itemsize: int) -> int:
+        """Upper bound of one step's payload for ``tokens`` rows (analytic, from the plan)."""
+        return sum(tokens * s.row_bytes(float_itemsize) for s in self.sites)
+
+
+def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
+    value = getattr(config, attr, None)
+    if value is None and attr == "head_dim":   # configs that derive head_dim
+        value = config.hidden_size // config.num_attention_heads
+    if not isinstance(value, int):
+        raise arch.error(("dims", dim), f"model config has no integer attribute {attr!r}",
+                         fix="point this dim at the config attribute that holds its size")
+    return value
+
+
+def _layers_of(entry: dict, n_layers: int, doc: Document, path: tuple) -> list[int] | None:
+    if "layers" not in entry:
+        return None
+    out: list[int] = []
+    for j, item in enumerate(entry["layers"]):
+        if isinstance(item, int):
+            lo = hi = item
+        else:
+            a, b = item.replace(" ", "").split("-", 1) if not item.startswith("-") else item.rsplit("-", 1)
+            lo, hi = int(a), int(b)
+        for v in (lo, hi):
+            if not -n_layers <= v < n_layers:
+                raise doc.error(path + ("layers", j), f"layer {v} is out of range: the model has {n_layers} layers",
+                                fix=f"use layers 0..{n_layers - 1} (or negative from the end)")
+        lo, hi = lo % n_layers, hi % n_layers
+        if hi < lo:
+            raise doc.error(path + ("layers", j), f"empty range {item!r}", fix="write ranges low-high")
+        out.extend(range(lo, hi + 1))
+    return sorted(set(out))
+
+
+def all_site_names(arch: Document, n_layers: int) -> list[tuple[str, str, int | None]]:
+    """Every (full name, canonical, layer) the architecture offers."""
+    out = []
+    for canonical, site in arch.data["sites"].items():
+        if site.get("per_layer"):
+            out += [(f"layers.{i}.{canonical}", canonical, i) for i in range(n_layers)]
+        else:
+            out.append((canonical, canonical, None))
+    return out
+
+
+def _match(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[tuple[str, str, int | None]]:
+    # 'resid_post' matches every layer's resid_post; 'layers.*.attn.q' matches by full name
+    return [c for c in candidates if fnmatch.fnmatchcase(c[0], pattern) or fnmatch.fnmatchcase(c[1], pattern)]
+
+
+def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_itemsize: int = 4,
+               available: set[tuple[str, int | None]] | None = None) -> Plan:
+    """Semantic validation + resolution. ``available`` lists (canonical, layer) pairs that exist in
+    the loaded model (e.g. MoE sites only on MoE layers); None means all."""
+    dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
+    n_layers = dims["layer"]
+    candidates = all_site_names(arch, n_layers)
+    if available is not None:
+        candidates = [c for c in candidates if (c[1], c[2]) in available]
+    canonical_names = sorted(arch.data["sites"])
+    spec = hook.data
+    store = spec.get("store", {})
+    store_dtype = store.get("dtype", "native")
+
+    chosen: dict[str, tuple[str, int | None, dict, tuple]] = {}
+    for i, entry in enumerate(spec["capture"]):
+        path = ("capture", i)
+        layers = _layers_of(entry, n_layers, hook, path)
+        for j, pattern in enumerate(entry["sites"]):
+            matched = _match(pattern, candidates)
+            if not matched:
+                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, candidates),
+                                 fix=_no_match_fix(pattern, canonical_names, arch.file))
+            if layers is not None:
+                matched = [m for m in matched if m[2] is None or m[2] in layers]
+                if not matched:
+                    raise hook.error(path + ("layers",), f"site pattern {pattern!r} matches nothing in layers {layers}",
+                                     fix="widen `layers` or pick a site that exists on those layers")
+            for full, canonical, layer in matched:
+                if full in chosen:
+                    raise hook.error(path + ("sites", j), f"site {full!r} is already captured by capture[{chosen[full][3][1]}]",
+                                     fix="capture each site in one entry only")
+                chosen[full] = (canonical, layer, entry, path)
+
+    sites: list[SitePlan] = []
+    for full, (canonical, layer, entry, path) in sorted(chosen.items(), key=lambda kv: _order(kv[0], arch)):
+        site = arch.data["sites"][canonical]
+        sdims = tuple(site["dims"][1:])
+        max_keys = entry.get("max_keys", DEFAULT_MAX_KEYS)
+        shape = tuple(max_keys if d == "key" else dims[d] for d in sdims)
+        heads = tuple(entry["heads"]) if "heads" in entry else None
+        out_shape = list(shape)
+        if heads is not None:
+            head_dims = [k for k, d in enumerate(sdims) if d in ("head", "kv_head")]
+            if not head_dims:
+                raise hook.error(path + ("heads",), f"site {canonical!r} has no head dim", fix="remove `heads` from this entry")
+            bad = [h for h in heads if h >= shape[head_dims[0]]]
+            if bad:
+                raise hook.error(path + ("heads",), f"heads {bad} out of range: {canonical} has {shape[head_dims[0]]}",
+                                 fix=f"use heads 0..{shape[head_dims[0]] - 1}")
+            out_shape[head_dims[0]] = len(heads)
+        reduce = entry.get("reduce")
+        leaf = canonical.split(".")[-1]
+        if reduce and "topk" in reduce:
+            k = reduce["topk"]
+            if k > out_shape[-1]:
+                raise hook.error(path + ("reduce", "topk"), f"topk {k} exceeds the last dim ({sdims[-1]}={out_shape[-1]})",
+                                 fix=f"use topk <= {out_shape[-1]}")
+            rd = tuple(sdims[:-1]) + ("k",)
+            rs = tuple(out_shape[:-1]) + (k,)
+            outputs = (Output("topk_values", rd, rs, "float"), Output("topk_indices", rd, rs, "int32"))
+        elif reduce and reduce.get("norm"):
+            outputs = (Output("norm", tuple(sdims[:-1]), tuple(out_shape[:-1]), "float"),)
+        else:
+            outputs = (Output(leaf, sdims, tuple(out_shape), "float"),)
+        group = ("layers/" if layer is not None else "") + canonical.replace(".", "/")
+        sites.append(SitePlan(index=len(sites), name=full, canonical=canonical, layer=layer, group=group,
+                              dims=sdims, shape=shape, anchor=site.get("hf", {}),
+                              tokens=TokenFilter.parse(entry.get("tokens")), outputs=outputs,
+                              reduce=reduce, heads=heads, priority=entry.get("priority", 0)))
+
+    policy = _policy(hook)
+    plan = Plan(family=arch.data["family"], sites=sites, policy=policy, layers=n_layers, store_dtype=store_dtype,
+                chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), arch_file=arch.file,
+                hook_file=hook.file, hook_spec=spec)
+    check_policy_fits(plan, model_dtype_itemsize, hook)
+    return plan
+
+
+def _order(full: str, arch: Document) -> tuple:
+    # model order: embed, layer sites (layer, then spec order), final sites
+    names = list(arch.data["sites"])
+    parts = full.split(".")
+    if parts[0] == "layers":
+        return (1, int(parts[1]), names.index(".".join(parts[2:])))
+    return (0 if names.index(full) < 1 else 2, 0, names.index(full))
+
+
+def _no_match_message(pattern: str, arch: Document, canonical: list[str], candidates) -> str:
+    base = pattern.split(".", 2)[2] if pattern.startswith("layers.") and pattern.count(".") >= 2 else pattern
+    if base in canonical:
+        return f"site pattern {pattern!r} matches no layer of this model"
+    return f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}"
+
+
+def _no_match_fix(pattern: str, canonical: list[str], arch_file: str) -> str:
+    base = pattern.split(".", 2)[2] if pattern.startswith("layers.") and pattern.count(".") >= 2 else pattern
+    close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    return f"{hint}sites of this family ({arch_file}): {', '.join(canonical)}"
+
+
+def _policy(hook: Document) -> Policy:
+    p = hook.data.get("policy", {})
+    out = Policy()
+    out.mode = p.get("mode", out.mode)
+    for key in ("ring_bytes", "host_bytes"):
+        if key in p:
+            try:
+                setattr(out, key, parse_bytes(p[key]))
+            except ValueError as e:
+                raise hook.error(("policy", key), str(e), fix="write a size such as 64MiB") from None
+    out.meta_records = p.get("meta_records", out.meta_records)
+    out.max_step_tokens = p.get("max_step_tokens")
+    out.on_store_error = p.get("on_store_error", out.on_store_error)
+    return out
+
+
+def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, tokens: int | None = None) -> None:
+    """Refuse a plan whose single step cannot fit the ring (at load: for max_step_tokens or one token)."""
+    n = tokens or plan.policy.max_step_tokens or 1
+    need = plan.step_bytes(n, itemsize)
+    if need > plan.policy.ring_bytes:
+        msg = (f"one step of {n} token(s) needs {need:,} bytes of ring but policy.ring_bytes is "
+               f"{plan.policy.ring_bytes:,}")
+        fix = (f"raise policy.ring_bytes to at least {need:,} ({math.ceil(need / 2**20)}MiB), "
+               f"capture fewer sites, or lower policy.max_step_tokens")
+        if hook is not None:
+            raise hook.error(("policy", "ring_bytes"), msg, fix=fix)
+        raise PolicyError(f"{msg}. Fix: {fix}")
+    per_step_records = len(plan.sites) + 1
+    if per_step_records > plan.policy.meta_records:
+        raise PolicyError(f"one step publishes {per_step_records} meta records but policy.meta_records is "
+                          f"{plan.policy.meta_records}. Fix: raise policy.meta_records to >= {per_step_records}")

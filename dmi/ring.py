@@ -1,0 +1,284 @@
+"""Ring²: a payload ring (where captured rows are written) plus a meta ring of fixed-size records.
+
+Protocol, shared by every backend (CPU here, CUDA in ``dmi.kernels``):
+
+1. ``begin_step`` (host): from the plan's analytic sizes, reserve one contiguous block of the
+   payload ring for the step (wrapping to the start when the tail does not fit) and one meta
+   sequence number per site plus one for the step's end marker. ``full`` mode waits for the drain
+   to free space (backpressure, stall time counted); ``best_effort`` drops whole site captures,
+   lowest priority first, and records each drop.
+2. ``capture`` (device side, inside the model's forward): copy the selected rows of a site into
+   the reserved offset, then publish a meta record whose ``seq`` field is written last.
+3. ``end_step`` (device side, after the forward): publish the end marker record.
+4. The drain thread polls the meta ring (no device calls) for the oldest open step's end marker,
+   then copies each published record's bytes to host staging, frees the block and the meta slots,
+   and hands the step to the exporter. A planned record that was never published (its module did
+   not run) is counted, never waited for.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CaptureError, PolicyError
+
+ALIGN = 256
+META_DTYPE = np.dtype([("seq", "<u8"), ("step", "<i8"), ("site", "<i4"), ("flags", "<i4"),
+                       ("offset", "<i8"), ("nbytes", "<i8"), ("rows", "<i8"), ("src_seq", "<i8")])
+END_MARKER = -1
+FLAG_ABORTED = 1
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class ByteRing:
+    """Bookkeeping of a byte ring: absolute head/tail counters, contiguous reservations, wrap-around."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.head = 0   # absolute bytes ever reserved (incl. wrap padding)
+        self.tail = 0   # absolute bytes ever freed
+
+    @property
+    def used(self) -> int:
+        return self.head - self.tail
+
+    def try_reserve(self, nbytes: int) -> tuple[int, int] | None:
+        """(offset within the ring, absolute end) of a contiguous block, or None if it does not fit now."""
+        nbytes = align_up(max(nbytes, 1))
+        if nbytes > self.capacity:
+            return None
+        start = self.head
+        pos = start % self.capacity
+        if pos + nbytes > self.capacity:          # does not fit before the end: skip to the start
+            start += self.capacity - pos
+            pos = 0
+        end = start + nbytes
+        if end - self.tail > self.capacity:
+            return None
+        self.head = end
+        return pos, end
+
+    def release(self, upto: int) -> None:
+        assert self.tail <= upto <= self.head, (self.tail, upto, self.head)
+        self.tail = upto
+
+
+@dataclass
+class SiteSlot:
+    """Where one site of one step writes: filled at begin_step, read by the capture op."""
+    site: int
+    offset: int               # byte offset in the payload ring
+    capacity: int             # bytes reserved
+    sel: np.ndarray           # int64 indices into StepTokens of the rows kept
+    rows: np.ndarray          # int64 flat rows b*seq+s of those
+    seq: int                  # meta sequence number of this capture
+
+
+@dataclass
+class StepControl:
+    """Everything the device side needs for one step, and the host's memory of it."""
+    step: int
+    tokens: object            # StepTokens
+    pad: np.ndarray           # left-padding columns per batch row (for key-indexed sites)
+    slots: dict[int, SiteSlot]
+    end_seq: int
+    block_end: int            # absolute ring position freed when the step is drained
+    first_seq: int
+    ended: bool = False
+
+
+@dataclass
+class Drop:
+    step: int
+    site: int
+    requests: tuple[int, ...]
+    rows: int
+    bytes: int
+    reason: str
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    records: int = 0
+    bytes_captured: int = 0
+    bytes_drained: int = 0
+    stall_seconds: float = 0.0
+    not_run: int = 0
+    drops: list[Drop] = field(default_factory=list)
+
+
+class Ring:
+    """Host side of Ring², independent of where the payload lives."""
+
+    def __init__(self, capacity: int, meta_records: int, mode: str = "full"):
+        self.bytes = ByteRing(capacity)
+        self.meta_records = meta_records
+        self.mode = mode
+        self.next_seq = 1               # 0 marks an empty meta slot
+        self.freed_seq = 1              # every seq below is consumed by the drain
+        self.cond = threading.Condition()
+        self.pending: collections.deque[StepControl] = collections.deque()
+        self.current: StepControl | None = None
+        self.stats = Stats()
+        self.error: BaseException | None = None
+
+    # --- backend hooks --------------------------------------------------------------------------
+    def meta_view(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def publish_control(self, ctrl: StepControl) -> None:
+        """Make the step's slots visible to the device side (CPU: a reference; CUDA: async H2D)."""
+
+    def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
+        raise NotImplementedError
+
+    def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
+        """Copy ``nbytes`` at ``offset`` of the payload ring into host memory."""
+        raise NotImplementedError
+
+    # --- host: steps ----------------------------------------------------------------------------
+    def begin_step(self, step: int, tokens, pad: np.ndarray, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]
+                   ) -> StepControl:
+        """wanted: (site, sel, rows, bytes, priority) for every site with rows this step."""
+        self.raise_if_failed()
+        if self.current is not None and not self.current.ended:
+            self.end_step(aborted=True)          # the previous forward raised before it ended
+        sizes = [align_up(w[3]) for w in wanted]
+        total = sum(sizes)
+        if total > self.bytes.capacity:
+            if self.mode == "full":
+                raise PolicyError(
+                    f"step {step} needs {total:,} bytes of ring ({len(tokens)} tokens) but policy.ring_bytes is "
+                    f"{self.bytes.capacity:,}. Fix: raise policy.ring_bytes, lower the batch size, or capture "
+                    f"fewer sites/tokens (policy.mode best_effort would drop them instead)")
+        keep = list(range(len(wanted)))
+        with self.cond:
+            t0 = time.perf_counter()
+            while True:
+                self.raise_if_failed()
+                need = sum(sizes[i] for i in keep)
+                n_meta = len(keep) + 1
+                prev_head = self.bytes.head
+                block = self.bytes.try_reserve(need) if need else (prev_head % self.bytes.capacity, prev_head)
+                if block is not None and self.next_seq + n_meta - self.freed_seq <= self.meta_records:
+                    break
+                self.bytes.head = prev_head          # give back a byte reservation without meta slots
+                if self.mode == "best_effort":
+                    if not keep:
+                        block = (prev_head % self.bytes.capacity, prev_head)
+                        if self.next_seq + 1 - self.freed_seq <= self.meta_records:
+                            break
+                        self.cond.wait(0.05)         # even an empty step needs its end marker slot
+                        continue
+                    victim = min(keep, key=lambda i: (wanted[i][4], -i))
+                    keep.remove(victim)
+                    site, sel, rows, nbytes, _ = wanted[victim]
+                    self.stats.drops.append(Drop(step, site, tuple(np.unique(tokens.request[sel]).tolist()),
+                                                 len(sel), nbytes, "ring_full"))
+                    continue
+                self.cond.wait(0.05)
+            self.stats.stall_seconds += time.perf_counter() - t0 if self.mode == "full" else 0.0
+            base, block_end = block
+            slots, off = {}, base
+            for i in keep:
+                site, sel, rows, nbytes, _ = wanted[i]
+                slots[site] = SiteSlot(site, off, sizes[i], sel, rows, self.next_seq)
+                off += sizes[i]
+                self.next_seq += 1
+            ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep))
+            self.next_seq += 1
+            self.pending.append(ctrl)
+            self.current = ctrl
+            self.stats.steps += 1
+        self.publish_control(ctrl)
+        return ctrl
+
+    def end_step(self, aborted: bool = False) -> None:
+        ctrl = self.current
+        if ctrl is None or ctrl.ended:
+            return
+        ctrl.ended = True
+        self.publish_end(ctrl, FLAG_ABORTED if aborted else 0)
+        with self.cond:
+            self.cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            err = self.error
+            raise CaptureError(f"capture stopped: {type(err).__name__}: {err}") from err
+
+    # --- drain: one step ----------------------------------------------------------------------
+    def drain_ready(self) -> StepControl | None:
+        """The oldest pending step if its end marker is published (polls host memory only)."""
+        with self.cond:
+            if not self.pending:
+                return None
+            ctrl = self.pending[0]
+        meta = self.meta_view()
+        if int(meta["seq"][ctrl.end_seq % self.meta_records]) != ctrl.end_seq:
+            return None
+        return ctrl
+
+    def drain_step(self, ctrl: StepControl) -> list[tuple[SiteSlot, np.void, np.ndarray]]:
+        meta = self.meta_view()
+        out = []
+        for slot in ctrl.slots.values():
+            rec = meta[slot.seq % self.meta_records].copy()
+            if int(rec["seq"]) != slot.seq:
+                self.stats.not_run += 1
+                continue
+            data = self.copy_out(int(rec["offset"]), int(rec["nbytes"]))
+            out.append((slot, rec, data))
+            self.stats.records += 1
+            self.stats.bytes_drained += int(rec["nbytes"])
+        with self.cond:
+            self.pending.popleft()
+            self.bytes.release(ctrl.block_end)
+            self.freed_seq = ctrl.end_seq + 1
+            self.cond.notify_all()
+        return out
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self.pending and self.error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(0.05 if left is None else min(left, 0.05))
+        return not self.pending
+
+
+class CpuRing(Ring):
+    """Ring² with the payload and the meta ring in host memory; the capture op runs in torch on CPU."""
+
+    def __init__(self, capacity: int, meta_records: int, mode: str = "full"):
+        super().__init__(capacity, meta_records, mode)
+        import torch
+        self.payload = torch.empty(capacity, dtype=torch.uint8)
+        self._payload_np = self.payload.numpy()
+        self.meta = np.zeros(meta_records, META_DTYPE)
+
+    def meta_view(self) -> np.ndarray:
+        return self.meta
+
+    def publish_record(self, seq: int, step: int, site: int, offset: int, nbytes: int, rows: int,
+                       src_seq: int, flags: int = 0) -> None:
+        rec = self.meta[seq % self.meta_records]
+        rec["step"], rec["site"], rec["flags"] = step, site, flags
+        rec["offset"], rec["nbytes"], rec["rows"], rec["src_seq"] = offset, nbytes, rows, src_seq
+        rec["seq"] = seq       # written last: the record is published
+
+    def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
+        self.publish_record(ctrl.end_seq, ctrl.step, END_MARKER, 0, 0, 0, 0, flags)
+
+    def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._payload_np[offset:offset + nbytes].copy()

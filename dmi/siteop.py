@@ -1,0 +1,81 @@
+"""The site ops: registered torch custom ops, opaque to torch.compile (no graph breaks).
+
+``dmi::capture(x, ticket, run, site)`` copies the selected rows of ``x`` into the run's ring.
+``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
+
+All three mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
+graph (a capture never moves before its step's begin or after its end) and keeps them from being
+dead-code eliminated. Per-step state (offsets, row selection, enable flags) is never an argument:
+the op reads it from the run, so a compiled or graph-captured forward always sees fresh values.
+
+Patched model code calls :func:`site` (returns the tensor it was given): a later write site
+(steering) can return a modified tensor without changing any call site.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_RUNS: dict[int, object] = {}     # run id -> dmi.run.Run (the op's only state)
+
+
+def register_run(run) -> int:
+    run_id = max(_RUNS, default=0) + 1
+    _RUNS[run_id] = run
+    return run_id
+
+
+def unregister_run(run_id: int) -> None:
+    _RUNS.pop(run_id, None)
+
+
+@torch.library.custom_op("dmi::capture", mutates_args=("ticket",))
+def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int) -> None:
+    r = _RUNS.get(run)
+    if r is not None:
+        r.capture(site, x)
+
+
+@capture.register_fake
+def _capture_fake(x, ticket, run, site) -> None:
+    return None
+
+
+@torch.library.custom_op("dmi::step_begin", mutates_args=("ticket",))
+def step_begin(tokens: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+               past_len: int, ticket: torch.Tensor, run: int) -> None:
+    r = _RUNS.get(run)
+    if r is not None:
+        r.begin_step(tokens, attention_mask, position_ids, past_len)
+
+
+@step_begin.register_fake
+def _step_begin_fake(tokens, attention_mask, position_ids, past_len, ticket, run) -> None:
+    return None
+
+
+@torch.library.custom_op("dmi::step_end", mutates_args=("ticket",))
+def step_end(ticket: torch.Tensor, run: int) -> None:
+    r = _RUNS.get(run)
+    if r is not None:
+        r.end_step()
+
+
+@step_end.register_fake
+def _step_end_fake(ticket, run) -> None:
+    return None
+
+
+class SiteHandle:
+    """What a patched module instance knows about one of its sites."""
+    __slots__ = ("run", "site", "ticket")
+
+    def __init__(self, run: int, site: int, ticket: torch.Tensor):
+        self.run, self.site, self.ticket = run, site, ticket
+
+
+def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
+    """The call patched into model code: capture ``x`` and hand it on unchanged."""
+    torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
+    return x

@@ -1,0 +1,133 @@
+"""Token bookkeeping: which rows of a step are real tokens, whose they are, and which a site keeps.
+
+A *step* is one forward call of the engine. Its input is a [batch, seq] grid of rows; row
+``b * seq + s`` is batch row ``b`` at step-local position ``s``. Padding rows (left padding in HF
+batched generate) never reach the store. Each real row carries its request id, absolute
+position, step number and phase (prefill/decode).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .plan import TokenFilter
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass
+class StepTokens:
+    """The real rows of one step (all arrays are aligned, one entry per real row)."""
+    step: int
+    batch: int
+    seq: int
+    rows: np.ndarray        # int64 flat row index b*seq+s
+    request: np.ndarray     # int64 index into the run's request table
+    position: np.ndarray    # int64 absolute position in the request
+    phase: np.ndarray       # int8 index into PHASES
+    local: np.ndarray       # int64 s (step-local position), to map engine tensors with fewer positions
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class RequestTable:
+    """Request ids of the run, and which request each batch row belongs to right now."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self._index: dict[str, int] = {}
+        self._batch_rows: list[int] = []     # batch row -> request index
+        self._pending: list[str] | None = None
+        self.lock = threading.Lock()
+
+    def set_next(self, ids: list[str]) -> None:
+        """Ids for the rows of the next new batch (else 'r<N>' ids are made up)."""
+        dup = {i for i in ids if ids.count(i) > 1} | {i for i in ids if i in self._index}
+        if dup:
+            raise ValueError(f"request ids must be unique in a run; repeated: {sorted(dup)}")
+        self._pending = list(ids)
+
+    def start_batch(self, batch: int) -> list[int]:
+        ids = self._pending or [f"r{len(self.ids) + b}" for b in range(batch)]
+        if len(ids) != batch:
+            raise ValueError(f"{len(ids)} request ids were given for a batch of {batch} rows")
+        self._pending = None
+        with self.lock:
+            for rid in ids:
+                self._index[rid] = len(self.ids)
+                self.ids.append(rid)
+        self._batch_rows = [self._index[r] for r in ids]
+        return self._batch_rows
+
+    def current(self, batch: int) -> list[int]:
+        if len(self._batch_rows) != batch:
+            # a continuation step with another batch size: treat as new requests
+            return self.start_batch(batch)
+        return self._batch_rows
+
+
+def step_tokens(step: int, batch: int, seq: int, requests: RequestTable, *,
+                attention_mask: np.ndarray | None, position_ids: np.ndarray | None, past_len: int) -> StepTokens:
+    """Real rows of a step from what the engine passed to the model.
+
+    attention_mask: [batch, past + seq] (HF 2D mask; 0 marks padding), or None.
+    position_ids:   [batch or 1, seq] explicit positions, or None.
+    """
+    if attention_mask is not None and attention_mask.ndim == 2:
+        past_len = attention_mask.shape[1] - seq
+        mask = attention_mask.astype(bool)
+        valid = mask[:, past_len:]
+        pos = np.cumsum(mask, axis=1)[:, past_len:] - 1
+    elif position_ids is not None:
+        valid = np.ones((batch, seq), bool)
+        pos = np.broadcast_to(position_ids, (batch, seq))
+    else:
+        valid = np.ones((batch, seq), bool)
+        pos = np.broadcast_to(np.arange(past_len, past_len + seq), (batch, seq))
+    new = past_len == 0
+    req_of_row = np.asarray(requests.start_batch(batch) if new else requests.current(batch), np.int64)
+    b_idx, s_idx = np.nonzero(valid)
+    phase = 0 if (new or seq > 1) else 1
+    return StepTokens(step=step, batch=batch, seq=seq, rows=(b_idx * seq + s_idx).astype(np.int64),
+                      request=req_of_row[b_idx], position=np.asarray(pos)[b_idx, s_idx].astype(np.int64),
+                      phase=np.full(len(b_idx), phase, np.int8), local=s_idx.astype(np.int64))
+
+
+@dataclass
+class FilterState:
+    """Per-request counters a filter needs across steps (decode steps seen, tokens kept)."""
+    decode_steps: dict[int, int] = field(default_factory=dict)
+    kept: dict[int, int] = field(default_factory=dict)
+
+
+def select(tokens: StepTokens, flt: TokenFilter, state: FilterState) -> np.ndarray:
+    """Indices into ``tokens`` of the rows this filter keeps (ascending)."""
+    keep = np.ones(len(tokens), bool)
+    if flt.phase != "all":
+        keep &= tokens.phase == PHASES.index(flt.phase)
+    if flt.positions is not None:
+        keep &= (tokens.position >= flt.positions[0]) & (tokens.position < flt.positions[1])
+    if flt.last and len(tokens):
+        # last real row of each request in this step: rows are grouped by request and ascending
+        last = np.ones(len(tokens), bool)
+        last[:-1] = tokens.request[1:] != tokens.request[:-1]
+        keep &= last
+    if flt.every_n_steps > 1:
+        for r in np.unique(tokens.request[tokens.phase == 1]):
+            n = state.decode_steps.get(int(r), 0) + 1
+            state.decode_steps[int(r)] = n
+            if n % flt.every_n_steps:
+                keep &= ~((tokens.request == r) & (tokens.phase == 1))
+    idx = np.nonzero(keep)[0]
+    if flt.max_per_request is not None and len(idx):
+        out = []
+        for i in idx:
+            r = int(tokens.request[i])
+            if state.kept.get(r, 0) < flt.max_per_request:
+                state.kept[r] = state.kept.get(r, 0) + 1
+                out.append(i)
+        idx = np.asarray(out, np.int64)
+    return idx

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with dmi and its test dependencies. CPU-only torch: the local CPU wheel of
+# torch 2.13.0 (a bare `torch` requirement would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip uv >/dev/null
+# the local wheel folder that pip's own configuration names (find-links), if any
+FL=$(.venv/bin/python -m pip config list 2>/dev/null | sed -n "s/^global.find-links='\(.*\)'$/\1/p" | head -1)
+UV=(.venv/bin/python -m uv pip install --python .venv/bin/python)
+[ -n "$FL" ] && UV+=(--find-links "$FL")
+"${UV[@]}" -q "torch==2.13.0" --index-strategy unsafe-best-match \
+  || .venv/bin/python -m pip install -q "torch==2.13.0"
+"${UV[@]}" -q -e ".[test]" "transformers==5.19.0"
+echo "dmi installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

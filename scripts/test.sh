@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The README's test command runs this: the CPU test suite (GPU tests are marked `gpu`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

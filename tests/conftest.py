@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-init models of each family, a local tokenizer, spec files."""
+from __future__ import annotations
+
+import copy
+import os
+import textwrap
+
+import pytest
+import torch
+
+from dmi.models import BUILTIN, build_tiny_model, tiny_tokenizer
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+# One entry per architecture family: adding a family = one spec file + one entry here.
+FAMILIES = ["qwen3", "llama3_1", "qwen3_moe", "mixtral"]
+MOE_FAMILIES = {"qwen3_moe", "mixtral"}
+
+PROMPTS = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog today", "Paris"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def encoded(tokenizer):
+    return tokenizer(PROMPTS, return_tensors="pt", padding=True)
+
+
+def model_pair(family: str, attn: str = "eager", seed: int = 0):
+    """(model to patch, untouched reference copy) with identical weights."""
+    model = build_tiny_model(f"tiny-{family}", seed=seed, attn_implementation=attn)
+    return model, copy.deepcopy(model)
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """Write a YAML hook spec (dedented text) to a file and return its path."""
+    def write(text: str, name: str = "hooks.yaml"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+    return write

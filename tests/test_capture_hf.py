@@ -1,0 +1,166 @@
+"""Captured values equal what the unpatched model computes, for every family; outputs unchanged."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dmi
+from conftest import FAMILIES, MOE_FAMILIES, model_pair
+
+NEW_TOKENS = 4
+
+
+def _rows(mask: torch.Tensor, step: int):
+    """(batch row, step-local position) of the real rows of generate step ``step``, in capture order."""
+    if step == 0:
+        return [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if mask[b, s]]
+    return [(b, 0) for b in range(mask.shape[0])]
+
+
+def _expected(per_step, mask, pick):
+    """Stack reference rows in capture order; ``pick(step_tensors, b, s)`` reads one row."""
+    return np.stack([pick(per_step[t], b, s) for t in range(len(per_step)) for b, s in _rows(mask, t)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_captures_equal_reference(family, encoded, write_spec, tmp_path):
+    model, ref = model_pair(family, attn="eager")
+    spec = write_spec("""
+        capture:
+          - sites: [resid_pre, resid_post, final_norm]
+          - sites: [attn.pattern]
+            layers: [0, 1]
+            max_keys: 64
+          - sites: [logits]
+            tokens: last
+        policy: {mode: full, ring_bytes: 8MiB}
+    """)
+    with torch.no_grad():
+        want = ref.generate(**encoded, max_new_tokens=NEW_TOKENS, do_sample=False, output_hidden_states=True,
+                            output_attentions=True, output_logits=True, return_dict_in_generate=True)
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "out.zarr") as run:
+            got = run.model.generate(**encoded, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(got, want.sequences), "patched model generated different tokens"
+
+    tree = dmi.open(tmp_path / "out.zarr")
+    mask = encoded["attention_mask"].bool()
+    n_layers = model.config.num_hidden_layers
+    hs = want.hidden_states          # step -> (embeds, layer 0 out, ..., final norm)
+    resid_post = tree["layers/resid_post"].dataset
+    resid_pre = tree["layers/resid_pre"].dataset
+    for layer in range(n_layers - 1):
+        exp = _expected(hs, mask, lambda st, b, s: st[layer + 1][b, s].numpy())
+        np.testing.assert_array_equal(resid_post.resid_post.sel(layer=layer).values, exp)
+    for layer in range(n_layers):
+        exp = _expected(hs, mask, lambda st, b, s: st[layer][b, s].numpy())
+        np.testing.assert_array_equal(resid_pre.resid_pre.sel(layer=layer).values, exp)
+    exp = _expected(hs, mask, lambda st, b, s: st[-1][b, s].numpy())
+    np.testing.assert_array_equal(tree["final_norm"].dataset.final_norm.values, exp)
+
+    # coordinates: requests r0.., positions count from each prompt's first real token
+    pad = (~mask).sum(1)
+    exp_pos = [s - int(pad[b]) if t == 0 else mask.shape[1] - int(pad[b]) + t - 1
+               for t in range(NEW_TOKENS) for b, s in _rows(mask, t)]
+    np.testing.assert_array_equal(resid_post.position.values, exp_pos)
+    exp_req = [f"r{b}" for t in range(NEW_TOKENS) for b, _ in _rows(mask, t)]
+    assert list(resid_post.request.values) == exp_req
+    assert set(resid_post.phase.values[: int(mask.sum())]) == {"prefill"}
+    assert set(resid_post.phase.values[int(mask.sum()):]) == {"decode"}
+
+    # attention patterns: eager output_attentions, keys re-indexed from cache columns to positions
+    pattern = tree["layers/attn/pattern"].dataset.pattern
+    for layer in (0, 1):
+        def pick(st, b, s, layer=layer):
+            row = st[layer][b, :, s].numpy()                     # [head, key columns]
+            out = np.zeros((row.shape[0], 64), row.dtype)
+            cols = row[:, int(pad[b]):]
+            out[:, : cols.shape[1]] = cols
+            return out
+        np.testing.assert_array_equal(pattern.sel(layer=layer).values, _expected(want.attentions, mask, pick))
+
+    # logits of the last token of each step = generate's raw logits
+    logits = tree["logits"].dataset.logits.values
+    np.testing.assert_array_equal(logits, torch.cat(want.logits).numpy())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_internal_sites_equal_reference(family, encoded, write_spec, tmp_path):
+    """q/k/v/z, mlp sites and MoE routing against values recomputed from the unpatched modules."""
+    model, ref = model_pair(family, attn="sdpa")
+    sites = ["attn.q", "attn.k", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid", "mlp.in", "mlp.out"]
+    if family in MOE_FAMILIES:
+        sites += ["moe.router_logits", "moe.topk_ids", "moe.topk_weights"]
+    else:
+        sites += ["mlp.act"]
+    spec = write_spec(f"capture:\n  - sites: {sites}\n    layers: [0]\n")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    refs = _reference_internals(ref, ids, mask, family)
+    with torch.no_grad():
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+            out = run.model(input_ids=ids, attention_mask=mask)
+        want = ref(input_ids=ids, attention_mask=mask, output_router_logits=family in MOE_FAMILIES)
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+    tree = dmi.open(tmp_path / "o.zarr")
+    valid = mask.bool().reshape(-1).numpy()
+    for name, value in refs.items():
+        group = ("layers/" + name.replace(".", "/"))
+        ds = tree[group].dataset
+        leaf = name.split(".")[-1]
+        got = ds[leaf].sel(layer=0).values
+        np.testing.assert_array_equal(got, value.reshape(valid.shape[0], *got.shape[1:])[valid], err_msg=name)
+    if family in MOE_FAMILIES:   # the model's own router logits output
+        rl = want.router_logits[0].reshape(valid.shape[0], -1)[valid].numpy()
+        np.testing.assert_array_equal(tree["layers/moe/router_logits"].dataset.router_logits.sel(layer=0).values, rl)
+
+
+def _reference_internals(ref, ids, mask, family):
+    """Layer-0 internals of the unpatched model, recorded with temporary forward hooks on a copy
+    (test-only reference; dmi itself never uses hooks), as [batch*seq, ...] arrays."""
+    out, hooks = {}, []
+    layer = ref.model.layers[0]
+    attn = layer.self_attn
+    b, s = ids.shape
+    heads, kv, hd = ref.config.num_attention_heads, ref.config.num_key_value_heads, attn.head_dim
+
+    def save(name, fn):
+        return lambda m, a, kw, o: out.__setitem__(name, fn(a, kw, o).detach().reshape(b * s, -1).numpy())
+
+    def tok(x):  # [b, s, ...]
+        return x
+    hooks.append(layer.register_forward_hook(save("resid_post", lambda a, kw, o: o), with_kwargs=True))
+    hooks.append(attn.o_proj.register_forward_hook(save("attn.z", lambda a, kw, o: a[0]), with_kwargs=True))
+    hooks.append(attn.register_forward_hook(save("attn.out", lambda a, kw, o: o[0]), with_kwargs=True))
+    hooks.append(layer.post_attention_layernorm.register_forward_hook(save("resid_mid", lambda a, kw, o: a[0]), with_kwargs=True))
+    hooks.append(layer.mlp.register_forward_hook(save("mlp.in", lambda a, kw, o: a[0]), with_kwargs=True))
+    hooks.append(layer.mlp.register_forward_hook(save("mlp.out", lambda a, kw, o: o), with_kwargs=True))
+    if family in MOE_FAMILIES:
+        gate = layer.mlp.gate
+        hooks.append(gate.register_forward_hook(save("moe.router_logits", lambda a, kw, o: o[0]), with_kwargs=True))
+        hooks.append(gate.register_forward_hook(save("moe.topk_weights", lambda a, kw, o: o[1]), with_kwargs=True))
+        hooks.append(gate.register_forward_hook(save("moe.topk_ids", lambda a, kw, o: o[2].to(torch.int32)), with_kwargs=True))
+    else:
+        hooks.append(layer.mlp.down_proj.register_forward_hook(save("mlp.act", lambda a, kw, o: a[0]), with_kwargs=True))
+
+    # q/k/v from the projections, as the attention forward computes them
+    def qkv(m, a, kw, o):
+        x = kw["hidden_states"] if "hidden_states" in kw else a[0]
+        q = m.q_proj(x).view(b, s, -1, hd)
+        k = m.k_proj(x).view(b, s, -1, hd)
+        if hasattr(m, "q_norm"):
+            q, k = m.q_norm(q), m.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = m.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
+        cos, sin = kw["position_embeddings"]
+        import sys
+        rope = sys.modules[type(m).__module__].apply_rotary_pos_emb
+        _, k_rot = rope(q, k, cos, sin)
+        for name, t in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.k_rot", k_rot)):
+            out[name] = t.transpose(1, 2).reshape(b * s, -1).detach().numpy()
+    hooks.append(attn.register_forward_hook(qkv, with_kwargs=True))
+    with torch.no_grad():
+        ref(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    out.pop("resid_post")
+    return out
