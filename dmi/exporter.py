@@ -57,18 +57,23 @@ def storage_dtype(plan: Plan, capture_dtype: str) -> np.dtype:
 def check_writable(path: str | Path, overwrite: bool) -> Path:
     """Fail early, naming the path and the fix, if the store cannot be created."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
     if path.exists() and not overwrite:
         raise StoreError(f"store {str(path)!r} already exists. Fix: pass overwrite=True (CLI: --overwrite), "
                          f"or choose a new path")
-    parent = path.parent if str(path.parent) else Path(".")
-    probe_dir = parent
-    while not probe_dir.exists():
+    if path.exists() and any(path.iterdir()) and not (path / "zarr.json").exists():
+        raise StoreError(f"store {str(path)!r} is a directory that is not a Zarr store; overwrite=True would delete "
+                         f"everything in it. Fix: choose a new path, or remove that directory yourself")
+    probe_dir = path.parent if str(path.parent) else Path(".")
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
         probe_dir = probe_dir.parent
-    if not os.access(probe_dir, os.W_OK):
+    if not probe_dir.is_dir():
+        raise StoreError(f"store {str(path)!r} cannot be created: {str(probe_dir)!r} is a file, not a directory. "
+                         f"Fix: choose a store path whose parent is a directory")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
         raise StoreError(f"store {str(path)!r} cannot be written: {str(probe_dir)!r} is not writable. "
                          f"Fix: choose a store path in a writable directory")
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
     return path
 
 
@@ -92,6 +97,9 @@ class ZarrExporter:
         for g in self.groups.values():
             self._create(g)
         self.rows_stored: dict[int, int] = {s.index: 0 for s in plan.sites}
+        # selected rows the engine never computed: logits of non-final prompt positions under
+        # generate, or a module that did not run in a step (not drops: nothing was captured)
+        self.rows_not_computed: dict[int, int] = {s.index: 0 for s in plan.sites}
 
     # --- layout ---------------------------------------------------------------------------------
     def _create(self, g: GroupBuffer) -> None:
@@ -129,6 +137,9 @@ class ZarrExporter:
         by_site = {slot.site: (slot, rec, data) for slot, rec, data in records}
         for g in self.groups.values():
             got = [by_site.get(s.index) for s in g.sites]
+            for s, item in zip(g.sites, got):
+                if item is None and s.index in ctrl.slots:
+                    self.rows_not_computed[s.index] += len(ctrl.slots[s.index].sel)
             present = [x for x in got if x is not None]
             if not present:
                 continue
@@ -136,6 +147,9 @@ class ZarrExporter:
             keep = tokens.local[slot.sel] >= ctrl.tokens.seq - int(rec["src_seq"])
             sel = slot.sel[keep]
             n = len(sel)
+            for s, item in zip(g.sites, got):
+                if item is not None:
+                    self.rows_not_computed[s.index] += len(slot.sel) - n
             if n == 0:
                 continue
             first = g.sites[0]

