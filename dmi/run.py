@@ -15,7 +15,7 @@ from .gather import gather
 from .plan import Plan, check_policy_fits
 from .ring import CpuRing, Ring
 from .siteop import register_run, unregister_run
-from .tokens import FilterState, RequestTable, select, step_tokens
+from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
 
 _STOP = object()
 
@@ -54,11 +54,18 @@ class Run:
 
     # --- host side of a step (called from dmi::step_begin / dmi::step_end) ----------------------
     def begin_step(self, tokens: torch.Tensor, attention_mask, position_ids, past_len: int) -> None:
+        """HF: a step from the tensors the top-level forward received ([batch, seq] grid)."""
         batch, seq = tokens.shape[0], tokens.shape[1]
         mask = attention_mask.detach().cpu().numpy() if attention_mask is not None and attention_mask.ndim == 2 else None
         pos = position_ids.detach().cpu().numpy() if position_ids is not None else None
         st = step_tokens(self._step, batch, seq, self.requests, attention_mask=mask, position_ids=pos, past_len=past_len)
         pad = (mask == 0).sum(axis=1) if mask is not None else np.zeros(batch, np.int64)
+        self.begin_tokens(st, pad)
+
+    def begin_tokens(self, st: StepTokens, pad: np.ndarray) -> None:
+        """Any engine: a step whose real rows the adapter already knows (``st.step`` is ignored:
+        the run numbers steps). ``pad``: per batch row, key columns before the request's first key."""
+        st.step = self._step
         selections: dict = {}
         wanted = []
         for s in self.plan.sites:
@@ -72,7 +79,7 @@ class Run:
         ctrl = self.ring.begin_step(self._step, st, pad, wanted)
         device = self.ticket.device
         self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
-        self._pad = torch.from_numpy(pad).to(device)
+        self._pad = torch.from_numpy(np.asarray(pad, np.int64)).to(device)
         self._step += 1
 
     def capture(self, site_index: int, x: torch.Tensor) -> None:

@@ -50,6 +50,15 @@ class RequestTable:
             raise ValueError(f"request ids must be unique in a run; repeated: {sorted(dup)}")
         self._pending = list(ids)
 
+    def intern(self, ids: list[str]) -> list[int]:
+        """Indices of engine-given request ids (vLLM's), adding the ones not seen before."""
+        with self.lock:
+            for rid in ids:
+                if rid not in self._index:
+                    self._index[rid] = len(self.ids)
+                    self.ids.append(rid)
+            return [self._index[r] for r in ids]
+
     def start_batch(self, batch: int) -> list[int]:
         ids = self._pending or [f"r{len(self.ids) + b}" for b in range(batch)]
         if len(ids) != batch:

@@ -1,0 +1,73 @@
+"""dmi.load entry points, detaching, and attn.pattern without switching the model to eager."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import dmi
+from dmi.models import build_tiny_model, tiny_config
+from conftest import model_pair
+
+
+def test_pattern_on_sdpa_model_equals_eager_output_attentions(encoded, write_spec, tmp_path):
+    model, _ = model_pair("qwen3", attn="sdpa")
+    eager, _ = model_pair("qwen3", attn="eager")
+    spec = write_spec("capture: [{sites: [attn.pattern], layers: [0, 1], max_keys: 64}]\n")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model(**encoded)
+        assert run.model.config._attn_implementation == "sdpa"     # the model was not switched to eager
+        attentions = eager(**encoded, output_attentions=True).attentions   # [batch, head, q, k] per layer
+    pattern = dmi.open(tmp_path / "o.zarr")["layers/attn/pattern"].dataset.pattern
+    # layer 0 sees identical q and k in both models: bit-exact
+    np.testing.assert_array_equal(pattern.sel(layer=0).values, _by_position(attentions[0], encoded))
+    # layer 1's inputs differ by sdpa-vs-eager rounding of layer 0
+    np.testing.assert_allclose(pattern.sel(layer=1).values, _by_position(attentions[1], encoded), atol=1e-5)
+
+
+def _by_position(want, encoded):
+    """[batch, head, q, k columns] -> rows of real tokens, keys re-indexed to positions 0..63."""
+    mask = encoded["attention_mask"].bool()
+    pad = (~mask).sum(1)
+    exp = []
+    for b in range(mask.shape[0]):
+        for s in range(mask.shape[1]):
+            if mask[b, s]:
+                row = np.zeros((want.shape[1], 64), np.float32)
+                cols = want[b, :, s, int(pad[b]):].numpy()
+                row[:, : cols.shape[1]] = cols
+                exp.append(row)
+    return np.stack(exp)
+
+
+def test_load_from_config_and_from_pretrained_dir(tokenizer, write_spec, tmp_path):
+    spec = write_spec("capture: [{sites: [final_norm]}]\n")
+    enc = tokenizer(["Hello world"], return_tensors="pt")
+    with torch.no_grad(), dmi.load(tiny_config("llama3_1"), hook_spec=spec, store=tmp_path / "a.zarr") as run:
+        run.model(**enc)
+    assert dmi.open(tmp_path / "a.zarr").attrs["family"] == "llama3_1"
+
+    saved = tmp_path / "saved"
+    build_tiny_model("tiny-qwen3", seed=3).save_pretrained(saved)
+    ref = build_tiny_model("tiny-qwen3", seed=3)
+    with torch.no_grad(), dmi.load(str(saved), hook_spec=spec, store=tmp_path / "b.zarr", dtype=torch.float32) as run:
+        out = run.model(**enc)
+    with torch.no_grad():
+        want = ref(**enc, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+    got = dmi.open(tmp_path / "b.zarr")["final_norm"].dataset.final_norm.values
+    np.testing.assert_array_equal(got, want.hidden_states[-1][0].numpy())
+
+
+def test_close_detaches_and_model_is_unchanged(encoded, write_spec, tmp_path):
+    model, ref = model_pair("qwen3_moe")
+    spec = write_spec("capture: [{sites: ['*']}]\n")
+    run = dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr")
+    patched = [m for m in model.modules() if "forward" in m.__dict__]
+    assert len(patched) > 10
+    run.close()
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**encoded).logits, ref(**encoded).logits, rtol=0, atol=0)
+    # every site of the family was captured, and each group has rows
+    tree = dmi.open(tmp_path / "o.zarr")
+    assert tree.attrs["dmi_status"] == "closed" and tree.attrs["steps"] == 0
