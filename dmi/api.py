@@ -1,11 +1,14 @@
 """``dmi.load`` and ``dmi.open``."""
 from __future__ import annotations
 
+import difflib
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 from .errors import DmiError, SpecError
+from .exporter import check_writable
 from .plan import build_plan
 from .run import Run
 from .spec import find_arch_spec, load_arch_spec, load_hook_spec
@@ -22,15 +25,27 @@ def _resolve_model(model: Any, dtype=None, device=None, **hf_kwargs):
         out = tf.AutoModelForCausalLM.from_config(model, dtype=dtype or torch.float32, **hf_kwargs)
     elif isinstance(model, str) and model in BUILTIN:
         out = build_tiny_model(model, dtype=dtype, **hf_kwargs)
+    elif isinstance(model, str) and model.startswith("tiny-") and not Path(model).exists():
+        close = difflib.get_close_matches(model, sorted(BUILTIN), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise DmiError(f"dmi.load: model: {model!r} is not a built-in model. Fix: {hint}built-in models: "
+                       f"{sorted(BUILTIN)}")
     elif isinstance(model, (str, Path)):
-        out = tf.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto", **hf_kwargs)
+        try:
+            out = tf.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto", **hf_kwargs)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DmiError(f"dmi.load: model: cannot load {str(model)!r} with from_pretrained: {first}. Fix: pass a "
+                           f"local model directory or a hub id that is reachable (or a built-in: {sorted(BUILTIN)})"
+                           ) from e
     else:
-        raise DmiError(f"dmi.load cannot load a model from {type(model).__name__}. Fix: pass a transformers model, "
-                       f"a PretrainedConfig, a built-in name ({sorted(BUILTIN)}), or a path / hub id")
+        raise DmiError(f"dmi.load: model: cannot load a model from a {type(model).__name__}. Fix: pass a transformers "
+                       f"model, a PretrainedConfig, a built-in name ({sorted(BUILTIN)}), or a path / hub id")
     if device is not None:
         out = out.to(device)
     if not hasattr(out, "config") or not hasattr(out, "get_submodule"):
-        raise DmiError(f"{type(out).__name__} is not a transformers model. Fix: pass an AutoModelForCausalLM model")
+        raise DmiError(f"dmi.load: model: {type(out).__name__} is not a transformers model. Fix: pass an "
+                       f"AutoModelForCausalLM model (or a built-in name, a config, a path or hub id)")
     return out.eval()
 
 
@@ -42,14 +57,20 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     model: a transformers model, a ``PretrainedConfig``, a built-in tiny model name (``tiny-qwen3``,
     ``tiny-llama3_1``, ``tiny-qwen3_moe``, ``tiny-mixtral``) or a path / hub id for ``from_pretrained``.
     """
+    if backend == "vllm":     # engine keywords go to vllm.LLM; the run's .llm is that LLM
+        from .adapters import vllm as vllm_adapter
+        return vllm_adapter.load(model, hook_spec, store, arch_spec=arch_spec, overwrite=overwrite, dtype=dtype,
+                                 **engine_kwargs)
     if backend != "hf":
-        raise DmiError(f"backend {backend!r} is not available yet. Fix: use backend='hf'")
+        raise DmiError(f"backend {backend!r} is not available. Fix: use backend='hf' or backend='vllm'")
     from .adapters import hf
     hook = load_hook_spec(hook_spec)
     store = store if store is not None else hook.data.get("store", {}).get("path")
     if store is None:
         raise SpecError("no store given", file=hook.file, key="store.path",
+                        line=hook.line_of(("store",)) if "store" in hook.data else None,
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
+    check_writable(store, overwrite)      # before the model loads: a bad store path fails fast
     m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
     _check_version(arch)
@@ -59,6 +80,7 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
         run._detach = hf.attach(m, plan, arch, run)
     except BaseException:
         run.close()
+        shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
         raise
     return run
 

@@ -12,6 +12,7 @@ Rows are buffered per group and written in whole chunks; the tail is written on 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -127,7 +128,7 @@ class ZarrExporter:
             hd = grp.create_array("head", shape=(len(first.heads),), dtype="int32", dimension_names=["head"])
             hd[:] = np.array(first.heads, np.int32)
         grp.attrs.update({"site": first.canonical, "sites": [s.name for s in g.sites],
-                          "tokens": repr(first.tokens), "reduce": first.reduce or {}})
+                          "tokens": dataclasses.asdict(first.tokens), "reduce": first.reduce or {}})
         g.pending = {k: [] for k in g.arrays if k not in ("layer", "head")}
 
     # --- writing --------------------------------------------------------------------------------

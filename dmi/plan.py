@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,9 @@ def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
     return value
 
 
+_RANGE = re.compile(r"^\s*(-?[0-9]+)\s*-\s*(-?[0-9]+)\s*$")
+
+
 def _layers_of(entry: dict, n_layers: int, doc: Document, path: tuple) -> list[int] | None:
     if "layers" not in entry:
         return None
@@ -123,16 +127,20 @@ def _layers_of(entry: dict, n_layers: int, doc: Document, path: tuple) -> list[i
     for j, item in enumerate(entry["layers"]):
         if isinstance(item, int):
             lo = hi = item
-        else:
-            a, b = item.replace(" ", "").split("-", 1) if not item.startswith("-") else item.rsplit("-", 1)
-            lo, hi = int(a), int(b)
+        else:   # 'a-b', either end may be negative: '1-2', '-3--1', '0 - -1'
+            m = _RANGE.match(item)
+            if not m:
+                raise doc.error(path + ("layers", j), f"{item!r} is not a layer or a layer range",
+                                fix="write a layer index (negative counts from the end) or a range such as '2-5'")
+            lo, hi = int(m.group(1)), int(m.group(2))
         for v in (lo, hi):
             if not -n_layers <= v < n_layers:
                 raise doc.error(path + ("layers", j), f"layer {v} is out of range: the model has {n_layers} layers",
                                 fix=f"use layers 0..{n_layers - 1} (or negative from the end)")
         lo, hi = lo % n_layers, hi % n_layers
         if hi < lo:
-            raise doc.error(path + ("layers", j), f"empty range {item!r}", fix="write ranges low-high")
+            raise doc.error(path + ("layers", j), f"empty range {item!r}: it runs from layer {lo} down to layer {hi} "
+                            f"(the model has {n_layers} layers)", fix=f"write ranges low-high, e.g. '{hi}-{lo}'")
         out.extend(range(lo, hi + 1))
     return sorted(set(out))
 
@@ -168,14 +176,15 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     store_dtype = store.get("dtype", "native")
 
     chosen: dict[str, tuple[str, int | None, dict, tuple]] = {}
+    chosen_by: dict[str, tuple[int, int]] = {}      # full name -> (entry, pattern) that chose it
     for i, entry in enumerate(spec["capture"]):
         path = ("capture", i)
         layers = _layers_of(entry, n_layers, hook, path)
         for j, pattern in enumerate(entry["sites"]):
             matched = _match(pattern, candidates)
             if not matched:
-                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, candidates),
-                                 fix=_no_match_fix(pattern, canonical_names, arch.file))
+                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, n_layers),
+                                 fix=_no_match_fix(pattern, arch, canonical_names, n_layers))
             if layers is not None:
                 matched = [m for m in matched if m[2] is None or m[2] in layers]
                 if not matched:
@@ -183,9 +192,26 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                                      fix="widen `layers` or pick a site that exists on those layers")
             for full, canonical, layer in matched:
                 if full in chosen:
-                    raise hook.error(path + ("sites", j), f"site {full!r} is already captured by capture[{chosen[full][3][1]}]",
-                                     fix="capture each site in one entry only")
+                    ci, cj = chosen_by[full]
+                    by = f"sites[{cj}] of this entry" if ci == i else f"capture[{ci}]"
+                    raise hook.error(path + ("sites", j), f"site {full!r} is already captured by {by}",
+                                     fix="capture each site once, in one entry (narrow the glob or the layers)")
                 chosen[full] = (canonical, layer, entry, path)
+                chosen_by[full] = (i, j)
+        if "max_keys" in entry and not any("key" in arch.data["sites"][c]["dims"]
+                                           for c, _, e, _ in chosen.values() if e is entry):
+            raise hook.error(path + ("max_keys",), "max_keys applies only to sites with a key dim (attn.pattern)",
+                             fix="remove max_keys from this entry, or capture attn.pattern in it")
+    # one store group stacks a site's layers along `layer`: they must keep the same rows
+    entries_of: dict[str, set[int]] = {}
+    for full, (canonical, _, _, path) in chosen.items():
+        entries_of.setdefault(canonical, set()).add(path[1])
+    for canonical, idx in entries_of.items():
+        if len(idx) > 1:
+            a, b = sorted(idx)[:2]
+            raise hook.error(("capture", b, "sites"),
+                             f"layers of site {canonical!r} are split across capture[{a}] and capture[{b}]",
+                             fix=f"capture all layers of {canonical} in one entry (the store stacks them along `layer`)")
 
     sites: list[SitePlan] = []
     for full, (canonical, layer, entry, path) in sorted(chosen.items(), key=lambda kv: _order(kv[0], arch)):
@@ -199,11 +225,20 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
             head_dims = [k for k, d in enumerate(sdims) if d in ("head", "kv_head")]
             if not head_dims:
                 raise hook.error(path + ("heads",), f"site {canonical!r} has no head dim", fix="remove `heads` from this entry")
+            dup = sorted({h for h in heads if heads.count(h) > 1})
+            if dup:
+                raise hook.error(path + ("heads",), f"heads {dup} are listed more than once",
+                                 fix="list each head once")
             bad = [h for h in heads if h >= shape[head_dims[0]]]
             if bad:
                 raise hook.error(path + ("heads",), f"heads {bad} out of range: {canonical} has {shape[head_dims[0]]}",
                                  fix=f"use heads 0..{shape[head_dims[0]] - 1}")
             out_shape[head_dims[0]] = len(heads)
+        tokens = entry.get("tokens")
+        if isinstance(tokens, dict) and "positions" in tokens and tokens["positions"][1] <= tokens["positions"][0]:
+            start, stop = tokens["positions"]
+            raise hook.error(path + ("tokens", "positions"), f"empty window [{start}, {stop}): stop must be above start",
+                             fix=f"write [start, stop) with stop > start, e.g. [{start}, {start + 1}]")
         reduce = entry.get("reduce")
         leaf = canonical.split(".")[-1]
         if reduce and "topk" in reduce:
@@ -221,7 +256,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
         group = ("layers/" if layer is not None else "") + canonical.replace(".", "/")
         sites.append(SitePlan(index=len(sites), name=full, canonical=canonical, layer=layer, group=group,
                               dims=sdims, shape=shape, anchor=site.get("hf", {}),
-                              tokens=TokenFilter.parse(entry.get("tokens")), outputs=outputs,
+                              tokens=TokenFilter.parse(tokens), outputs=outputs,
                               reduce=reduce, heads=heads, priority=entry.get("priority", 0)))
 
     policy = _policy(hook)
@@ -241,18 +276,34 @@ def _order(full: str, arch: Document) -> tuple:
     return (0 if names.index(full) < 1 else 2, 0, names.index(full))
 
 
-def _no_match_message(pattern: str, arch: Document, canonical: list[str], candidates) -> str:
-    base = pattern.split(".", 2)[2] if pattern.startswith("layers.") and pattern.count(".") >= 2 else pattern
+def _split_layer(pattern: str) -> tuple[str | None, str]:
+    """'layers.3.attn.q' -> ('3', 'attn.q'); 'attn.q' -> (None, 'attn.q')."""
+    if pattern.startswith("layers.") and pattern.count(".") >= 2:
+        _, layer, base = pattern.split(".", 2)
+        return layer, base
+    return None, pattern
+
+
+def _no_match_message(pattern: str, arch: Document, canonical: list[str], n_layers: int) -> str:
+    layer, base = _split_layer(pattern)
+    if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
+        return f"site pattern {pattern!r} matches nothing: {base!r} is a model-level site, not a per-layer one"
+    if base in canonical and layer is not None:
+        return f"site pattern {pattern!r} matches no layer of this model (it has {n_layers} layers: 0..{n_layers - 1})"
     if base in canonical:
-        return f"site pattern {pattern!r} matches no layer of this model"
+        return f"site pattern {pattern!r} matches no site of this model"
     return f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}"
 
 
-def _no_match_fix(pattern: str, canonical: list[str], arch_file: str) -> str:
-    base = pattern.split(".", 2)[2] if pattern.startswith("layers.") and pattern.count(".") >= 2 else pattern
+def _no_match_fix(pattern: str, arch: Document, canonical: list[str], n_layers: int) -> str:
+    layer, base = _split_layer(pattern)
+    if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
+        return f"write {base!r} without 'layers.{layer}.'"
+    if base in canonical and layer is not None:
+        return f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer"
     close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-    return f"{hint}sites of this family ({arch_file}): {', '.join(canonical)}"
+    return f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
 
 
 def _policy(hook: Document) -> Policy:
@@ -271,19 +322,35 @@ def _policy(hook: Document) -> Policy:
     return out
 
 
+def _policy_error(plan: Plan, hook: Document | None, key: str, problem: str, fix: str) -> PolicyError:
+    """A PolicyError located at ``policy.<key>`` of the hook spec (its line when the document is at hand)."""
+    if hook is not None:
+        path = ("policy", key) if key in hook.data.get("policy", {}) else ("policy",)
+        line = hook.line_of(path) if "policy" in hook.data else None
+        return PolicyError(problem, file=hook.file, key=f"policy.{key}", line=line, fix=fix)
+    return PolicyError(problem, file=plan.hook_file or None, key=f"policy.{key}", fix=fix)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale)}{unit}"
+    return f"{n}B"
+
+
 def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, tokens: int | None = None) -> None:
     """Refuse a plan whose single step cannot fit the ring (at load: for max_step_tokens or one token)."""
     n = tokens or plan.policy.max_step_tokens or 1
     need = plan.step_bytes(n, itemsize)
     if need > plan.policy.ring_bytes:
-        msg = (f"one step of {n} token(s) needs {need:,} bytes of ring but policy.ring_bytes is "
-               f"{plan.policy.ring_bytes:,}")
-        fix = (f"raise policy.ring_bytes to at least {need:,} ({math.ceil(need / 2**20)}MiB), "
+        msg = (f"one step of {n} token(s) over {len(plan.sites)} site(s) needs {need:,} bytes of ring but "
+               f"policy.ring_bytes is {plan.policy.ring_bytes:,}")
+        fix = (f"raise policy.ring_bytes to at least {need:,} ({_size(need)}), "
                f"capture fewer sites, or lower policy.max_step_tokens")
-        if hook is not None:
-            raise hook.error(("policy", "ring_bytes"), msg, fix=fix)
-        raise PolicyError(f"{msg}. Fix: {fix}")
+        raise _policy_error(plan, hook, "ring_bytes", msg, fix)
     per_step_records = len(plan.sites) + 1
     if per_step_records > plan.policy.meta_records:
-        raise PolicyError(f"one step publishes {per_step_records} meta records but policy.meta_records is "
-                          f"{plan.policy.meta_records}. Fix: raise policy.meta_records to >= {per_step_records}")
+        raise _policy_error(plan, hook, "meta_records",
+                            f"one step publishes {per_step_records} meta records ({len(plan.sites)} sites + 1) but "
+                            f"policy.meta_records is {plan.policy.meta_records}",
+                            f"raise policy.meta_records to at least {per_step_records}, or capture fewer sites")

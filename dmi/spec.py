@@ -6,6 +6,7 @@ in ``dmi.plan`` (sites exist, globs match, layers in range, policy fits). Every 
 """
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -62,40 +63,94 @@ def format_path(path: tuple) -> str:
 
 
 def _to_python(node: yaml.Node, path: tuple, lines: dict) -> Any:
-    lines[path] = node.start_mark.line + 1
+    lines.setdefault(path, node.start_mark.line + 1)   # a mapping value keeps its key's line
     if isinstance(node, yaml.MappingNode):
         out = {}
         for k, v in node.value:
-            key = yaml.safe_load(yaml.serialize(k)) if not isinstance(k, yaml.ScalarNode) else k.value
+            key = k.value if isinstance(k, yaml.ScalarNode) else "<complex key>"   # `? [a, b]: ...`
+            if key in out:
+                raise _DuplicateKey(path + (key,), k.start_mark.line + 1, lines.get(path + (key,)))
             lines[path + (key,)] = k.start_mark.line + 1
             out[key] = _to_python(v, path + (key,), lines)
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(v, path + (i,), lines) for i, v in enumerate(node.value)]
     # scalars: let the safe constructor resolve ints, bools, nulls, floats
-    return yaml.SafeLoader(yaml.serialize(node)).get_single_data() if node.tag != "tag:yaml.org,2002:str" else node.value
+    if node.tag == "tag:yaml.org,2002:str":
+        return node.value
+    try:
+        return yaml.SafeLoader(yaml.serialize(node)).get_single_data()
+    except yaml.YAMLError as e:   # e.g. an unknown tag: report it at this node, not in the re-serialized copy
+        raise yaml.constructor.ConstructorError(None, None, getattr(e, "problem", None) or str(e),
+                                                node.start_mark) from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, path: tuple, line: int, first_line: int | None):
+        super().__init__(path)
+        self.path, self.line, self.first_line = path, line, first_line
+
+
+def _yaml_error(e: yaml.YAMLError, file: str, text: str) -> SpecError:
+    """A YAML syntax error as a SpecError: the line, its text, and what YAML was parsing when it failed."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    line = mark.line + 1 if mark else None
+    problem = f"not valid YAML: {getattr(e, 'problem', None) or e}"
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and cmark is not None and (mark is None or cmark.line != mark.line):
+        problem += f" ({context} that starts at line {cmark.line + 1})"
+    src = text.splitlines()
+    here = src[line - 1] if line is not None and 0 < line <= len(src) else ""
+    if here.strip():
+        problem += f": `{here.strip()}`"
+    fix = "fix the YAML syntax at that line (indentation, a missing ':', quote or closing bracket)"
+    if "\t" in here[:len(here) - len(here.lstrip())]:
+        fix = "indent with spaces, not tabs"
+    return SpecError(problem, file=file, line=line, fix=fix)
 
 
 def load_yaml(source: str | Path | dict, *, what: str) -> Document:
     """Parse YAML from a path (or accept a dict) keeping line numbers; errors name the file."""
     if isinstance(source, dict):
         return Document(source, f"<{what} dict>")
+    if not isinstance(source, (str, Path)):
+        raise SpecError(f"a {what} must be a path to a YAML file or a dict, not {type(source).__name__}",
+                        file=f"<{what} {type(source).__name__}>",
+                        fix=f"pass the path of the {what} file, or its content as a dict")
     path = Path(source)
     if not path.exists():
-        raise SpecError(f"{what} file does not exist", file=str(path),
-                        fix=f"check the path, or list available ones with `dmi specs list`")
-    text = path.read_text()
+        hint = (" (this looks like YAML text, not a path: write it to a file or pass a dict)"
+                if isinstance(source, str) and ("\n" in source or ": " in source) else "")
+        raise SpecError(f"{what} file does not exist{hint}", file=str(path),
+                        fix="check the path, or list available ones with `dmi specs list`")
+    if not path.is_file():
+        raise SpecError(f"{what} path is a directory, not a file", file=str(path),
+                        fix=f"pass the path of the {what} YAML file itself")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise SpecError(f"not UTF-8 text (byte {e.object[e.start]:#04x})", file=str(path), line=line,
+                        fix="save the file as UTF-8") from None
+    except OSError as e:
+        raise SpecError(f"cannot read the {what}: {e.strerror or e}", file=str(path),
+                        fix="check the file's permissions") from None
+    lines: dict = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = _to_python(node, (), lines) if node is not None else None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise SpecError(f"not valid YAML: {getattr(e, 'problem', None) or e}", file=str(path),
-                        line=mark.line + 1 if mark else None,
-                        fix="fix the YAML syntax at that line (indentation, a missing ':' or quote)") from None
+        raise _yaml_error(e, str(path), text) from None
+    except RecursionError:
+        raise SpecError("a YAML alias refers to itself", file=str(path),
+                        fix="remove the recursive `*alias` (dmi specs are plain trees)") from None
+    except _DuplicateKey as d:
+        first = f" (first at line {d.first_line})" if d.first_line else ""
+        raise SpecError(f"duplicate key{first}: YAML would silently keep only the last one", file=str(path),
+                        key=format_path(d.path), line=d.line, fix="merge the two into one key") from None
     if node is None:
         raise SpecError("file is empty", file=str(path), fix=f"write a {what}; see docs/sites.md for an example")
-    lines: dict = {}
-    return Document(_to_python(node, (), lines), str(path), lines)
+    return Document(data, str(path), lines)
 
 
 @lru_cache(maxsize=None)
@@ -103,28 +158,47 @@ def _schema(name: str) -> dict:
     return json.loads(resources.files("dmi.schemas").joinpath(name).read_text())
 
 
+# JSON Schema counts 2.0 as an integer; dmi does not (a float layer, head or byte count is a mistake)
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool)))
+
+
 def validate(doc: Document, schema_name: str, what: str) -> None:
     """JSON-Schema validation; the most specific error is reported with its file/line/key."""
-    validator = jsonschema.Draft202012Validator(_schema(schema_name))
+    validator = _Validator(_schema(schema_name))
     errors = sorted(validator.iter_errors(doc.data), key=lambda e: (-len(e.absolute_path), str(e.message)))
     if not errors:
         return
     err = _deepest(errors[0])
     path = tuple(err.absolute_path)
+    if err.validator == "additionalProperties":   # point at the (first) unknown key itself
+        extra = set(err.instance) - set(err.schema.get("properties", {}))
+        path += (min(extra, key=lambda k: (doc.lines.get(path + (k,), 0), str(k))),)
     fix = _fix_for(err, what)
     raise doc.error(path, _message_for(err), fix)
 
 
 def _deepest(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
-    # oneOf/anyOf failures hide the useful message in their context
+    # oneOf/anyOf failures hide the useful message in their context: prefer the alternative whose
+    # type fits the value (a dict given for `tokens` gets the object branch's error), then the deepest
     while err.context:
-        err = max(err.context, key=lambda e: len(e.absolute_path))
+        err = max(err.context, key=lambda e: (e.validator not in ("type", "enum"), len(e.absolute_path)))
     return err
 
 
+_BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)? ?([KMGT]i?B|B)?$"     # as in hook_spec.schema.json
+_RANGE_PATTERN = r"^-?[0-9]+ *- *-?[0-9]+$"
+
+
 def _message_for(err: jsonschema.ValidationError) -> str:
+    if err.validator == "pattern" and err.validator_value == _BYTES_PATTERN:
+        return f"{err.instance!r} is not a byte size"
+    if err.validator == "pattern" and err.validator_value == _RANGE_PATTERN:
+        return f"{err.instance!r} is not a layer or a layer range"
     if err.validator == "additionalProperties":
-        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})), key=str)
         return f"unknown key(s) {', '.join(map(repr, extra))}"
     if err.validator == "required":
         return err.message
@@ -138,13 +212,28 @@ def _message_for(err: jsonschema.ValidationError) -> str:
 def _fix_for(err: jsonschema.ValidationError, what: str) -> str:
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
-        return f"use one of: {', '.join(allowed)}"
+        extra = sorted(map(str, set(err.instance) - set(allowed)))
+        close = [m for k in extra for m in difflib.get_close_matches(k, allowed, n=1, cutoff=0.6)]
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        return f"{hint}use one of: {', '.join(allowed)}"
     if err.validator == "enum":
         return f"use one of {err.validator_value}"
     if err.validator == "type":
         return f"give a value of type {err.validator_value}"
+    if err.validator == "pattern" and err.validator_value == _BYTES_PATTERN:
+        return "write a size such as 64MiB, 1GiB, 512KB or a number of bytes"
+    if err.validator == "pattern" and err.validator_value == _RANGE_PATTERN:
+        return "write a layer index (negative counts from the end) or a range such as '2-5'"
     if err.validator == "pattern":
         return f"match the pattern {err.validator_value}"
+    if err.validator == "const":
+        return f"use {err.validator_value!r} (the only value this version of dmi accepts)"
+    bound = {"minimum": "a value >= {}", "exclusiveMinimum": "a value > {}", "maximum": "a value <= {}",
+             "exclusiveMaximum": "a value < {}", "minItems": "at least {} item(s)", "maxItems": "at most {} item(s)",
+             "minLength": "at least {} character(s)", "minProperties": "at least {} key(s)",
+             "maxProperties": "at most {} key(s)"}.get(err.validator)
+    if bound:
+        return "give " + bound.format(err.validator_value)
     return f"see schemas/{'hook_spec' if what == 'hook spec' else 'arch_spec'}.schema.json"
 
 
@@ -177,7 +266,8 @@ def find_arch_spec(model_type: str, extra_dirs: list[Path] = ()) -> Document:
         if model_type in doc.data["match"]["model_type"]:
             return doc
     known = sorted({t for p in list_specs() for t in load_arch_spec(p).data["match"]["model_type"]})
-    raise SpecError(f"no architecture spec matches model_type {model_type!r}", key="match.model_type",
+    searched = ", ".join(map(str, [builtin_spec_dir(), *extra_dirs]))
+    raise SpecError(f"no architecture spec matches model_type {model_type!r}", file=searched, key="match.model_type",
                     fix=f"pass arch_spec=<your spec.yaml> (see CONTRIBUTING in docs/sites.md); known: {known}")
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import DmiError
 from .plan import TokenFilter
 
 PHASES = ("prefill", "decode")
@@ -47,7 +48,8 @@ class RequestTable:
         """Ids for the rows of the next new batch (else 'r<N>' ids are made up)."""
         dup = {i for i in ids if ids.count(i) > 1} | {i for i in ids if i in self._index}
         if dup:
-            raise ValueError(f"request ids must be unique in a run; repeated: {sorted(dup)}")
+            raise DmiError(f"request ids must be unique in a run; repeated: {sorted(dup)}. "
+                           f"Fix: give each request a new id")
         self._pending = list(ids)
 
     def intern(self, ids: list[str]) -> list[int]:
@@ -62,7 +64,8 @@ class RequestTable:
     def start_batch(self, batch: int) -> list[int]:
         ids = self._pending or [f"r{len(self.ids) + b}" for b in range(batch)]
         if len(ids) != batch:
-            raise ValueError(f"{len(ids)} request ids were given for a batch of {batch} rows")
+            raise DmiError(f"{len(ids)} request ids were given for a batch of {batch} rows. "
+                           f"Fix: pass one id per batch row to set_request_ids")
         self._pending = None
         with self.lock:
             for rid in ids:

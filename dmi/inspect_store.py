@@ -1,0 +1,200 @@
+"""Summaries of a dmi store: what ``dmi inspect`` (and ``dmi capture``) print, reusable from Python.
+
+    from dmi.inspect_store import summarize, format_summary
+    info = summarize("out.zarr")        # a plain, JSON-serializable dict
+    print(format_summary(info))
+
+Reads the store with ``zarr`` directly (no xarray, no consolidated metadata needed), so it also
+works on a store whose run is still open or failed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import StoreError
+
+COORD_NAMES = ("request", "position", "step", "phase", "layer", "head")
+MAX_IDS = 5
+
+
+def _open_root(path: str | Path):
+    import zarr
+    p = Path(path)
+    if not p.exists():
+        raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
+    if not (p / "zarr.json").is_file():
+        raise StoreError(f"{str(path)!r} is not a Zarr v3 store (no zarr.json). "
+                         f"Fix: pass the directory that `dmi capture --out` wrote")
+    try:
+        root = zarr.open_group(str(p), mode="r")
+    except Exception as e:   # noqa: BLE001 - any failure to open means "not a readable store"
+        raise StoreError(f"{str(path)!r} cannot be opened as a Zarr group: {e}. "
+                         f"Fix: pass the directory that `dmi capture --out` wrote") from None
+    attrs = dict(root.attrs)
+    if "dmi_format" not in attrs:
+        raise StoreError(f"{str(path)!r} is a Zarr store but not a dmi store (no dmi_format attribute). "
+                         f"Fix: pass a store written by dmi (dmi capture / dmi.load)")
+    return root, attrs
+
+
+def _stored_bytes(arr) -> int:
+    try:
+        return int(arr.nbytes_stored())
+    except Exception:   # noqa: BLE001 - stores that cannot list sizes
+        return 0
+
+
+def _ordered_unique(values: np.ndarray) -> list[str]:
+    """Unique values in order of first appearance."""
+    if values.size == 0:
+        return []
+    try:
+        uniq, first = np.unique(values, return_index=True)
+    except TypeError:   # dtypes np.unique cannot sort
+        return [str(v) for v in dict.fromkeys(values.tolist())]
+    return [str(u) for u in uniq[np.argsort(first, kind="stable")]]
+
+
+def _layers_text(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    if not layers:
+        return "-"
+    out, start, prev = [], layers[0], layers[0]
+    for v in layers[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    """A JSON-serializable summary of the dmi store at ``path``.
+
+    Raises :class:`dmi.StoreError` if the path does not exist or is not a dmi store.
+    """
+    root, attrs = _open_root(path)
+    sites: list[dict] = []
+    request_parts: list[np.ndarray] = []
+    total_bytes = total_logical = 0
+    drops: dict[str, Any] = {"count": 0, "bytes": 0, "by_reason": {}}
+    groups = [(name, g) for name, g in root.members(max_depth=None) if not hasattr(g, "shape")]
+    order = {s: i for i, s in enumerate(attrs.get("sites") or [])}   # plan (model) order
+
+    def model_order(kv):
+        first = [order[s] for s in (kv[1].attrs.get("sites") or []) if s in order]
+        return (min(first) if first else len(order), kv[0])
+
+    for name, grp in sorted(groups, key=model_order):
+        arrays = {k: a for k, a in grp.arrays()}
+        if name == "drops":
+            for a in arrays.values():
+                total_bytes += _stored_bytes(a)
+                total_logical += int(a.nbytes)
+            n = arrays["step"].shape[0] if "step" in arrays else 0
+            drops["count"] = int(n)
+            if n and "bytes" in arrays:
+                drops["bytes"] = int(np.asarray(arrays["bytes"][:]).sum())
+            if n and "reason" in arrays:
+                reasons, counts = np.unique(np.asarray(arrays["reason"][:]).astype(object), return_counts=True)
+                drops["by_reason"] = {str(r): int(c) for r, c in zip(reasons, counts)}
+            continue
+        if "request" not in arrays:     # intermediate groups (layers/, layers/attn/) hold no arrays
+            continue
+        gattrs = dict(grp.attrs)
+        data, coords = [], []
+        stored = logical = 0
+        for k, a in sorted(arrays.items()):
+            entry = {"name": k, "dims": list(a.metadata.dimension_names or ()), "shape": list(a.shape),
+                     "dtype": str(a.dtype)}
+            (coords if k in COORD_NAMES else data).append(entry)
+            stored += _stored_bytes(a)
+            logical += int(a.nbytes)
+        req = np.asarray(arrays["request"][:])
+        request_parts.append(req)
+        layers = [int(v) for v in arrays["layer"][:]] if "layer" in arrays else None
+        heads = [int(v) for v in arrays["head"][:]] if "head" in arrays else None
+        steps = arrays["step"][:] if "step" in arrays else np.zeros(0)
+        sites.append({"group": name, "site": gattrs.get("site", name.split("/")[-1]),
+                      "tokens": int(arrays["request"].shape[0]), "layers": layers, "heads": heads,
+                      "token_filter": gattrs.get("tokens"), "reduce": gattrs.get("reduce") or None,
+                      "requests": len(_ordered_unique(req)),
+                      "steps": [int(steps.min()), int(steps.max())] if steps.size else None,
+                      "arrays": data, "coords": coords, "bytes": stored, "logical_bytes": logical})
+        total_bytes += stored
+        total_logical += logical
+    ids = _ordered_unique(np.concatenate(request_parts)) if request_parts else []
+    model = attrs.get("model") or {}
+    return {
+        "store": str(path),
+        "status": attrs.get("dmi_status", "unknown"),
+        "format": attrs.get("dmi_format"),
+        "model": model.get("name_or_path"),
+        "model_class": model.get("class"),
+        "model_type": model.get("model_type"),
+        "model_dtype": str(model.get("dtype", "")).removeprefix("torch.") or None,
+        "family": attrs.get("family"),
+        "hook_spec_file": attrs.get("hook_spec_file"),
+        "policy_mode": (attrs.get("policy") or {}).get("mode"),
+        "steps": attrs.get("steps"),
+        "requests": {"count": len(ids), "first": ids[:MAX_IDS]},
+        "sites": sites,
+        "total_bytes": total_bytes,
+        "total_logical_bytes": total_logical,
+        "bytes_captured": attrs.get("bytes_captured"),
+        "drops": drops | {"dropped_captures_attr": attrs.get("dropped_captures"),
+                          "dropped_bytes_attr": attrs.get("dropped_bytes")},
+        "stall_seconds": attrs.get("stall_seconds"),
+        "versions": attrs.get("versions", {}),
+    }
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _shape(entry: dict) -> str:
+    return "(" + ", ".join(f"{d}={s}" for d, s in zip(entry["dims"], entry["shape"])) + ")"
+
+
+def format_summary(info: dict) -> str:
+    """The human-readable text of :func:`summarize`'s dict."""
+    req = info["requests"]
+    ids = ", ".join(req["first"]) + (", ..." if req["count"] > len(req["first"]) else "")
+    model = info["model"] or "?"
+    extra = ", ".join(x for x in (info.get("model_class"), info.get("model_dtype")) if x)
+    drops = info["drops"]
+    stall = info.get("stall_seconds")
+    lines = [
+        f"store     {info['store']}",
+        f"model     {model}" + (f" ({extra})" if extra else ""),
+        f"family    {info['family']}",
+        f"status    {info['status']}" + (f"   policy {info['policy_mode']}" if info.get("policy_mode") else ""),
+        f"steps     {info['steps'] if info['steps'] is not None else '-'}",
+        f"requests  {req['count']}" + (f": {ids}" if ids else ""),
+        f"bytes     {human_bytes(info['total_bytes'])} stored "
+        f"({human_bytes(info['total_logical_bytes'])} uncompressed)",
+        f"drops     {drops['count']} captures, {human_bytes(drops['bytes'])}"
+        + (" (" + ", ".join(f"{r}: {c}" for r, c in drops["by_reason"].items()) + ")" if drops["by_reason"] else ""),
+        f"stall     {stall:.6f} s" if isinstance(stall, (int, float)) else "stall     -",
+        f"sites     {len(info['sites'])} groups",
+    ]
+    if info["sites"]:
+        w = max(len(s["group"]) for s in info["sites"])
+        lines.append(f"  {'group':<{w}}  {'tokens':>7}  {'layers':<8}  {'bytes':>10}  arrays")
+        for s in info["sites"]:
+            layers = _layers_text(s["layers"]) if s["layers"] is not None else "-"
+            arrays = "; ".join(f"{a['name']} {_shape(a)} {a['dtype']}" for a in s["arrays"])
+            lines.append(f"  {s['group']:<{w}}  {s['tokens']:>7}  {layers:<8}  {human_bytes(s['bytes']):>10}  {arrays}")
+    return "\n".join(lines)
