@@ -183,8 +183,9 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
         for j, pattern in enumerate(entry["sites"]):
             matched = _match(pattern, candidates)
             if not matched:
-                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, n_layers),
-                                 fix=_no_match_fix(pattern, arch, canonical_names, n_layers))
+                where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
+                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, n_layers, where),
+                                 fix=_no_match_fix(pattern, arch, canonical_names, n_layers, where))
             if layers is not None:
                 matched = [m for m in matched if m[2] is None or m[2] in layers]
                 if not matched:
@@ -284,10 +285,12 @@ def _split_layer(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
-def _no_match_message(pattern: str, arch: Document, canonical: list[str], n_layers: int) -> str:
+def _no_match_message(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> str:
     layer, base = _split_layer(pattern)
     if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
         return f"site pattern {pattern!r} matches nothing: {base!r} is a model-level site, not a per-layer one"
+    if base in canonical and layer is not None and where and str(layer).isdigit() and int(layer) < n_layers:
+        return f"site {base!r} does not exist on layer {layer} of this model (only on layers {where})"
     if base in canonical and layer is not None:
         return f"site pattern {pattern!r} matches no layer of this model (it has {n_layers} layers: 0..{n_layers - 1})"
     if base in canonical:
@@ -295,10 +298,12 @@ def _no_match_message(pattern: str, arch: Document, canonical: list[str], n_laye
     return f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}"
 
 
-def _no_match_fix(pattern: str, arch: Document, canonical: list[str], n_layers: int) -> str:
+def _no_match_fix(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> str:
     layer, base = _split_layer(pattern)
     if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
         return f"write {base!r} without 'layers.{layer}.'"
+    if base in canonical and layer is not None and where and str(layer).isdigit() and int(layer) < n_layers:
+        return f"capture {base} on layers {where} (e.g. layers.{where[0]}.{base}), or {base!r} for all of them"
     if base in canonical and layer is not None:
         return f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer"
     close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)

@@ -164,3 +164,39 @@ def _reference_internals(ref, ids, mask, family):
         h.remove()
     out.pop("resid_post")
     return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_sites_follow_the_modules(family, encoded, write_spec, tmp_path):
+    """mlp.act exists on dense-MLP layers only and moe.* on MoE layers only (Qwen3-MoE mixes both);
+    on every layer that has them they equal the unpatched modules' values."""
+    model, ref = model_pair(family, attn="sdpa")
+    dense = [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "down_proj")]
+    sparse = [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "gate")]
+    assert dense or sparse
+    sites = (["mlp.act"] if dense else []) + (["moe.router_logits", "moe.topk_ids"] if sparse else [])
+    spec = write_spec(f"capture:\n  - sites: {sites}\n")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    seen, hooks = {}, []
+    for i in dense:
+        hooks.append(ref.model.layers[i].mlp.down_proj.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(("act", i), a[0].reshape(-1, a[0].shape[-1]).numpy())))
+    for i in sparse:
+        hooks.append(ref.model.layers[i].mlp.gate.register_forward_hook(
+            lambda m, a, o, i=i: seen.update({("router_logits", i): o[0].numpy(), ("topk_ids", i): o[2].numpy()})))
+    with torch.no_grad():
+        ref(input_ids=ids, attention_mask=mask)
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+            run.model(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    tree = dmi.open(tmp_path / "o.zarr")
+    valid = mask.bool().reshape(-1).numpy()
+    for group, layers in (("layers/mlp/act", dense), ("layers/moe/router_logits", sparse), ("layers/moe/topk_ids", sparse)):
+        if not layers:
+            continue
+        leaf = group.rsplit("/", 1)[1]
+        ds = tree[group].dataset
+        assert list(ds.layer.values) == layers, group
+        for i in layers:
+            np.testing.assert_array_equal(ds[leaf].sel(layer=i).values, seen[(leaf, i)][valid], err_msg=f"{group} layer {i}")

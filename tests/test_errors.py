@@ -747,3 +747,16 @@ def test_mutated_yaml_loads_or_raises_spec_errors(edits):
         msg = str(e)
         assert msg.startswith(f"{path}") and "Fix: " in msg, msg
         assert re.match(rf"{re.escape(str(path))}(:\d+)?: ", msg), msg
+
+
+def test_moe_site_on_a_dense_layer(write_spec, tmp_path):
+    spec = write_spec("""\
+        capture:
+          - sites: [layers.1.moe.topk_ids]
+    """)
+    moe = build_tiny_model("tiny-qwen3_moe")      # layer 1 is dense (mlp_only_layers)
+    with pytest.raises(SpecError) as excinfo:
+        dmi.load(moe, hook_spec=spec, store=tmp_path / "o.zarr")
+    check(excinfo, SpecError, file=spec, line=2, key="capture[0].sites[0]",
+          says=("'moe.topk_ids' does not exist on layer 1", "only on layers [0, 2]"))
+    assert not (tmp_path / "o.zarr").exists()
