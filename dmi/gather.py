@@ -37,33 +37,56 @@ def gather(x: torch.Tensor, site: SitePlan, rows: torch.Tensor, step_seq: int, b
     """Outputs ([n, *output shape] each) for the selected ``rows`` and the seq' x held."""
     layout = site.anchor["layout"]
     flat, src_seq = token_major(x, layout, batch)
-    idx, held = source_rows(rows.to(flat.device), step_seq, src_seq)
+    rows = rows.to(flat.device)
+    idx, held = source_rows(rows, step_seq, src_seq)
+    batch_of_row = (rows // step_seq)[held] if "key" in site.dims else None
+    return select_rows(x, flat, site, idx, batch_of_row, pad, dtype), src_seq
+
+
+def select_rows(x: torch.Tensor, flat: torch.Tensor, site: SitePlan, idx: torch.Tensor,
+                batch_of_row: torch.Tensor | None, pad: torch.Tensor | None, dtype: torch.dtype, *,
+                heads: torch.Tensor | None = None, check_keys: bool = True) -> list[torch.Tensor]:
+    """The outputs of rows ``idx`` of ``flat`` (x in token-major order), in payload order.
+
+    Every backend runs this same sequence of torch ops for sites that need more than a row copy
+    (head selection, key alignment, dtype change, reductions), so their bytes match. ``heads``: the
+    site's head indices already on the device (graph capture forbids creating them here);
+    ``check_keys=False``: the caller checked ``max_keys`` on the host (no device sync here)."""
+    layout = site.anchor["layout"]
     feat = [x.shape[layout.index(d)] if d in layout and d == "key" else n for d, n in zip(site.dims, site.shape)]
-    sel = flat.index_select(0, idx).reshape(len(idx), *feat)
+    sel = flat.index_select(0, idx).reshape(idx.shape[0], *feat)
     if site.heads is not None:
         axis = 1 + next(k for k, d in enumerate(site.dims) if d in ("head", "kv_head"))
-        sel = sel.index_select(axis, torch.tensor(site.heads, device=sel.device))
+        sel = sel.index_select(axis, heads if heads is not None else torch.tensor(site.heads, device=sel.device))
     if "key" in site.dims:
-        sel = _align_keys(sel, site, (rows.to(flat.device) // step_seq)[held], pad)
+        sel = _align_keys(sel, site, batch_of_row, pad, check=check_keys)
     sel = sel.to(dtype)
     if site.reduce and "topk" in site.reduce:
         values, indices = torch.topk(sel, site.reduce["topk"], dim=-1)
-        return [values, indices.to(torch.int32)], src_seq
+        return [values, indices.to(torch.int32)]
     if site.reduce and site.reduce.get("norm"):
-        return [torch.linalg.vector_norm(sel.float(), dim=-1).to(dtype)], src_seq
-    return [sel], src_seq
+        return [torch.linalg.vector_norm(sel.float(), dim=-1).to(dtype)]
+    return [sel]
 
 
-def _align_keys(sel: torch.Tensor, site: SitePlan, batch_of_row: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+def check_max_keys(site: SitePlan, keys: int, min_pad: int) -> None:
+    """The host-side form of ``_align_keys``' check: ``keys`` key columns minus the smallest
+    padding of the selected rows must fit ``max_keys``."""
+    if keys - min_pad > site.shape[-1]:
+        raise CaptureError(f"{site.name}: {keys - min_pad} key positions exceed max_keys={site.shape[-1]}. "
+                           f"Fix: raise max_keys in the hook spec entry that captures {site.canonical}")
+
+
+def _align_keys(sel: torch.Tensor, site: SitePlan, batch_of_row: torch.Tensor, pad: torch.Tensor | None,
+                check: bool = True) -> torch.Tensor:
     """Re-index the key axis (last) from cache columns to key positions 0..max_keys-1.
 
     Left-padded batches keep ``pad[b]`` padding columns before a request's first key."""
     width = site.shape[-1]
     offset = pad.to(sel.device)[batch_of_row] if pad is not None else torch.zeros(len(sel), dtype=torch.long, device=sel.device)
     k = sel.shape[-1]
-    if len(sel) and int((k - offset).max()) > width:
-        raise CaptureError(f"{site.name}: {int((k - offset).max())} key positions exceed max_keys={width}. "
-                           f"Fix: raise max_keys in the hook spec entry that captures {site.canonical}")
+    if check and len(sel):
+        check_max_keys(site, k, int(offset.min()))
     cols = torch.arange(width, device=sel.device)[None, :] + offset[:, None]     # [rows, max_keys]
     valid = cols < k
     shape = [sel.shape[0]] + [1] * (sel.ndim - 2) + [width]

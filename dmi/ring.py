@@ -14,6 +14,14 @@ Protocol, shared by every backend (CPU here, CUDA in ``dmi.kernels``):
    then copies each published record's bytes to host staging, frees the block and the meta slots,
    and hands the step to the exporter. A planned record that was never published (its module did
    not run) is counted, never waited for.
+
+Backends implement the hooks marked below: ``CpuRing`` (here: payload and meta in host memory,
+the capture runs ``dmi.gather`` in torch) and ``dmi.kernels.cuda_ring.CudaRing`` (payload in
+device memory, meta in mapped pinned host memory, a Triton kernel per capture). Both share this
+class's reservation, drop and drain bookkeeping.
+
+A record is read ``seq`` first, then the rest: the writer stores ``seq`` last (after a fence on
+the GPU), so a matching ``seq`` means the fields are complete.
 """
 from __future__ import annotations
 
@@ -56,11 +64,14 @@ class ByteRing:
             return None
         start = self.head
         pos = start % self.capacity
+        floor = self.tail
         if pos + nbytes > self.capacity:          # does not fit before the end: skip to the start
             start += self.capacity - pos
             pos = 0
+            if self.tail == self.head:            # empty ring: the skipped tail holds nothing, so a block
+                floor = start                     # up to the whole capacity fits (else it never would)
         end = start + nbytes
-        if end - self.tail > self.capacity:
+        if end - floor > self.capacity:
             return None
         self.head = end
         return pos, end
@@ -129,8 +140,13 @@ class Ring:
         self.current: StepControl | None = None
         self.stats = Stats()
         self.error: BaseException | None = None
+        self.null = False               # null mode: the run begins no steps (capture kernels still launch)
 
     # --- backend hooks --------------------------------------------------------------------------
+    def setup(self, plan, dtype, device) -> None:
+        """Called once by the run: the plan's sites, the capture dtype and the model's device."""
+        self.plan, self.dtype, self.device = plan, dtype, device
+
     def meta_view(self) -> np.ndarray:
         raise NotImplementedError
 
@@ -138,11 +154,30 @@ class Ring:
         """Make the step's slots visible to the device side (CPU: a reference; CUDA: async H2D)."""
 
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
+        """The host publishes the step's end marker (CPU always; CUDA only for an aborted step)."""
+        raise NotImplementedError
+
+    def device_end(self) -> None:
+        """Called by the ``dmi::step_end`` op (also while a CUDA graph is being captured): the
+        device side of the end marker. CUDA: a tiny kernel that publishes it; CPU: nothing."""
+
+    def capture(self, site, x) -> None:
+        """Called by the ``dmi::capture`` op: copy the selected rows of ``x`` into the step's slot."""
         raise NotImplementedError
 
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         """Copy ``nbytes`` at ``offset`` of the payload ring into host memory."""
         raise NotImplementedError
+
+    def fetch(self, ctrl: StepControl, recs: list[np.void]) -> list[np.ndarray]:
+        """Bytes of each published record of one step (default: one ``copy_out`` each)."""
+        return [self.copy_out(int(r["offset"]), int(r["nbytes"])) for r in recs]
+
+    def release_host(self, ctrl: StepControl) -> None:
+        """The exporter is done with the arrays ``fetch`` returned for ``ctrl`` (staging reuse)."""
+
+    def close(self) -> None:
+        """Free backend memory (after the drain and exporter threads have stopped)."""
 
     # --- host: steps ----------------------------------------------------------------------------
     def begin_step(self, step: int, tokens, pad: np.ndarray, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]
@@ -201,14 +236,20 @@ class Ring:
         self.publish_control(ctrl)
         return ctrl
 
-    def end_step(self, aborted: bool = False) -> None:
+    def end_step(self, aborted: bool = False, device: bool = False) -> None:
+        """Host side of a step's end. ``device``: the step's forward ran its ``dmi::step_end`` op,
+        so a backend whose device side publishes the end marker (CUDA) leaves it to the device;
+        otherwise (CPU, an aborted step, a forward that never finished) the host publishes it."""
         ctrl = self.current
         if ctrl is None or ctrl.ended:
             return
         ctrl.ended = True
-        self.publish_end(ctrl, FLAG_ABORTED if aborted else 0)
+        if aborted or not (device and self.device_publishes_end):
+            self.publish_end(ctrl, FLAG_ABORTED if aborted else 0)
         with self.cond:
             self.cond.notify_all()
+
+    device_publishes_end = False
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -229,13 +270,17 @@ class Ring:
 
     def drain_step(self, ctrl: StepControl) -> list[tuple[SiteSlot, np.void, np.ndarray]]:
         meta = self.meta_view()
-        out = []
+        seqs = meta["seq"]
+        published = []
         for slot in ctrl.slots.values():
-            rec = meta[slot.seq % self.meta_records].copy()
-            if int(rec["seq"]) != slot.seq:
+            i = slot.seq % self.meta_records
+            if int(seqs[i]) != slot.seq:       # seq first: the writer stores it last
                 self.stats.not_run += 1
                 continue
-            data = self.copy_out(int(rec["offset"]), int(rec["nbytes"]))
+            published.append((slot, meta[i].copy()))
+        datas = self.fetch(ctrl, [rec for _, rec in published])
+        out = []
+        for (slot, rec), data in zip(published, datas):
             out.append((slot, rec, data))
             self.stats.records += 1
             self.stats.bytes_drained += int(rec["nbytes"])
@@ -258,7 +303,9 @@ class Ring:
 
 
 class CpuRing(Ring):
-    """Ring² with the payload and the meta ring in host memory; the capture op runs in torch on CPU."""
+    """Ring² with the payload and the meta ring in host memory; the capture op runs in torch
+    (``dmi.gather`` on the model's device, then a copy to host memory). It is the reference path:
+    every other backend must store the same bytes."""
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full"):
         super().__init__(capacity, meta_records, mode)
@@ -266,9 +313,35 @@ class CpuRing(Ring):
         self.payload = torch.empty(capacity, dtype=torch.uint8)
         self._payload_np = self.payload.numpy()
         self.meta = np.zeros(meta_records, META_DTYPE)
+        self._rows: dict = {}
+        self._pad = None
 
     def meta_view(self) -> np.ndarray:
         return self.meta
+
+    def publish_control(self, ctrl: StepControl) -> None:
+        import torch
+        device = getattr(self, "device", None) or "cpu"
+        self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
+        self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
+
+    def capture(self, site, x) -> None:
+        import torch
+        from .gather import gather
+        ctrl = self.current
+        if ctrl is None or ctrl.ended or site.index not in ctrl.slots:
+            return
+        slot = ctrl.slots[site.index]
+        with torch.no_grad():
+            outs, src_seq = gather(x.detach(), site, self._rows[site.index], ctrl.tokens.seq, ctrl.tokens.batch,
+                                   self._pad, self.dtype)
+        n = outs[0].shape[0]
+        flat = torch.cat([o.contiguous().reshape(-1).view(torch.uint8).cpu() for o in outs])
+        if flat.numel() > slot.capacity:
+            raise CaptureError(f"{site.name}: {flat.numel()} bytes exceed the {slot.capacity} reserved")
+        self.payload[slot.offset:slot.offset + flat.numel()].copy_(flat)
+        self.publish_record(slot.seq, ctrl.step, site.index, slot.offset, flat.numel(), n, src_seq)
+        self.stats.bytes_captured += flat.numel()
 
     def publish_record(self, seq: int, step: int, site: int, offset: int, nbytes: int, rows: int,
                        src_seq: int, flags: int = 0) -> None:
@@ -282,3 +355,24 @@ class CpuRing(Ring):
 
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         return self._payload_np[offset:offset + nbytes].copy()
+
+
+def make_ring(policy, device, *, kind: str | None = None) -> Ring:
+    """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
+
+    ``kind`` (or the environment variable ``DMI_RING``): ``cpu`` forces the reference path (on a GPU
+    too: captures go through ``dmi.gather`` and a host copy), ``cuda`` forces the CUDA ring,
+    ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests)."""
+    import os
+    kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
+    if kind == "cpu":
+        return CpuRing(policy.ring_bytes, policy.meta_records, policy.mode)
+    if kind == "cuda":
+        from .kernels.cuda_ring import CudaRing
+        return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
+                        max_step_tokens=policy.max_step_tokens, device=device)
+    if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
+        from .kernels.cuda_ring import InterpretRing
+        return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode,
+                             max_step_tokens=policy.max_step_tokens)
+    raise ValueError(f"unknown ring backend {kind!r} (DMI_RING): use 'cpu', 'cuda' or 'interpret'")

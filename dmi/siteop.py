@@ -7,6 +7,10 @@ All three mutate ``ticket``, a one-element tensor per run: that orders them insi
 graph (a capture never moves before its step's begin or after its end) and keeps them from being
 dead-code eliminated. Per-step state (offsets, row selection, enable flags) is never an argument:
 the op reads it from the run, so a compiled or graph-captured forward always sees fresh values.
+On CUDA the ops launch kernels that read that state from small device tensors, so a CUDA graph
+that captured them writes fresh slots on every replay; the host work of a step (token
+bookkeeping, reservation, the H2D copy of the control tensors) happens in ``step_begin`` only in
+eager forwards, and outside the graph otherwise (``Run.begin_step`` / ``Run.stepped``).
 
 Patched model code calls :func:`site` (returns the tensor it was given): a later write site
 (steering) can return a modified tensor without changing any call site.
@@ -44,14 +48,16 @@ def _capture_fake(x, ticket, run, site) -> None:
 
 @torch.library.custom_op("dmi::step_begin", mutates_args=("ticket",))
 def step_begin(tokens: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-               past_len: int, ticket: torch.Tensor, run: int) -> None:
+               past_len: int, past_len_t: Optional[torch.Tensor], ticket: torch.Tensor, run: int) -> None:
+    """``past_len_t``: the cache length when the cache holds it in a tensor (static caches); it is
+    read (a device sync) only when no 2D attention mask tells the past length."""
     r = _RUNS.get(run)
     if r is not None:
-        r.begin_step(tokens, attention_mask, position_ids, past_len)
+        r.step_begin_op(tokens, attention_mask, position_ids, past_len_t if past_len_t is not None else past_len)
 
 
 @step_begin.register_fake
-def _step_begin_fake(tokens, attention_mask, position_ids, past_len, ticket, run) -> None:
+def _step_begin_fake(tokens, attention_mask, position_ids, past_len, past_len_t, ticket, run) -> None:
     return None
 
 
@@ -59,7 +65,7 @@ def _step_begin_fake(tokens, attention_mask, position_ids, past_len, ticket, run
 def step_end(ticket: torch.Tensor, run: int) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.end_step()
+        r.step_end_op()
 
 
 @step_end.register_fake
@@ -76,6 +82,14 @@ class SiteHandle:
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
-    """The call patched into model code: capture ``x`` and hand it on unchanged."""
-    torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
+    """The call patched into model code: capture ``x`` and hand it on unchanged.
+
+    Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
+    ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
+    if torch.compiler.is_compiling():
+        torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
+    else:
+        r = _RUNS.get(handle.run)
+        if r is not None:
+            r.capture(handle.site, x)
     return x

@@ -92,8 +92,8 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
 
     def detach() -> None:
         for m in patched:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(SITES_ATTR, None)
+            for name in ("forward", SITES_ATTR) + _STEP_ATTRS:
+                m.__dict__.pop(name, None)
     return detach
 
 
@@ -101,14 +101,46 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
     inner = model.forward
     ticket, run_id = run.ticket, run.id
+    params = list(inspect.signature(inner).parameters)
 
     @functools.wraps(inner)   # keeps the signature: generate() inspects it (e.g. logits_to_keep)
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, *args, **kwargs):
-        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        torch.ops.dmi.step_begin(tokens, attention_mask, position_ids, past_len, ticket, run_id)
-        out = inner(input_ids, attention_mask, position_ids, past_key_values, *args, **kwargs)
+    def forward(*args, **kwargs):
+        # arguments by name, not position: transformers 5.24 renamed past_key_values to cache
+        given = {**dict(zip(params, args)), **kwargs}
+        tokens = given.get("input_ids")
+        tokens = tokens if tokens is not None else given.get("inputs_embeds")
+        cache = given.get("past_key_values")
+        cache = cache if cache is not None else given.get("cache")
+        past_len = cache.get_seq_length() if cache is not None else 0
+        past_t = past_len if isinstance(past_len, torch.Tensor) else None      # static caches keep it on device
+        mask = given.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) else None
+        torch.ops.dmi.step_begin(tokens, mask, given.get("position_ids"), 0 if past_t is not None else past_len,
+                                 past_t, ticket, run_id)
+        out = inner(*args, **kwargs)
         torch.ops.dmi.step_end(ticket, run_id)
         return out
 
     model.forward = forward
+
+    # generate(): the 2D mask it prepares (the model gets a 4D one with static caches) feeds the
+    # token bookkeeping, and its compiled per-step forward (a CUDA graph with reduce-overhead) runs
+    # with the step's host work outside it
+    prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)
+    def prepare_inputs_for_generation(*args, **kwargs):
+        run.note_generation_mask(kwargs.get("attention_mask"))
+        return prepare(*args, **kwargs)
+
+    compiled_call = model.get_compiled_call
+
+    @functools.wraps(compiled_call)
+    def get_compiled_call(*args, **kwargs):
+        return run.stepped(compiled_call(*args, **kwargs))
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    model.get_compiled_call = get_compiled_call
+
+
+_STEP_ATTRS = ("prepare_inputs_for_generation", "get_compiled_call")

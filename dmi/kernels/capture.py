@@ -1,0 +1,228 @@
+"""The capture kernel behind ``dmi::capture`` on CUDA, and the end-marker kernel behind ``dmi::step_end``.
+
+One launch per site and step. It copies the selected rows of a site tensor into the GPU payload
+ring at the step's reserved offset, and the last of its programs publishes the site's meta record
+into the host meta ring (mapped pinned memory): fields first, then a system-scope fence, then the
+``seq`` word. Everything that changes per step is read from ``ctrl``, a small int64 device tensor
+the host updates with one async H2D copy before the step (``CudaRing.publish_control``), so a CUDA
+graph that captured these launches writes fresh slots on every replay, and copies exactly the
+step's row count (padding rows of a graph-padded batch are never copied):
+
+``ctrl`` layout (int64 words)::
+
+    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, -, -
+    [G_WORDS + S_WORDS*site, +5) offset (bytes), seq, rows, rows_start, enabled   (one per site)
+    [pad_start, +batch)          left-padding columns per batch row (key-aligned sites)
+    [rows_start, +rows)          flat step rows b*seq+s of a token filter's selection
+
+``armed`` is set by the host at each step and cleared by the end-marker kernel, so a graph replayed
+without a new step captures nothing (and null mode never arms it). ``enabled`` is 0 for sites with
+no rows this step and for captures dropped by the policy.
+
+Two copy modes:
+
+* ``DIRECT`` (plain sites: no head selection, key alignment, reduction or dtype change): rows are
+  read straight from the engine tensor through its strides (any layout with at most two feature
+  dims), no intermediate tensor.
+* ``IDENTITY``: the site's outputs were first computed by :func:`dmi.gather.select_rows` on the
+  device (the same torch ops as the reference path, so the bytes match); the kernel copies their
+  rows as raw words.
+
+Rows whose position the engine tensor does not hold (``logits`` under ``logits_to_keep``) are
+compacted with ``drow`` (destination row per candidate row, -1 to skip).
+
+Under ``TRITON_INTERPRET=1`` both kernels run on the CPU (tests/test_kernels_interpret.py).
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START = range(6)
+G_WORDS = 8
+S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED = range(5)
+S_WORDS = 5
+META_WORDS = 7          # dmi.ring.META_DTYPE as int64 words: seq, step, site|flags<<32, offset, nbytes, rows, src_seq
+END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0
+
+DIRECT, IDENTITY = 0, 1
+
+# the same offsets as kernel constants (jit functions read only constexpr globals)
+_ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.constexpr(G_SEQ), tl.constexpr(G_END_SEQ)
+_OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.constexpr(S_SEQ), tl.constexpr(S_ROWS),
+                                                tl.constexpr(S_ROWS_START), tl.constexpr(S_ENABLED))
+
+
+@triton.jit
+def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq):
+    """Write one meta record; ``seq`` last, after a system-scope fence (acq_rel atomic on device
+    memory): a host that reads the expected ``seq`` then reads complete fields."""
+    base = meta + (seq % meta_records) * 7
+    tl.store(base + 1, step)
+    tl.store(base + 2, site_word)
+    tl.store(base + 3, offset)
+    tl.store(base + 4, nbytes)
+    tl.store(base + 5, rows)
+    tl.store(base + 6, src_seq)
+    tl.debug_barrier()
+    tl.atomic_add(fence, 0, sem="acq_rel", scope="sys")
+    tl.debug_barrier()
+    tl.store(base, seq)
+
+
+@triton.jit
+def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2):
+    fmask = f < F
+    foff = (f // F2).to(tl.int64) * stride_f1 + (f % F2).to(tl.int64) * stride_f2
+    m = rmask[:, None] & fmask[None, :]
+    v = tl.load(src + roff[:, None] + foff[None, :], mask=m)
+    out = dst_base.to(src.dtype)
+    tl.store(out + dst[:, None] * F + f[None, :], v, mask=m)
+
+
+@triton.jit(do_not_specialize=["hdr", "site_word", "c_arg", "n_arg", "cnt_idx", "K", "src_seq", "seq_arg",
+                               "counter_idx", "fence_idx"])
+def capture_kernel(src0, src1, ring, ctrl, meta, counters, drow, cnt,
+                   hdr, site_word, c_arg, n_arg, cnt_idx, K, src_seq, seq_arg,
+                   stride_b, stride_s, F0, F2, stride_f1, stride_f2, F1, stride_r1,
+                   row_bytes0, row_bytes1, meta_records, counter_idx, fence_idx,
+                   MODE: tl.constexpr, HAS_DROW: tl.constexpr, NOUT: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Copy rows of ``src0`` (and ``src1``) into ``ring`` and publish the site's record.
+
+    c_arg / n_arg: candidate rows / output rows when the host knows them (eager), else -1: read
+    from ``ctrl`` (candidates) and ``cnt[cnt_idx]`` (outputs). seq_arg: the step's seq when the
+    host knows it, else -1 (read from ``ctrl``)."""
+    armed = tl.load(ctrl + _ARMED)
+    enabled = tl.load(ctrl + hdr + _ENABLED)
+    if (armed != 0) & (enabled != 0):
+        pid_r = tl.program_id(0)
+        pid_f = tl.program_id(1)
+        offset = tl.load(ctrl + hdr + _OFFSET)
+        c = tl.load(ctrl + hdr + _ROWS)
+        if c_arg >= 0:
+            c = c_arg.to(tl.int64)
+        c = tl.minimum(c, K)
+        n = tl.load(cnt + cnt_idx)
+        if n_arg >= 0:
+            n = n_arg.to(tl.int64)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+        rmask = r < c
+        if HAS_DROW:
+            dst = tl.load(drow + r, mask=rmask, other=-1)
+            rmask = rmask & (dst >= 0)
+        else:
+            dst = r.to(tl.int64)
+        if MODE == 0:
+            seq = tl.load(ctrl + _SEQ)
+            if seq_arg >= 0:
+                seq = seq_arg.to(tl.int64)
+            start = tl.load(ctrl + hdr + _ROWS_START)
+            rr = tl.load(ctrl + start + r, mask=rmask, other=0)
+            b = rr // seq
+            s = rr % seq - (seq - src_seq)
+            roff = b * stride_b + s * stride_s
+        else:
+            roff = r.to(tl.int64) * stride_b
+        if NOUT == 1:
+            _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2)
+        else:
+            if tl.program_id(2) == 0:
+                _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2)
+            else:
+                roff1 = r.to(tl.int64) * stride_r1
+                _copy_rows(src1, ring + offset + n * row_bytes0, roff1, dst, rmask, f, F1, F1, 0, 1)
+        # the last program to finish publishes the record (all payload writes happen before it)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counters + counter_idx, 1, sem="acq_rel", scope="gpu")
+        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if ticket == total - 1:
+            tl.store(counters + counter_idx, 0)        # ready for the next launch / replay
+            seq_no = tl.load(ctrl + hdr + _RSEQ)
+            step = tl.load(ctrl + _STEP)
+            _publish(meta, counters + fence_idx, meta_records, seq_no, step, site_word, offset,
+                     n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["fence_idx"])
+def end_kernel(ctrl, meta, counters, fence_idx, meta_records, site_word):
+    """Publish the armed step's end marker and disarm ``ctrl``."""
+    armed = tl.load(ctrl + _ARMED)
+    if armed != 0:
+        seq = tl.load(ctrl + _END_SEQ)
+        step = tl.load(ctrl + _STEP)
+        tl.store(ctrl + _ARMED, 0)
+        zero = step * 0
+        _publish(meta, counters + fence_idx, meta_records, seq, step, site_word, zero, zero, zero, zero)
+
+
+# --- launch geometry --------------------------------------------------------------------------------
+def blocks(F: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_F): about 4096 elements per program."""
+    bf = min(1024, triton.next_power_of_2(max(F, 1)))
+    br = max(1, min(64, 4096 // bf))
+    return br, bf
+
+
+def word_dtype(*row_bytes: int):
+    """The widest of int32 / int16 / uint8 whose size divides every row size (IDENTITY copies)."""
+    import torch
+    for w, dt in ((4, torch.int32), (2, torch.int16), (1, torch.uint8)):
+        if all(rb % w == 0 for rb in row_bytes):
+            return w, dt
+    raise AssertionError(row_bytes)
+
+
+def direct_geometry(x, layout: list[str], batch: int):
+    """(src_seq, stride_b, stride_s, F, F2, stride_f1, stride_f2) of x's token rows, or None when x
+    has more than two feature dims (then the IDENTITY path copies a prepared tensor)."""
+    if layout[0] == "token":
+        src_seq = x.shape[0] // batch
+        stride_s = x.stride(0)
+        stride_b = src_seq * stride_s
+        feat = list(range(1, x.ndim))
+    else:
+        bi, si = layout.index("batch"), layout.index("seq")
+        src_seq, stride_b, stride_s = x.shape[si], x.stride(bi), x.stride(si)
+        feat = [i for i in range(x.ndim) if i not in (bi, si)]
+    if len(feat) > 2:
+        return None
+    if not feat:
+        return src_seq, stride_b, stride_s, 1, 1, 0, 0
+    if len(feat) == 1:
+        return src_seq, stride_b, stride_s, x.shape[feat[0]], x.shape[feat[0]], 0, x.stride(feat[0])
+    a, b = feat
+    return src_seq, stride_b, stride_s, x.shape[a] * x.shape[b], x.shape[b], x.stride(a), x.stride(b)
+
+
+def launch(src0, ring, ctrl, meta, counters, *, site_index: int, meta_records: int, fence_idx: int, K: int,
+           src_seq: int, geometry, mode: int, row_bytes0: int, src1=None, row_bytes1: int = 0,
+           c_arg: int = -1, n_arg: int = -1, cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1) -> None:
+    """Launch :func:`capture_kernel` for one site. ``geometry``: DIRECT: (stride_b, stride_s, F, F2,
+    stride_f1, stride_f2) of ``src0``; IDENTITY: (row stride, F) of ``src0`` [rows, F] and (row
+    stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``."""
+    hdr = G_WORDS + S_WORDS * site_index
+    if cnt is None:
+        cnt, cnt_idx = ctrl, hdr + S_ROWS
+    if mode == DIRECT:
+        stride_b, stride_s, F0, F2, sf1, sf2 = geometry
+        F1, sr1 = 1, 0
+    else:
+        (stride_b, F0), (sr1, F1) = geometry[0], geometry[1] if src1 is not None else (0, 1)
+        stride_s, F2, sf1, sf2 = 0, F0, 0, 1
+    BR, BF = blocks(max(F0, F1))
+    nout = 2 if src1 is not None else 1
+    grid = (max(1, math.ceil(K / BR)), max(1, math.ceil(max(F0, F1) / BF)), nout)
+    capture_kernel[grid](src0, src1 if src1 is not None else src0, ring, ctrl, meta, counters,
+                         drow if drow is not None else ctrl, cnt,
+                         hdr, site_index & 0xFFFFFFFF, c_arg, n_arg, cnt_idx, K, src_seq, seq_arg,
+                         stride_b, stride_s, F0, F2, sf1, sf2, F1, sr1,
+                         row_bytes0, row_bytes1, meta_records, site_index, fence_idx,
+                         MODE=mode, HAS_DROW=drow is not None, NOUT=nout, BLOCK_R=BR, BLOCK_F=BF, num_warps=4)
+
+
+def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int) -> None:
+    end_kernel[(1,)](ctrl, meta, counters, fence_idx, meta_records, END_SITE_WORD, num_warps=1)

@@ -1,0 +1,179 @@
+"""Drain microbenchmark: sustained D2H throughput of Ring²'s drain on one GPU.
+
+A producer thread runs steps of the real protocol (reserve, capture kernel per site, end-marker
+kernel) as fast as the ring lets it; the drain loop (the same ``Ring.drain_ready``/``drain_step``
+the run's drain thread calls: meta-ring polling, one ``cudaMemcpyAsync`` per step into pinned
+staging on the drain stream, event sync, release) consumes them; the "exporter" frees staging at
+once. The ring is far smaller than the data moved, so the producer is throttled by the drain
+(backpressure) and the rate measured is the drain's. For reference, the same process times a
+plain pinned ``cudaMemcpyAsync`` D2H of the same size (the PCIe ceiling) and the capture kernel's
+device-to-device copy.
+
+    python perf/drain_bench.py [--gib 8] [--ring-mib 1024] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dmi.kernels.cuda_ring import CudaRing, _ok, cudart   # noqa: E402
+from dmi.plan import Output, Plan, Policy, SitePlan, TokenFilter   # noqa: E402
+from dmi.tokens import StepTokens   # noqa: E402
+
+
+def _plan(n_sites: int, hidden: int) -> Plan:
+    sites = [SitePlan(index=i, name=f"layers.{i}.resid_post", canonical="resid_post", layer=i, group="layers/resid_post",
+                      dims=("hidden",), shape=(hidden,), anchor={"layout": ["batch", "seq", "hidden"]},
+                      tokens=TokenFilter(), outputs=(Output("resid_post", ("hidden",), (hidden,), "float"),))
+             for i in range(n_sites)]
+    return Plan(family="bench", sites=sites, policy=Policy(), layers=n_sites)
+
+
+def pinned_copy_gbs(nbytes: int, repeats: int = 5) -> float:
+    """A plain D2H cudaMemcpyAsync into cudaHostAlloc memory: the ceiling."""
+    rt = cudart()
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = _ok(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable))
+    stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        _ok(rt.cudaMemcpyAsync(dst, src.data_ptr(), nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
+        _ok(rt.cudaStreamSynchronize(stream))
+        times.append(time.perf_counter() - t)
+    rt.cudaFreeHost(dst)
+    rt.cudaStreamDestroy(stream)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def drain_gbs(step_mib: int, total_gib: float, ring_mib: int, staging_mib: int, n_sites: int = 8,
+              hidden: int = 4096) -> dict:
+    """Producer: steps of ``n_sites`` captures (bf16 [rows, hidden]) of ``step_mib`` in all."""
+    row_bytes = hidden * 2
+    rows = max(1, step_mib * 2**20 // (n_sites * row_bytes))
+    step_bytes = rows * row_bytes * n_sites
+    steps = max(4, int(total_gib * 2**30 // step_bytes))
+    plan = _plan(n_sites, hidden)
+    ring = CudaRing(ring_mib << 20, 4096, "full", host_bytes=staging_mib << 20, max_step_tokens=rows,
+                    device="cuda")
+    ring.setup(plan, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(1, rows, hidden, dtype=torch.bfloat16, device="cuda")
+    sel = np.arange(rows, dtype=np.int64)
+    toks = StepTokens(step=0, batch=1, seq=rows, rows=sel, request=np.zeros(rows, np.int64),
+                      position=sel, phase=np.zeros(rows, np.int8), local=sel)
+    pad = np.zeros(1, np.int64)
+    wanted = [(i, sel, sel, rows * row_bytes, 0) for i in range(n_sites)]
+    drained = [0]
+    err = []
+
+    def drain():
+        try:
+            done = 0
+            while done < steps:
+                ctrl = ring.drain_ready()
+                if ctrl is None:
+                    time.sleep(2e-5)
+                    continue
+                recs = ring.drain_step(ctrl)
+                drained[0] += sum(len(r[2]) for r in recs)
+                ring.release_host(ctrl)
+                done += 1
+        except BaseException as e:     # pragma: no cover
+            err.append(e)
+            ring.error = e
+
+    # warm-up: compile the kernels, touch the memory
+    th = threading.Thread(target=drain)
+    torch.cuda.synchronize()
+    th.start()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        ring.begin_step(step, toks, pad, wanted)
+        for s in plan.sites:
+            ring.capture(s, x)
+        ring.device_end()
+        ring.end_step(device=True)
+        if step == 0:
+            t_first = time.perf_counter()
+    th.join()
+    elapsed = time.perf_counter() - t0
+    if err:
+        raise err[0]
+    stall = ring.stats.stall_seconds
+    ring.close()
+    first = t_first - t0
+    return {"step_mib": step_bytes / 2**20, "steps": steps, "bytes": drained[0], "seconds": elapsed,
+            "gbs": drained[0] / elapsed / 1e9, "gbs_after_first": drained[0] * (steps - 1) / steps / (elapsed - first) / 1e9,
+            "producer_stall_s": stall}
+
+
+def kernel_copy_gbs(rows: int = 8192, hidden: int = 4096, repeats: int = 20) -> float:
+    """The capture kernel alone (device to device), bytes read + written per second."""
+    plan = _plan(1, hidden)
+    ring = CudaRing(1 << 30, 4096, "full", host_bytes=1 << 20, max_step_tokens=rows, device="cuda")
+    ring.setup(plan, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(1, rows, hidden, dtype=torch.bfloat16, device="cuda")
+    sel = np.arange(rows, dtype=np.int64)
+    toks = StepTokens(step=0, batch=1, seq=rows, rows=sel, request=np.zeros(rows, np.int64), position=sel,
+                      phase=np.zeros(rows, np.int8), local=sel)
+    times = []
+    for step in range(repeats):
+        ring.begin_step(step, toks, np.zeros(1, np.int64), [(0, sel, sel, rows * hidden * 2, 0)])
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        ring.capture(plan.sites[0], x)
+        b.record()
+        ring.device_end()
+        ring.end_step(device=True)
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+        ctrl = ring.drain_ready()
+        while ctrl is None:
+            ctrl = ring.drain_ready()
+        ring.drain_step(ctrl)
+        ring.release_host(ctrl)
+    ring.close()
+    return 2 * rows * hidden * 2 / statistics.median(times[2:]) / 1e9
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=8.0, help="GiB drained per measurement")
+    ap.add_argument("--ring-mib", type=int, default=1024)
+    ap.add_argument("--staging-mib", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps-mib", default="16,64,256")
+    args = ap.parse_args(argv)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    ceiling = pinned_copy_gbs(256 << 20)
+    print(f"pinned cudaMemcpyAsync D2H, 256 MiB: {ceiling:.1f} GB/s (ceiling)")
+    kern = kernel_copy_gbs()
+    print(f"capture kernel D2D copy (8192 x 4096 bf16 rows): {kern:.0f} GB/s read+write")
+    rows = []
+    for mib in (int(m) for m in args.steps_mib.split(",")):
+        runs = [drain_gbs(mib, args.gib, args.ring_mib, args.staging_mib) for _ in range(args.repeats)]
+        med = statistics.median(r["gbs"] for r in runs)
+        rows.append((mib, runs[0]["steps"], med, [round(r["gbs"], 1) for r in runs],
+                     statistics.median(r["producer_stall_s"] for r in runs)))
+    print()
+    print("| step size | steps | drain GB/s (median) | runs | producer stalled (s, median) |")
+    print("| ---: | ---: | ---: | --- | ---: |")
+    for mib, steps, med, runs, stall in rows:
+        print(f"| {mib} MiB | {steps} | {med:.1f} | {runs} | {stall:.2f} |")
+    best = max(r[2] for r in rows)
+    print(f"\ndrain sustained: {best:.1f} GB/s = {best / ceiling:.0%} of the pinned-copy ceiling ({ceiling:.1f} GB/s)")
+    return {"ceiling_gbs": ceiling, "kernel_gbs": kern, "rows": rows, "best_gbs": best}
+
+
+if __name__ == "__main__":
+    main()

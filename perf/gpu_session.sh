@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call on the lent GPU machine: install carried wheels (zarr & co are missing there),
+# then run a part: `check` (GPU tests, drain microbenchmark, quick offline perf) or `perf` (the
+# offline matrix, arguments passed on). Full logs go to $OUT; the tail of each is printed.
+set -u
+OUT=${OUT:-/tmp/dmi-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import sys, torch, triton, transformers, zarr, numpy, cuda.bindings as cb; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, 'numpy', numpy.__version__, 'cuda-bindings', cb.__version__)"
+  df -h /dev/shm /tmp | tail -2
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+step() {   # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc=$? in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+part=${1:-check}; shift || true
+case "$part" in
+  check)
+    step drain 100 python3 perf/drain_bench.py --gib 4 --repeats 3
+    TAIL=40 step tests 320 python3 -m pytest -m gpu tests/gpu -q -ra --durations=8 -p no:cacheprovider
+    TAIL=30 step quick 150 python3 perf/offline.py --quick --no-internals --results "$OUT/RESULTS_quick.md" "$@"
+    ;;
+  diag)
+    TAIL=200 step diag 300 python3 perf/diagnose.py "$@"
+    TAIL=30 step tests2 200 python3 -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider -k "fullgraph or null"
+    ;;
+  perf)
+    TAIL=40 step perf "${PERF_LIMIT:-540}" python3 perf/offline.py --results "$OUT/RESULTS.md" "$@"
+    ;;
+  *)
+    "$part" "$@"
+    ;;
+esac

@@ -1,0 +1,361 @@
+"""Offline throughput of HF generate with dmi against vanilla, in one process on one GPU.
+
+Real-size configs with random weights (no downloads): Qwen3-0.6B, Qwen3-8B, Llama-3.1-8B in
+bfloat16; batched greedy generation of random prompts (lengths spread evenly over 16..192 tokens,
+left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
+``reduce-overhead``: CUDA graphs) generate. Rows, per model, batch and mode:
+
+* vanilla: the unpatched model (the denominator of every ratio);
+* dmi null: sites patched, capture disabled by the device flag (``run.set_enabled(False)``);
+* dmi hidden+logits: every layer's ``resid_post``, ``final_norm`` and last-token ``logits``,
+  full policy (lossless, backpressure), GPU ring <= 1 GiB where one prefill step fits it;
+  "-> zarr": written to a Zarr store (timed until the last row is in the store);
+  "-> host": the same capture drained to pinned host memory with the store writes skipped
+  (timed until the last row is on the host): the capture path without the exporter;
+* dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
+* baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
+  last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
+
+Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
+Ratio = tokens/s over vanilla's. Also printed: dmi's GPU memory (ring + control tensors), bytes
+captured per run, achieved D2H rate, drops, µs per enabled site per step ((t - t_vanilla) /
+(forward steps x sites)).
+
+    python perf/offline.py                      # Qwen3-8B, batch 32, eager + compiled, baselines, one Zarr run
+    python perf/offline.py --quick              # small smoke run (Qwen3-0.6B, batch 16, 32 tokens)
+    python perf/offline.py --models qwen3-0.6b,qwen3-8b,llama-3.1-8b --batches 16,32,64
+
+On the H200, ``--models qwen3-8b --batches 32 --modes compiled,eager --no-baselines --zarr-modes
+none`` took 397 s (three inductor compiles of about a minute each). The Zarr row is slow: the
+exporter writes about 0.1 GB/s (see RESULTS.md). Results are printed and written to RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dmi   # noqa: E402
+
+MODELS = {
+    "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                       rms_norm_eps=1e-6, max_position_embeddings=40960)),
+    "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                     rms_norm_eps=1e-6, max_position_embeddings=40960)),
+    "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                         tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 8192})),
+}
+MODELS["tiny"] = ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False,
+                                       max_position_embeddings=1024))    # smoke runs (CPU too)
+GiB = 1 << 30
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+_MODEL: dict = {}
+
+
+def build(name: str):
+    import transformers as tf
+    cls, kw = MODELS[name]
+    cfg = getattr(tf, cls)(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._name_or_path = f"random-{name}"
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32,
+                                                    attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None       # random weights: always generate every new token
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(batch: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(lo, hi, batch).round().astype(int)
+    rng.shuffle(lengths)
+    width = int(lengths.max())
+    ids = np.zeros((batch, width), np.int64)
+    mask = np.zeros((batch, width), np.int64)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:] = rng.integers(3, vocab, n)
+        mask[b, width - n:] = 1
+    return {"input_ids": torch.from_numpy(ids).to(DEV), "attention_mask": torch.from_numpy(mask).to(DEV)}, lengths
+
+
+def gen_kwargs(mode: str, new: int) -> dict:
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if mode == "compiled":
+        from transformers import CompileConfig
+        kw.update(cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+    return kw
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    _sync()
+    t = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t
+
+
+def hidden_spec(ring: int, host: int) -> dict:
+    return {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
+            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}}
+
+
+def internals_spec(ring: int, host: int) -> dict:
+    return {"capture": [{"sites": ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]}],
+            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}}
+
+
+def ring_for(step_bytes: int, floor: int = GiB) -> int:
+    """The ring: 1 GiB, or the next 256 MiB above one prefill step when that does not fit."""
+    need = int(step_bytes * 1.02) + (64 << 20)
+    return floor if need <= floor else -(-need // (256 << 20)) * (256 << 20)
+
+
+class Skip:
+    """Exporter stand-in: rows are drained to pinned host memory, then dropped (no store writes)."""
+
+    def __init__(self, run):
+        self.run, self.saved = run, run.exporter.write_step
+
+    def __enter__(self):
+        self.run.exporter.write_step = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        self.run.exporter.write_step = self.saved
+
+
+def store_dir() -> Path:
+    shm = Path("/dev/shm")
+    if shm.exists() and shutil.disk_usage(shm).free > 48 * GiB:
+        return Path(tempfile.mkdtemp(dir=shm, prefix="dmi-perf-"))
+    return Path(tempfile.mkdtemp(prefix="dmi-perf-"))
+
+
+def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
+    if name not in _MODEL:
+        _MODEL.clear()
+        gc.collect()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        _MODEL[name] = build(name)
+    model = _MODEL[name]
+    cfg = model.config
+    new = args.new_tokens if mode == "compiled" else args.eager_new_tokens
+    enc, lengths = prompts(batch, args.prompt_min, args.prompt_max, cfg.vocab_size)
+    kw = gen_kwargs(mode, new)
+    L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    real = int(lengths.sum())
+    hid_prefill = real * (L + 1) * H * 2 + batch * V * 2
+    hid_bytes = hid_prefill + (new - 1) * batch * ((L + 1) * H * 2 + V * 2)
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    int_row = L * (q_dim * 2 + kv_dim * 2 + 3 * H) * 2
+    int_bytes = (real + (new - 1) * batch) * int_row
+    reps = args.repeats
+    rows = {}
+
+    def record(label, timed_runs, run=None, sites=0, note=""):
+        times, before = timed_runs
+        t = statistics.median(times)
+        row = {"model": name, "batch": batch, "mode": mode, "config": label, "seconds": t, "runs": [round(x, 3) for x in times],
+               "tok_s": batch * new / t, "note": note}
+        if run is not None:
+            st = run.stats()
+            n = len(times)
+            row.update(bytes=(st["bytes_drained"] - before["bytes_drained"]) / max(n, 1),
+                       drops=st["dropped_captures"] - before["dropped_captures"],
+                       stall=(st["stall_seconds"] - before["stall_seconds"]) / max(n, 1),
+                       ring=run.plan.policy.ring_bytes, gpu_bytes=getattr(run.ring, "device_bytes", 0),
+                       sites=sites)
+            row["d2h_gbs"] = row["bytes"] / t / 1e9
+        rows[label] = row
+        out.append(row)
+        van = rows.get("vanilla")
+        ratio = van["seconds"] / t if van else 1.0
+        row["ratio"] = ratio
+        if van and sites:
+            row["us_site_step"] = (t - van["seconds"]) / (new * sites) * 1e6
+        log(f"  {name} b{batch} {mode:8s} {label:28s} {t:7.3f}s  ratio {ratio:.3f}  " +
+            (f"{row['bytes'] / 1e9:.2f} GB/run {row['d2h_gbs']:.1f} GB/s drops {row['drops']}" if run else "") + f" {note}")
+
+    def reps_of(fn, n=reps, run=None, warm=True):
+        for _ in range(warm * (2 if mode == "compiled" else 1)):
+            fn()                          # warm-up (compiles, records CUDA graphs in compiled mode)
+        before = run.stats() if run is not None else None
+        return [timed(fn) for _ in range(n)], before
+
+    with torch.no_grad():
+        record("vanilla", reps_of(lambda: model.generate(**enc, **kw)))
+        if mode == "eager" and not args.no_baselines:
+            record("baseline forward_hook->cpu", reps_of(lambda: _hooked(model, enc, kw), max(1, reps - 1)),
+                   note="(sync .to('cpu') of every layer output, final norm, last logits)")
+            record("baseline output_hidden_states", reps_of(lambda: model.generate(
+                **enc, **kw, output_hidden_states=True, output_logits=True, return_dict_in_generate=True),
+                max(1, reps - 1)), note="(kept on the GPU)")
+
+        sd = store_dir()
+        n_hidden = L + 2
+        ring = ring_for(hid_prefill)
+        torch._dynamo.reset()
+        run = dmi.load(model, hook_spec=hidden_spec(ring, args.host_mib << 20), store=sd / "hidden.zarr", overwrite=True)
+        try:
+            run.set_enabled(False)
+            record("dmi null", reps_of(lambda: model.generate(**enc, **kw), run=run), run, sites=n_hidden)
+            run.set_enabled(True)
+
+            def stepped(to_store: bool):
+                def go():
+                    model.generate(**enc, **kw)
+                    run.flush()
+                if to_store:
+                    return go
+                def skip():
+                    with Skip(run):
+                        go()
+                return skip
+            record("dmi hidden+logits -> host", reps_of(stepped(False), run=run), run, sites=n_hidden,
+                   note=f"ring {ring / GiB:.2f} GiB")
+            if not args.no_zarr and mode in args.zarr_modes.split(","):
+                record("dmi hidden+logits -> zarr", reps_of(stepped(True), max(1, min(reps, args.zarr_repeats)), run=run,
+                                                            warm=False), run, sites=n_hidden, note=f"store {sd}")
+        finally:
+            run.close()
+            shutil.rmtree(sd, ignore_errors=True)
+        del run
+        gc.collect()
+
+        if not args.no_internals:
+            sd = store_dir()
+            ring = ring_for(real * int_row)
+            torch._dynamo.reset()
+            run = dmi.load(model, hook_spec=internals_spec(ring, args.host_mib << 20), store=sd / "int.zarr",
+                           overwrite=True)
+            try:
+                def go():
+                    with Skip(run):
+                        model.generate(**enc, **kw)
+                        run.flush()
+                record("dmi internals -> host", reps_of(go, max(1, reps - 1), run=run), run, sites=7 * L,
+                       note=f"ring {ring / GiB:.2f} GiB, {int_bytes / 1e9:.1f} GB/run expected")
+            finally:
+                run.close()
+                shutil.rmtree(sd, ignore_errors=True)
+            del run
+            gc.collect()
+        torch._dynamo.reset()
+    log(f"  (bytes expected per run: hidden+logits {hid_bytes / 1e9:.2f} GB, prefill step {hid_prefill / 1e9:.2f} GB)")
+
+
+def _hooked(model, enc, kw):
+    """The naive baseline: forward hooks that copy to the CPU synchronously."""
+    sink = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: sink.append(o[0].detach().to("cpu") if isinstance(o, tuple)
+                                                                      else o.detach().to("cpu")))
+             for layer in model.model.layers]
+    hooks.append(model.model.norm.register_forward_hook(lambda m, a, o: sink.append(o.detach().to("cpu"))))
+    hooks.append(model.lm_head.register_forward_hook(lambda m, a, o: sink.append(o[:, -1].detach().to("cpu"))))
+    try:
+        model.generate(**enc, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(sink)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GB/run | D2H GB/s | drops | ring GiB | "
+            "dmi GPU MiB | µs/site/step |")
+    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        dm = r.get("bytes") is not None
+        cells = [r["model"], str(r["batch"]), r["mode"], r["config"], "%.0f" % r["tok_s"], "%.3f" % r["ratio"],
+                 "%.3f" % r["seconds"],
+                 "%.2f" % (r["bytes"] / 1e9) if dm else "", "%.1f" % r["d2h_gbs"] if dm else "",
+                 str(r["drops"]) if dm else "", "%.2f" % (r["ring"] / GiB) if dm else "",
+                 "%.0f" % (r["gpu_bytes"] / 2**20) if dm else "",
+                 "%.2f" % r["us_site_step"] if "us_site_step" in r else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-8b")
+    ap.add_argument("--batches", default="32")
+    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--new-tokens", type=int, default=256, help="new tokens in compiled mode")
+    ap.add_argument("--eager-new-tokens", type=int, default=128, help="new tokens in eager mode")
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--zarr-repeats", type=int, default=1)
+    ap.add_argument("--host-mib", type=int, default=2048, help="policy.host_bytes (pinned staging) in MiB")
+    ap.add_argument("--no-zarr", action="store_true")
+    ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
+    ap.add_argument("--no-internals", action="store_true")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, batch 16, 32 new tokens, 1 repeat")
+    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--json", default=os.environ.get("DMI_PERF_JSON"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.batches, args.new_tokens, args.eager_new_tokens, args.repeats = "qwen3-0.6b", "16", 32, 32, 1
+        args.zarr_repeats, args.zarr_modes = 1, "eager,compiled"
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.recompile_limit = 64
+    t0 = time.perf_counter()
+    out: list[dict] = []
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    log(f"{device_name} torch {torch.__version__} transformers "
+        f"{__import__('transformers').__version__} dmi {dmi.__version__}")
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for mode in args.modes.split(","):
+                log(f"{name} batch {batch} {mode}")
+                run_matrix(name, batch, mode, args, out, log)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1))
+    text = table(out)
+    cmd = "python perf/offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print("\n" + text)
+    print(f"\ncommand: {cmd.strip()}   total {time.perf_counter() - t0:.0f} s")
+    if args.results:
+        Path(args.results).write_text(
+            f"# Offline throughput ({device_name}, torch {torch.__version__}, "
+            f"transformers {__import__('transformers').__version__})\n\n`{cmd.strip()}`\n\n{text}\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Ring² on the GPU: the CUDA ring and its Triton kernels against the CPU (reference) path and the
+model's own outputs, bit for bit; wrap-around and backpressure; CUDA graphs (manual and
+torch.compile's reduce-overhead inside generate); fullgraph compile; null mode.
+
+Run on a CUDA machine: ``pytest -m gpu tests/gpu``.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import dmi
+from conftest import FAMILIES, MOE_FAMILIES, model_pair
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = "cuda"
+
+
+def _pair(family, attn="sdpa", dtype=torch.float32):
+    model, ref = model_pair(family, attn=attn)
+    return model.to(CUDA, dtype), ref.to(CUDA, dtype)
+
+
+def _enc(encoded):
+    return {k: v.to(CUDA) for k, v in encoded.items()}
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
+
+
+def _assert_stores_equal(a_path, b_path) -> int:
+    a, b = dmi.open(a_path), dmi.open(b_path)
+    n = 0
+    for node in a.subtree:
+        for v in list(node.dataset.data_vars) + list(node.dataset.coords):
+            x, y = node.dataset[v].values, b[node.path].dataset[v].values
+            assert x.shape == y.shape and x.dtype == y.dtype, (node.path, v, x.shape, y.shape)
+            assert np.array_equal(_bits(x), _bits(y)), (node.path, v)
+            n += 1
+    return n
+
+
+def _rows(mask: torch.Tensor, step: int):
+    if step == 0:
+        return [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if mask[b, s]]
+    return [(b, 0) for b in range(mask.shape[0])]
+
+
+def _expected(per_step, mask, pick):
+    return np.stack([pick(per_step[t], b, s) for t in range(len(per_step)) for b, s in _rows(mask, t)])
+
+
+SPEC_MAIN = """
+capture:
+  - sites: [resid_pre, resid_post, final_norm, attn.q, attn.k_rot, attn.v, attn.z, resid_mid, mlp.in, mlp.out]
+  - sites: [attn.pattern]
+    layers: [0, 1]
+    max_keys: 64
+  - sites: [attn.k]
+    layers: [2]
+    heads: [1]
+  - sites: [logits]
+    tokens: last
+policy: {ring_bytes: 16MiB}
+"""
+SPEC_REDUCE = """
+capture:
+  - sites: [mlp.out]
+    reduce: {norm: true}
+  - sites: [logits]
+    tokens: all
+policy: {ring_bytes: 16MiB}
+"""
+SPEC_TOPK = """
+capture:
+  - sites: [resid_post]
+    layers: [0]
+    tokens: {phase: decode, every_n_steps: 2}
+  - sites: [logits]
+    tokens: last
+    reduce: {topk: 7}
+policy: {ring_bytes: 16MiB}
+"""
+
+
+@pytest.mark.parametrize("family,dtype", [(f, torch.float32) for f in FAMILIES] + [("qwen3", torch.bfloat16)])
+def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, write_spec, tmp_path, monkeypatch):
+    enc = _enc(encoded)
+    new = 5
+    specs = {"main": SPEC_MAIN, "reduce": SPEC_REDUCE, "topk": SPEC_TOPK}
+    if family in MOE_FAMILIES:
+        specs["moe"] = "capture: [{sites: [moe.router_logits, moe.topk_ids, moe.topk_weights]}]\n"
+    for name, text in specs.items():
+        spec = write_spec(text, f"{name}.yaml")
+        outs = {}
+        for ring in ("cpu", "cuda"):
+            monkeypatch.setenv("DMI_RING", ring)
+            model, _ = _pair(family, dtype=dtype)
+            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}-{ring}.zarr") as run:
+                outs[ring] = run.model.generate(**enc, max_new_tokens=new, do_sample=False)
+                assert type(run.ring).__name__ == ("CudaRing" if ring == "cuda" else "CpuRing")
+        assert torch.equal(outs["cpu"], outs["cuda"])
+        n = _assert_stores_equal(tmp_path / f"{name}-cpu.zarr", tmp_path / f"{name}-cuda.zarr")
+        assert n > 10
+
+    # the CUDA captures are the model's own outputs
+    _, ref = _pair(family, dtype=dtype)
+    with torch.no_grad():
+        want = ref.generate(**enc, max_new_tokens=new, do_sample=False, output_hidden_states=True, output_logits=True,
+                            return_dict_in_generate=True)
+    assert torch.equal(outs["cuda"], want.sequences)
+    tree = dmi.open(tmp_path / "main-cuda.zarr")
+    mask = encoded["attention_mask"].bool()
+    hs = [[h.float().cpu() for h in step] for step in want.hidden_states]
+    rp = tree["layers/resid_post"].dataset.resid_post
+    for layer in range(ref.config.num_hidden_layers - 1):
+        np.testing.assert_array_equal(rp.sel(layer=layer).values, _expected(hs, mask, lambda st, b, s: st[layer + 1][b, s].numpy()))
+    np.testing.assert_array_equal(tree["final_norm"].dataset.final_norm.values,
+                                  _expected(hs, mask, lambda st, b, s: st[-1][b, s].numpy()))
+    np.testing.assert_array_equal(tree["logits"].dataset.logits.values, torch.cat(want.logits).float().cpu().numpy())
+
+
+def test_gpu_wraparound_and_backpressure_lossless(encoded, write_spec, tmp_path, monkeypatch):
+    enc = _enc(encoded)
+    sites = "capture: [{sites: [resid_post, mlp.out, final_norm]}]\n"
+    big = write_spec(sites + "policy: {ring_bytes: 64MiB}\n", "big.yaml")
+    small = write_spec(sites + "policy: {ring_bytes: 112KiB, meta_records: 32, host_bytes: 1MiB}\n", "small.yaml")
+    outs, runs = {}, {}
+    for name, spec, ring in (("ref", big, "cpu"), ("big", big, "cuda"), ("small", small, "cuda")):
+        monkeypatch.setenv("DMI_RING", ring)
+        model, _ = _pair("qwen3")
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
+            outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
+        runs[name] = run
+    small_run = runs["small"]
+    cap = small_run.ring.bytes.capacity
+    assert small_run.ring.bytes.head > 3 * cap                 # wrapped around several times
+    assert small_run.ring.next_seq > 4 * 32                    # so did the meta ring
+    st = small_run.stats()
+    assert st["dropped_captures"] == 0 and st["not_run"] == 0 and st["bytes_drained"] > 3 * cap
+    assert torch.equal(outs["ref"], outs["small"]) and torch.equal(outs["ref"], outs["big"])
+    _assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "small.zarr")
+    _assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "big.zarr")
+
+    # best effort with a ring smaller than the prefill: drops are accounted row for row
+    monkeypatch.setenv("DMI_RING", "cuda")
+    spec = write_spec("capture: [{sites: [resid_post], priority: 1}, {sites: [mlp.out]}]\n"
+                      "policy: {mode: best_effort, ring_bytes: 24KiB}\n", "be.yaml")
+    model, ref = _pair("qwen3")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "be.zarr") as run:
+        got = run.model.generate(**enc, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(got, ref.generate(**enc, max_new_tokens=4, do_sample=False))
+    attrs = dmi.open(tmp_path / "be.zarr").attrs
+    assert attrs["dropped_captures"] > 0
+    for site in attrs["sites"]:
+        assert attrs["rows_stored"][site] + attrs["rows_dropped"][site] + attrs["rows_not_computed"][site] \
+            == attrs["rows_selected"][site], site
+
+
+def test_manual_cuda_graph_replays_store_distinct_correct_records(write_spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("DMI_RING", "cuda")
+    spec = write_spec("capture: [{sites: [resid_post, final_norm, attn.q]}, {sites: [logits], tokens: last}]\n"
+                      "policy: {ring_bytes: 8MiB}\n")
+    model, ref = _pair("qwen3")
+    B, S, N = 4, 8, 6
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, 300, (B, S), generator=g) for _ in range(N)]
+    masks = []
+    for i in range(N):                                  # left padding that changes every replay
+        m = torch.ones(B, S, dtype=torch.long)
+        for b in range(B):
+            m[b, : (i + b) % 4] = 0
+        masks.append(m)
+    def mask4d(m):       # the model gets an additive 4D mask (no host syncs in HF's mask code while capturing)
+        keep = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & m.bool()[:, None, :]
+        return torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None].to(CUDA)
+
+    static_ids = inputs[0].to(CUDA).clone()
+    static_mask = masks[0].to(CUDA).clone()          # 2D: what run.begin_step reads (real rows, positions)
+    static_4d = mask4d(masks[0])
+    kw = dict(use_cache=False, output_hidden_states=True)
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "g.zarr") as run:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                   # warm-up: one eager step (the store's step 0)
+            run.begin_step(static_ids, static_mask)
+            run.model(input_ids=static_ids, attention_mask=static_4d, **kw)
+            run.end_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run.model(input_ids=static_ids, attention_mask=static_4d, **kw)
+        graph.replay()                                  # a replay with no step begun captures nothing
+        torch.cuda.synchronize()
+        assert run.stats()["steps"] == 1
+        got = []
+        for i in range(N):
+            static_ids.copy_(inputs[i].to(CUDA))
+            static_mask.copy_(masks[i].to(CUDA))
+            static_4d.copy_(mask4d(masks[i]))
+            run.begin_step(static_ids, static_mask)
+            graph.replay()
+            run.end_step()
+            got.append((out.logits[:, -1].float().cpu().clone(), out.hidden_states[1].cpu().clone(),
+                        out.hidden_states[-1].cpu().clone()))
+        assert run.stats()["steps"] == N + 1
+    tree = dmi.open(tmp_path / "g.zarr")
+    fin = tree["final_norm"].dataset
+    rp = tree["layers/resid_post"].dataset
+    lg = tree["logits"].dataset
+    for i in range(N):
+        logits, h1, hn = got[i]
+        m = masks[i].bool()
+        sel = fin.final_norm.values[fin.step.values == i + 1]
+        assert len(sel) == int(m.sum())                 # padding rows were not copied
+        np.testing.assert_array_equal(sel, hn[m].numpy())
+        np.testing.assert_array_equal(rp.resid_post.sel(layer=0).values[rp.step.values == i + 1], h1[m].numpy())
+        np.testing.assert_array_equal(lg.logits.values[lg.step.values == i + 1], logits.numpy())
+        with torch.no_grad():                           # and they are the unpatched model's numbers
+            want = ref(input_ids=inputs[i].to(CUDA), attention_mask=mask4d(masks[i]), **kw)
+        np.testing.assert_allclose(sel, want.hidden_states[-1].cpu()[m].numpy(), rtol=1e-5, atol=1e-5)
+    assert len(set(fin.step.values.tolist())) == N + 1
+
+
+def test_compile_fullgraph_inductor_no_graph_break(encoded, write_spec, tmp_path, monkeypatch):
+    """dmi adds no graph break: the patched forward breaks exactly as often as the unpatched one
+    (never, on transformers versions that compile whole; 5.17's output-capturing hook installer
+    takes a lock Dynamo cannot trace), and compiles with fullgraph=True wherever that does."""
+    monkeypatch.setenv("DMI_RING", "cuda")
+    enc = _enc(encoded)
+    spec = write_spec("capture: [{sites: [resid_post, final_norm, attn.q, mlp.out]}, "
+                      "{sites: [logits], tokens: last, reduce: {topk: 4}}]\n")
+    model, _ = _pair("qwen3")
+    with torch.no_grad():
+        model(**enc, output_hidden_states=True)     # transformers installs its output-capturing hooks
+        torch._dynamo.reset()
+        vanilla = torch._dynamo.explain(model.forward)(**enc)
+    torch._dynamo.reset()
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "c.zarr") as run:
+        explain = torch._dynamo.explain(run.model.forward)(**enc)
+        assert explain.graph_break_count == vanilla.graph_break_count, (explain.break_reasons, vanilla.break_reasons)
+        torch._dynamo.reset()
+        forward = torch.compile(run.model.forward, fullgraph=vanilla.graph_break_count == 0)
+        outs = [forward(**enc, output_hidden_states=True) for _ in range(2)]
+    torch._dynamo.reset()
+    tree = dmi.open(tmp_path / "c.zarr")
+    mask = encoded["attention_mask"].bool()
+    fin = tree["final_norm"].dataset
+    rp = tree["layers/resid_post"].dataset
+    top = tree["logits"].dataset
+    for k, out in enumerate(outs, start=1):              # step 0 was explain's trace
+        hs = [h.cpu() for h in out.hidden_states]
+        np.testing.assert_array_equal(fin.final_norm.values[fin.step.values == k], hs[-1][mask].numpy())
+        np.testing.assert_array_equal(rp.resid_post.sel(layer=0).values[rp.step.values == k], hs[1][mask].numpy())
+        want = torch.topk(out.logits[:, -1], 4, dim=-1)
+        np.testing.assert_array_equal(top.topk_values.values[top.step.values == k], want.values.cpu().numpy())
+        np.testing.assert_array_equal(top.topk_indices.values[top.step.values == k], want.indices.int().cpu().numpy())
+
+
+def test_generate_static_cache_reduce_overhead_cuda_graphs(encoded, write_spec, tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+    monkeypatch.setenv("DMI_RING", "cuda")
+    enc = _enc(encoded)
+    new = 12
+    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n"
+                      "policy: {ring_bytes: 4MiB}\n")
+    model, _ = _pair("qwen3", dtype=torch.bfloat16)
+    kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static",
+              compile_config=CompileConfig(mode="reduce-overhead"), output_logits=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "s.zarr") as run:
+        first = run.model.generate(**enc, **kw)             # compiles; cudagraph warm-up and recording
+        second = run.model.generate(**enc, **kw)            # replays
+        stats = run.stats()
+    skips = counters["inductor"]["cudagraph_skips"]
+    torch._dynamo.reset()
+    assert skips == 0, dict(counters["inductor"])
+    assert stats["steps"] == 2 * new and stats["dropped_captures"] == 0 and stats["not_run"] == 0
+    tree = dmi.open(tmp_path / "s.zarr")
+    lg = tree["logits"].dataset
+    want = torch.cat([torch.cat(first.logits), torch.cat(second.logits)]).float().cpu().numpy()
+    np.testing.assert_array_equal(lg.logits.values, want)       # every replay stored its own step
+    mask = encoded["attention_mask"]
+    B = mask.shape[0]
+    fin = tree["final_norm"].dataset
+    assert fin.sizes["token"] == 2 * (int(mask.sum()) + (new - 1) * B)
+    for gen in range(2):
+        steps = fin.step.values[fin.step.values // new == gen] - gen * new
+        pos = fin.position.values[fin.step.values // new == gen]
+        dec = steps > 0
+        # decode positions advance by one per step from each prompt's length
+        lengths = np.repeat(mask.sum(1).numpy()[None, :], new - 1, 0).reshape(-1)
+        np.testing.assert_array_equal(pos[dec], lengths + np.repeat(np.arange(new - 1), B))
+    assert torch.equal(first.sequences, second.sequences)
+
+
+def test_null_mode_launches_but_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("DMI_RING", "cuda")
+    enc = _enc(encoded)
+    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")
+    model, ref = _pair("qwen3")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "n.zarr") as run:
+        run.set_enabled(False)
+        got = run.model.generate(**enc, max_new_tokens=4, do_sample=False)
+        run.set_enabled(True)                           # the device flag comes back on at the next step
+        again = run.model(**enc).logits
+        run.flush()
+        stats = run.stats()
+    with torch.no_grad():
+        assert torch.equal(got, ref.generate(**enc, max_new_tokens=4, do_sample=False))
+        assert torch.equal(again, ref(**enc).logits)
+    assert stats["steps"] == 1 and stats["records"] == 5     # resid_post x3 layers, final_norm, logits
+    tree = dmi.open(tmp_path / "n.zarr")
+    assert tree["final_norm"].dataset.sizes["token"] == int(encoded["attention_mask"].sum())

@@ -1,0 +1,260 @@
+"""The CUDA path's Triton kernels on the CPU (Triton's interpreter), bit for bit against dmi.gather.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, so each test runs one section of this file
+in a subprocess that sets it before anything imports Triton. The sections exercise the capture
+and end-marker kernels directly (layouts, strides, compaction, flags, meta-ring wrap) and through
+the whole run (``DMI_RING=interpret``: the CUDA ring's control words and kernels over host
+memory), in both launch modes: eager (host-known counts) and graph (everything read from the
+device control tensor, as a replayed CUDA graph does).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _run(section: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, section], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"section {section} failed:\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+
+
+def test_kernel_rows_equal_reference():
+    _run("kernel")
+
+
+def test_generate_through_kernels_equals_cpu_path():
+    _run("generate")
+
+
+def test_tiny_ring_wraps_and_null_mode():
+    _run("wrap_null")
+
+
+# --- sections (run in the subprocess) ---------------------------------------------------------------
+def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
+    from dmi.plan import Output, SitePlan, TokenFilter
+    outputs = outputs or (Output(name, tuple(dims), tuple(shape), "float"),)
+    return SitePlan(index=index, name=name, canonical=name, layer=None, group=name, dims=tuple(dims),
+                    shape=tuple(shape), anchor={"layout": list(layout)}, tokens=TokenFilter(), outputs=tuple(outputs),
+                    reduce=reduce, heads=heads)
+
+
+def section_kernel() -> None:
+    import numpy as np
+    import torch
+
+    from dmi.gather import gather
+    from dmi.kernels import capture as K
+    from dmi.kernels.cuda_ring import _SiteLaunch
+    from dmi.plan import Output
+    from dmi.ring import META_DTYPE
+
+    rng = np.random.default_rng(0)
+    META = 8                                       # a small meta ring: sequence numbers wrap it
+    seq_no = 5
+
+    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1):
+        nonlocal seq_no
+        seq_no += 3
+        ctrl = torch.zeros(4096, dtype=torch.int64)
+        hdr = K.G_WORDS + K.S_WORDS * site.index
+        start, pad_start = 600, 500
+        pad = torch.from_numpy(rng.integers(0, 3, batch).astype(np.int64))
+        ctrl[:K.G_WORDS] = torch.tensor([armed, 11, batch, step_seq, 99, pad_start, 0, 0])
+        ctrl[pad_start:pad_start + batch] = pad
+        ctrl[start:start + len(rows)] = torch.from_numpy(rows)
+        ctrl[hdr:hdr + K.S_WORDS] = torch.tensor([1024, seq_no, len(rows), start, enabled])
+        ring = torch.full((1 << 20,), 0xAB, dtype=torch.uint8)   # poisoned: every byte read must be written
+        meta = np.zeros(META, META_DTYPE)
+        meta_t = torch.from_numpy(meta.view(np.int64))
+        counters = torch.zeros(site.index + 3, dtype=torch.int32)
+        outs, src_seq = gather(x, site, torch.from_numpy(rows), step_seq, batch, pad, dtype)
+        want = torch.cat([o.contiguous().reshape(-1).view(torch.uint8) for o in outs])
+
+        class R:                                   # the attributes _SiteLaunch reads from a ring
+            pass
+        r = R()
+        r.payload, r.ctrl, r.meta_dev, r.counters = ring, ctrl, meta_t, counters
+        r.meta_records, r.fence_idx, r.max_rows, r.ctrl_words = META, site.index + 2, 512, ctrl.numel()
+        r.arange, r.geometry, r.null = torch.arange(512), (batch, step_seq), False
+        launcher = _SiteLaunch(site, dtype, torch.device("cpu"))
+
+        class Step:                                # the host's view of the step (eager launches)
+            pass
+        st = Step()
+        st.tokens = Step()
+        st.tokens.batch, st.tokens.seq = batch, step_seq
+        st.slots = {site.index: Step()}
+        st.slots[site.index].rows = rows
+        st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
+        for eager in (st, None):
+            ring.fill_(0xAB)
+            meta[:] = 0
+            launcher.launch(r, x, eager)
+            rec = meta[seq_no % META]
+            if not (enabled and armed):
+                assert int(rec["seq"]) == 0 and bool((ring == 0xAB).all()), "a disabled capture wrote"
+                continue
+            assert int(rec["seq"]) == seq_no and int(rec["step"]) == 11 and int(rec["site"]) == site.index
+            assert int(rec["offset"]) == 1024 and int(rec["nbytes"]) == want.numel(), (rec, want.numel())
+            assert int(rec["rows"]) == outs[0].shape[0] and int(rec["src_seq"]) == src_seq
+            got = ring[1024:1024 + want.numel()]
+            assert torch.equal(got, want), (site.name, "eager" if eager else "graph")
+            assert bool((ring[1024 + want.numel():1024 + want.numel() + 64] == 0xAB).all()), "wrote past the record"
+            assert int(counters[site.index]) == 0
+
+    def rows_of(batch, seq, p=0.6):
+        keep = rng.random(batch * seq) < p
+        keep[-1] = True
+        return np.nonzero(keep)[0].astype(np.int64)
+
+    B, S = 3, 7
+    # plain sites (DIRECT): strides straight from the engine tensor
+    x = torch.randn(B, S, 96, dtype=torch.bfloat16)
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16)
+    q = torch.randn(B, S, 4, 16).transpose(1, 2)               # [batch, head, seq, head_dim], not contiguous
+    run_case(q, _site("q", ["batch", "head", "seq", "head_dim"], ["head", "head_dim"], [4, 16], index=3),
+             rows_of(B, S), B, S, torch.float32)
+    z = torch.randn(B, S, 4, 40)[..., 4:36]                     # strided view
+    run_case(z, _site("z", ["batch", "seq", "head", "head_dim"], ["head", "head_dim"], [4, 32], index=1),
+             rows_of(B, S), B, S, torch.float32)
+    tok = torch.randn(B * S, 10)                                # token-major (MoE router logits)
+    run_case(tok, _site("router", ["token", "expert"], ["expert"], [10], index=2), rows_of(B, S), B, S, torch.float32)
+    logits = torch.randn(B, 1, 50)                              # logits_to_keep=1: compaction
+    run_case(logits, _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50]), rows_of(B, S, 0.8), B, S,
+             torch.float32)
+    # flags: a dropped capture and an unarmed step write nothing
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
+             enabled=0)
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
+             armed=0)
+    # IDENTITY: head selection, dtype change, top-k with an odd k (two outputs, 2-byte words), norms, keys
+    run_case(q.to(torch.bfloat16), _site("qh", ["batch", "head", "seq", "head_dim"], ["head", "head_dim"], [4, 16],
+                                         outputs=(Output("qh", ("head", "head_dim"), (2, 16), "float"),), heads=(3, 1)),
+             rows_of(B, S), B, S, torch.bfloat16)
+    run_case(x.float(), _site("resid32", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S,
+             torch.bfloat16)
+    run_case(torch.randn(B, 1, 50, dtype=torch.bfloat16),
+             _site("topk", ["batch", "seq", "vocab"], ["vocab"], [50], reduce={"topk": 5},
+                   outputs=(Output("topk_values", ("k",), (5,), "float"), Output("topk_indices", ("k",), (5,), "int32"))),
+             rows_of(B, S, 0.8), B, S, torch.bfloat16)
+    run_case(x, _site("norm", ["batch", "seq", "hidden"], ["hidden"], [96], reduce={"norm": True},
+                      outputs=(Output("norm", (), (), "float"),)), rows_of(B, S), B, S, torch.bfloat16)
+    pat = torch.softmax(torch.randn(B, 4, S, 9), -1)           # 9 key columns, left padding up to 2
+    run_case(pat, _site("pattern", ["batch", "head", "seq", "key"], ["head", "key"], [4, 12]), rows_of(B, S), B, S,
+             torch.float32)
+    # the end-marker kernel publishes once and disarms
+    ctrl = torch.zeros(64, dtype=torch.int64)
+    ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 21, 0, 0, 0])
+    meta = np.zeros(META, META_DTYPE)
+    counters = torch.zeros(4, dtype=torch.int32)
+    K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3)
+    rec = meta[21 % META]
+    assert (int(rec["seq"]), int(rec["step"]), int(rec["site"]), int(rec["flags"])) == (21, 4, -1, 0)
+    assert int(ctrl[K.G_ARMED]) == 0
+    meta[:] = 0
+    K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3)
+    assert int(meta["seq"].max()) == 0, "an unarmed end marker was published"
+    print("kernel cases ok")
+
+
+def _compare_stores(a_path, b_path) -> int:
+    import numpy as np
+
+    import dmi
+    a, b = dmi.open(a_path), dmi.open(b_path)
+    n = 0
+    for node in a.subtree:
+        for v in list(node.dataset.data_vars) + list(node.dataset.coords):
+            x, y = node.dataset[v].values, b[node.path].dataset[v].values
+            assert x.shape == y.shape and x.dtype == y.dtype, (node.path, v, x.shape, y.shape)
+            if x.dtype.kind == "f":
+                assert np.array_equal(x.view(np.uint8 if x.itemsize == 1 else f"u{x.itemsize}"),
+                                      y.view(f"u{x.itemsize}")), (node.path, v)
+            else:
+                assert (x == y).all(), (node.path, v)
+            n += 1
+    return n
+
+
+def section_generate() -> None:
+    import tempfile
+
+    import torch
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
+    tmp = Path(tempfile.mkdtemp())
+    specs = {
+        "qwen3": {"capture": [{"sites": ["resid_pre", "resid_post", "final_norm", "attn.q", "attn.z", "mlp.in"]},
+                              {"sites": ["attn.pattern"], "layers": [0, 1], "max_keys": 64},
+                              {"sites": ["attn.k"], "heads": [1], "layers": [2]},
+                              {"sites": ["logits"], "tokens": "all"}]},
+        "qwen3_moe": {"capture": [{"sites": ["moe.router_logits", "moe.topk_ids", "resid_post"], "layers": [0]},
+                                  {"sites": ["logits"], "tokens": "last", "reduce": {"topk": 5}}]},
+    }
+    for family, spec in specs.items():
+        outs = {}
+        for kind in ("cpu", "eager", "graph"):
+            os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
+            model, _ = model_pair(family, attn="sdpa")
+            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
+                if kind == "graph":
+                    run.ring.graph_mode = True     # launches read everything from the device control tensor
+                outs[kind] = run.model.generate(**enc, max_new_tokens=3, do_sample=False)
+        for kind in ("eager", "graph"):
+            assert torch.equal(outs["cpu"], outs[kind])
+            n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
+            print(family, kind, "arrays equal:", n)
+
+
+def section_wrap_null() -> None:
+    import tempfile
+
+    import torch
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
+    tmp = Path(tempfile.mkdtemp())
+    big = {"capture": [{"sites": ["resid_post", "mlp.out", "final_norm"]}], "policy": {"ring_bytes": "8MiB"}}
+    small = {"capture": big["capture"], "policy": {"ring_bytes": "112KiB", "meta_records": 32}}   # ~one prefill
+    outs = {}
+    for name, spec, kind in (("big", big, "cpu"), ("small", small, "interpret")):
+        os.environ["DMI_RING"] = kind
+        model, _ = model_pair("qwen3")
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{name}.zarr") as run:
+            outs[name] = run.model.generate(**enc, max_new_tokens=30, do_sample=False)
+        if name == "small":
+            assert run.ring.bytes.head > 2 * run.ring.bytes.capacity, run.ring.bytes.head
+            assert run.ring.next_seq > 2 * 32
+            assert run.stats()["dropped_captures"] == 0
+    assert torch.equal(outs["big"], outs["small"])
+    print("wrap: arrays equal:", _compare_stores(tmp / "big.zarr", tmp / "small.zarr"))
+
+    os.environ["DMI_RING"] = "interpret"
+    model, ref = model_pair("qwen3")
+    with torch.no_grad(), dmi.load(model, hook_spec=big, store=tmp / "null.zarr") as run:
+        run.set_enabled(False)
+        got = run.model.generate(**enc, max_new_tokens=4, do_sample=False)
+        assert run.stats()["steps"] == 0 and run.stats()["records"] == 0
+    assert torch.equal(got, ref.generate(**enc, max_new_tokens=4, do_sample=False))
+    tree = dmi.open(tmp / "null.zarr")
+    assert tree["final_norm"].dataset.sizes["token"] == 0 and tree.attrs["dmi_status"] == "closed"
+    print("null ok")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null}[sys.argv[1]]()
