@@ -574,14 +574,15 @@ def test_arch_spec_anchor_missing_in_this_transformers(tmp_path, store):
         model(torch.tensor([[1, 2, 3]]))
 
 
-@pytest.mark.xfail(strict=True, reason="dmi/adapters/hf blames the first source edit of a module (attn.q), "
-                                      "not the site whose anchor is missing (attn.v)")
 def test_anchor_error_names_the_site_whose_anchor_is_missing(tmp_path, store):
     arch = qwen3_copy(tmp_path, "assign: value_states", "assign: no_such_variable")
+    model = build_tiny_model("tiny-qwen3")
     with pytest.raises(AnchorError) as info:
-        dmi.load(build_tiny_model("tiny-qwen3"), hook_spec={"capture": [{"sites": ["attn.q", "attn.v"]}]},
+        dmi.load(model, hook_spec={"capture": [{"sites": ["resid_post", "attn.q", "attn.v"]}]},
                  store=store, arch_spec=arch)
     check(info, AnchorError, file=arch, line=line_of(arch, "no_such_variable"), key="sites.attn.v.hf")
+    # nothing stays patched
+    assert not [m for m in model.modules() if "forward" in m.__dict__ or "_dmi_sites" in m.__dict__]
 
 
 # --- the model argument -----------------------------------------------------------------------------
@@ -760,3 +761,14 @@ def test_moe_site_on_a_dense_layer(write_spec, tmp_path):
     check(excinfo, SpecError, file=spec, line=2, key="capture[0].sites[0]",
           says=("'moe.topk_ids' does not exist on layer 1", "only on layers [0, 2]"))
     assert not (tmp_path / "o.zarr").exists()
+
+
+def test_failed_attach_leaves_no_module_patched(tmp_path, store):
+    # attn.q patches fine (source rewrite), then mlp.act's input parameter is missing
+    arch = qwen3_copy(tmp_path, "mlp.down_proj\", input: 0", "mlp.down_proj\", input: no_such_param")
+    model = build_tiny_model("tiny-qwen3")
+    with pytest.raises(AnchorError) as info:
+        dmi.load(model, hook_spec={"capture": [{"sites": ["attn.q", "mlp.act"]}]}, store=store, arch_spec=arch)
+    check(info, AnchorError, file=arch, key="sites.mlp.act.hf", says=("no_such_param",))
+    assert not [m for m in model.modules() if "forward" in m.__dict__ or "_dmi_sites" in m.__dict__]
+    assert not store.exists()

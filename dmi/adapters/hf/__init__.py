@@ -76,24 +76,29 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
             io[module][1].append((anchor["output"], handle))
 
     patched: list[torch.nn.Module] = []
-    for module, edits in source_edits.items():
-        try:
-            fn = rewrite_forward(type(module), tuple(sorted((e for _, e in edits), key=lambda e: e.canonical)))
-        except AnchorNotFound as e:
-            raise _anchor_error(arch, edits[0][0], module, str(e)) from None
-        setattr(module, SITES_ATTR, handles[module])
-        bind_rewritten(module, fn)
-        patched.append(module)
-    for module, (inputs, outputs) in io.items():
-        wrap_io(module, inputs, outputs)
-        patched.append(module)
-    _wrap_step(model, run)
-    patched.append(model)
 
     def detach() -> None:
         for m in patched:
             for name in ("forward", SITES_ATTR) + _STEP_ATTRS:
                 m.__dict__.pop(name, None)
+
+    try:
+        for module, edits in source_edits.items():
+            try:
+                fn = rewrite_forward(type(module), tuple(sorted((e for _, e in edits), key=lambda e: e.canonical)))
+            except AnchorNotFound as e:
+                raise _anchor_error(arch, e.site or edits[0][0], module, str(e)) from None
+            patched.append(module)
+            setattr(module, SITES_ATTR, handles[module])
+            bind_rewritten(module, fn)
+        for module, (inputs, outputs) in io.items():
+            patched.append(module)
+            wrap_io(module, inputs, outputs)
+        patched.append(model)
+        _wrap_step(model, run)
+    except BaseException:
+        detach()            # a half-patched model is never handed back
+        raise
     return detach
 
 

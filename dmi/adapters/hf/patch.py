@@ -77,7 +77,11 @@ def _statements(body: list[ast.stmt]):
 
 
 class AnchorNotFound(Exception):
-    pass
+    """``site``: the canonical site whose anchor is missing (None: the module as a whole)."""
+
+    def __init__(self, what: str, site: str | None = None):
+        super().__init__(what)
+        self.site = site
 
 
 def _find(fn_node: ast.FunctionDef, anchor: dict) -> tuple[ast.stmt, list]:
@@ -129,7 +133,10 @@ def rewrite_forward(cls: type, edits: tuple[SourceEdit, ...]):
     assert isinstance(fn_node, ast.FunctionDef), fn_node
     placed = []   # anchors are all found first, then inserts go in from the bottom up
     for edit in edits:
-        stmt, body = _find(fn_node, dict(edit.anchor))
+        try:
+            stmt, body = _find(fn_node, dict(edit.anchor))
+        except AnchorNotFound as e:
+            raise AnchorNotFound(str(e), edit.canonical) from None
         placed.append((body, body.index(stmt), _inserted(dict(edit.anchor), edit.canonical, stmt)))
     for body, index, new in reversed(sorted(placed, key=lambda p: p[1])):
         body.insert(index + 1, new)
