@@ -118,11 +118,11 @@ class ZarrExporter:
         nl = (len(g.sites),) if g.per_layer else ()
         coords = list(COORDS) + (["layer"] if g.per_layer else []) + (["head"] if first.heads else [])
         for o in first.outputs:
-            dtype = self.float_dtype if o.kind == "float" else np.dtype("int32")
+            dtype = self._stored(o.kind)
             arr = grp.create_array(o.name, shape=(0, *nl, *o.shape), chunks=(g.chunk_rows, *nl, *o.shape),
                                    compressors=self._compressors,
                                    dtype=dtype, dimension_names=[*lead, *o.dims],
-                                   fill_value=np.nan if o.kind == "float" else -1)
+                                   fill_value=-1 if o.kind == "int32" else np.nan)
             arr.attrs.update({"coordinates": " ".join(coords), "site": first.canonical,
                               "description": f"{first.canonical} {o.name}"})
             g.arrays[o.name] = arr
@@ -137,6 +137,9 @@ class ZarrExporter:
         grp.attrs.update({"site": first.canonical, "sites": [s.name for s in g.sites],
                           "tokens": dataclasses.asdict(first.tokens), "reduce": first.reduce or {}})
         g.pending = {k: [] for k in g.arrays if k not in ("layer", "head")}
+
+    def _stored(self, kind: str) -> np.dtype:
+        return self.float_dtype if kind == "float" else np.dtype(kind)
 
     # --- writing --------------------------------------------------------------------------------
     def write_step(self, ctrl, records, request_ids: list[str]) -> None:
@@ -164,20 +167,20 @@ class ZarrExporter:
             first = g.sites[0]
             blocks = {}
             for o in first.outputs:
-                dtype = self.float_dtype if o.kind == "float" else np.dtype("int32")
+                dtype = self._stored(o.kind)
                 shape = (n, len(g.sites), *o.shape) if g.per_layer else (n, *o.shape)
                 blocks[o.name] = np.empty(shape, dtype)
             for li, item in enumerate(got):
                 if item is None:    # this layer's capture was dropped: its rows stay NaN / -1
                     for o in first.outputs:
-                        blocks[o.name][:, li] = np.nan if o.kind == "float" else -1
+                        blocks[o.name][:, li] = -1 if o.kind == "int32" else np.nan
                     continue
                 s_rec, rec, data = item
                 if int(rec["rows"]) != n:
                     raise StoreError(f"site {g.sites[li].name}: record has {int(rec['rows'])} rows, expected {n}")
                 offset = 0
                 for o in first.outputs:
-                    src = self.capture_dtype if o.kind == "float" else "int32"
+                    src = self.capture_dtype if o.kind == "float" else o.kind
                     nb = n * o.row_elems * ITEMSIZE[src]
                     vals = _decode(data[offset:offset + nb], src).reshape(n, *o.shape)
                     offset += nb

@@ -60,13 +60,18 @@ def select_rows(x: torch.Tensor, flat: torch.Tensor, site: SitePlan, idx: torch.
         sel = sel.index_select(axis, heads if heads is not None else torch.tensor(site.heads, device=sel.device))
     if "key" in site.dims:
         sel = _align_keys(sel, site, batch_of_row, pad, check=check_keys)
-    sel = sel.to(dtype)
+    sel = sel.to(site_dtype(site, dtype))
     if site.reduce and "topk" in site.reduce:
         values, indices = torch.topk(sel, site.reduce["topk"], dim=-1)
         return [values, indices.to(torch.int32)]
     if site.reduce and site.reduce.get("norm"):
         return [torch.linalg.vector_norm(sel.float(), dim=-1).to(dtype)]
     return [sel]
+
+
+def site_dtype(site: SitePlan, float_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a site is captured in: the model's float dtype unless the spec says otherwise."""
+    return {"int32": torch.int32, "float32": torch.float32}.get(site.outputs[0].kind, float_dtype)
 
 
 def check_max_keys(site: SitePlan, keys: int, min_pad: int) -> None:

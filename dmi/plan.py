@@ -49,7 +49,10 @@ class Output:
     name: str
     dims: tuple[str, ...]
     shape: tuple[int, ...]
-    kind: str            # 'float' (stored in the plan's float dtype) or 'int32'
+    kind: str            # 'float' (the model's float dtype), 'float32' or 'int32'
+
+    def itemsize(self, float_itemsize: int) -> int:
+        return float_itemsize if self.kind == "float" else 4
 
     @property
     def row_elems(self) -> int:
@@ -74,7 +77,7 @@ class SitePlan:
     priority: int = 0
 
     def row_bytes(self, float_itemsize: int) -> int:
-        return sum(o.row_elems * (float_itemsize if o.kind == "float" else 4) for o in self.outputs)
+        return sum(o.row_elems * o.itemsize(float_itemsize) for o in self.outputs)
 
 
 @dataclass
@@ -243,6 +246,10 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                              fix=f"write [start, stop) with stop > start, e.g. [{start}, {start + 1}]")
         reduce = entry.get("reduce")
         leaf = canonical.split(".")[-1]
+        kind = site.get("dtype", "float")
+        if reduce and kind == "int32":
+            raise hook.error(path + ("reduce",), f"site {canonical!r} holds integers: it cannot be reduced",
+                             fix=f"capture {canonical} without reduce")
         if reduce and "topk" in reduce:
             k = reduce["topk"]
             if k > out_shape[-1]:
@@ -254,7 +261,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
         elif reduce and reduce.get("norm"):
             outputs = (Output("norm", tuple(sdims[:-1]), tuple(out_shape[:-1]), "float"),)
         else:
-            outputs = (Output(leaf, sdims, tuple(out_shape), "float"),)
+            outputs = (Output(leaf, sdims, tuple(out_shape), kind),)
         group = ("layers/" if layer is not None else "") + canonical.replace(".", "/")
         sites.append(SitePlan(index=len(sites), name=full, canonical=canonical, layer=layer, group=group,
                               dims=sdims, shape=shape, anchor=site.get("hf", {}),

@@ -71,3 +71,24 @@ def test_close_detaches_and_model_is_unchanged(encoded, write_spec, tmp_path):
     # every site of the family was captured, and each group has rows
     tree = dmi.open(tmp_path / "o.zarr")
     assert tree.attrs["dmi_status"] == "closed" and tree.attrs["steps"] == 0
+
+
+def test_moe_ids_and_float32_weights_keep_their_dtype_in_bf16(encoded, write_spec, tmp_path):
+    """Expert ids are stored as int32 and Mixtral's float32 routing weights as float32, even when
+    the model runs in bfloat16 (a bf16 cast would round ids above 256 and the weights)."""
+    import copy
+    model = build_tiny_model("tiny-mixtral", dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    seen = {}
+    ref.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, o: seen.update(w=o[1], ids=o[2]))
+    spec = write_spec("capture: [{sites: [moe.topk_ids, moe.topk_weights], layers: [0]}]\n")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model(**encoded)
+        ref(**encoded)
+    tree = dmi.open(tmp_path / "o.zarr")
+    valid = encoded["attention_mask"].bool().reshape(-1).numpy()
+    ids = tree["layers/moe/topk_ids"].dataset.topk_ids.sel(layer=0)
+    weights = tree["layers/moe/topk_weights"].dataset.topk_weights.sel(layer=0)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32 and seen["w"].dtype == torch.float32
+    np.testing.assert_array_equal(ids.values, seen["ids"].numpy()[valid])
+    np.testing.assert_array_equal(weights.values, seen["w"].numpy()[valid])

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureError, PolicyError
-from ..gather import check_max_keys, select_rows, token_major
+from ..gather import check_max_keys, select_rows, site_dtype, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl
 from . import capture as K
 
@@ -289,11 +289,11 @@ class _SiteLaunch:
     def __init__(self, site, dtype: torch.dtype, device: torch.device):
         self.site = site
         self.layout = site.anchor["layout"]
-        self.dtype = dtype
+        self.dtype = site_dtype(site, dtype)      # a direct copy needs the engine tensor in this dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.plain = site.heads is None and "key" not in site.dims and not site.reduce
         self.heads = torch.tensor(site.heads, device=device) if site.heads is not None else None
-        self.row_bytes = [o.row_elems * (self.itemsize if o.kind == "float" else 4) for o in site.outputs]
+        self.row_bytes = [o.row_elems * o.itemsize(self.itemsize) for o in site.outputs]
 
     def _batch(self, x, ring, eager):
         if self.layout[0] != "token":
