@@ -179,7 +179,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     try:
-        run.close()
+        run.close(error=failed)   # a failed capture leaves a consistent store marked 'failed'
     except BaseException as e:    # noqa: BLE001
         if failed is None:
             failed = e

@@ -289,10 +289,12 @@ class Run:
         """Name the rows of the next batch that starts (else they are r0, r1, ...)."""
         self.requests.set_next(list(ids))
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Flush everything captured and close the store. ``error``: the caller failed (the
+        store is then marked ``failed``, not ``closed``, though all it holds is consistent)."""
         if self._closed:
             return
-        self.ring.end_step(aborted=False)       # a step whose forward never finished
+        self.ring.end_step(aborted=error is not None)       # a step whose forward never finished
         self._external = False
         self._closed = True
         self._drain.join()
@@ -301,8 +303,9 @@ class Run:
         if self._detach is not None:
             self._detach()
         unregister_run(self.id)
-        clean = self.ring.error is None
-        summary = self.stats() | {"drops": list(self.ring.stats.drops),
+        clean = self.ring.error is None and error is None
+        summary = self.stats() | {"error": None if error is None else f"{type(error).__name__}: {error}",
+                                  "drops": list(self.ring.stats.drops),
                                   "rows_dropped": {s.name: sum(d.rows for d in self.ring.stats.drops if d.site == s.index)
                                                    for s in self.plan.sites},
                                   "rows_selected": {s.name: self.rows_selected[s.index] for s in self.plan.sites},
@@ -315,8 +318,8 @@ class Run:
     def __enter__(self) -> "Run":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(error=exc)
 
     def __repr__(self) -> str:
         return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} store={self.store!r}>"

@@ -92,3 +92,18 @@ def test_moe_ids_and_float32_weights_keep_their_dtype_in_bf16(encoded, write_spe
     assert ids.dtype == np.int32 and weights.dtype == np.float32 and seen["w"].dtype == torch.float32
     np.testing.assert_array_equal(ids.values, seen["ids"].numpy()[valid])
     np.testing.assert_array_equal(weights.values, seen["w"].numpy()[valid])
+
+
+def test_a_failing_with_block_marks_the_store_failed(encoded, write_spec, tmp_path):
+    model, _ = model_pair("qwen3")
+    spec = write_spec("capture: [{sites: [final_norm]}]\n")
+    try:
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+            run.model(**encoded)
+            raise KeyError("user code failed")
+    except KeyError:
+        pass
+    tree = dmi.open(tmp_path / "o.zarr")
+    assert tree.attrs["dmi_status"] == "failed" and "user code failed" in tree.attrs["error"]
+    # what was captured before the failure is all there
+    assert tree["final_norm"].dataset.sizes["token"] == int(encoded["attention_mask"].sum())
