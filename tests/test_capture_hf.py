@@ -7,20 +7,9 @@ import torch
 
 import dmi
 from conftest import FAMILIES, MOE_FAMILIES, model_pair
+from storecheck import expected_rows as _expected, generate_rows as _rows
 
 NEW_TOKENS = 4
-
-
-def _rows(mask: torch.Tensor, step: int):
-    """(batch row, step-local position) of the real rows of generate step ``step``, in capture order."""
-    if step == 0:
-        return [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if mask[b, s]]
-    return [(b, 0) for b in range(mask.shape[0])]
-
-
-def _expected(per_step, mask, pick):
-    """Stack reference rows in capture order; ``pick(step_tensors, b, s)`` reads one row."""
-    return np.stack([pick(per_step[t], b, s) for t in range(len(per_step)) for b, s in _rows(mask, t)])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,6 +14,7 @@ import torch
 
 import dmi
 from conftest import FAMILIES, MOE_FAMILIES, model_pair
+from storecheck import assert_stores_equal, expected_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -28,32 +29,6 @@ def _pair(family, attn="sdpa", dtype=torch.float32):
 
 def _enc(encoded):
     return {k: v.to(CUDA) for k, v in encoded.items()}
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
-
-
-def _assert_stores_equal(a_path, b_path) -> int:
-    a, b = dmi.open(a_path), dmi.open(b_path)
-    n = 0
-    for node in a.subtree:
-        for v in list(node.dataset.data_vars) + list(node.dataset.coords):
-            x, y = node.dataset[v].values, b[node.path].dataset[v].values
-            assert x.shape == y.shape and x.dtype == y.dtype, (node.path, v, x.shape, y.shape)
-            assert np.array_equal(_bits(x), _bits(y)), (node.path, v)
-            n += 1
-    return n
-
-
-def _rows(mask: torch.Tensor, step: int):
-    if step == 0:
-        return [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if mask[b, s]]
-    return [(b, 0) for b in range(mask.shape[0])]
-
-
-def _expected(per_step, mask, pick):
-    return np.stack([pick(per_step[t], b, s) for t in range(len(per_step)) for b, s in _rows(mask, t)])
 
 
 SPEC_MAIN = """
@@ -106,7 +81,7 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
                 outs[ring] = run.model.generate(**enc, max_new_tokens=new, do_sample=False)
                 assert type(run.ring).__name__ == ("CudaRing" if ring == "cuda" else "CpuRing")
         assert torch.equal(outs["cpu"], outs["cuda"])
-        n = _assert_stores_equal(tmp_path / f"{name}-cpu.zarr", tmp_path / f"{name}-cuda.zarr")
+        n = assert_stores_equal(tmp_path / f"{name}-cpu.zarr", tmp_path / f"{name}-cuda.zarr")
         assert n > 10
 
     # the CUDA captures are the model's own outputs
@@ -120,9 +95,9 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
     hs = [[h.float().cpu() for h in step] for step in want.hidden_states]
     rp = tree["layers/resid_post"].dataset.resid_post
     for layer in range(ref.config.num_hidden_layers - 1):
-        np.testing.assert_array_equal(rp.sel(layer=layer).values, _expected(hs, mask, lambda st, b, s: st[layer + 1][b, s].numpy()))
+        np.testing.assert_array_equal(rp.sel(layer=layer).values, expected_rows(hs, mask, lambda st, b, s: st[layer + 1][b, s].numpy()))
     np.testing.assert_array_equal(tree["final_norm"].dataset.final_norm.values,
-                                  _expected(hs, mask, lambda st, b, s: st[-1][b, s].numpy()))
+                                  expected_rows(hs, mask, lambda st, b, s: st[-1][b, s].numpy()))
     np.testing.assert_array_equal(tree["logits"].dataset.logits.values, torch.cat(want.logits).float().cpu().numpy())
 
 
@@ -145,8 +120,8 @@ def test_gpu_wraparound_and_backpressure_lossless(encoded, write_spec, tmp_path,
     st = small_run.stats()
     assert st["dropped_captures"] == 0 and st["not_run"] == 0 and st["bytes_drained"] > 3 * cap
     assert torch.equal(outs["ref"], outs["small"]) and torch.equal(outs["ref"], outs["big"])
-    _assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "small.zarr")
-    _assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "big.zarr")
+    assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "small.zarr")
+    assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "big.zarr")
 
     # best effort with a ring smaller than the prefill: drops are accounted row for row
     monkeypatch.setenv("DMI_RING", "cuda")

@@ -1,0 +1,35 @@
+"""Helpers shared by test files (and the TRITON_INTERPRET subprocess): reference rows of a
+generate() call in capture order, and bit-for-bit store comparison."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def generate_rows(mask, step: int):
+    """(batch row, step-local position) of the real rows of generate step ``step``, in capture order."""
+    if step == 0:
+        return [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if mask[b, s]]
+    return [(b, 0) for b in range(mask.shape[0])]
+
+
+def expected_rows(per_step, mask, pick):
+    """Stack reference rows in capture order; ``pick(step_tensors, b, s)`` reads one row."""
+    return np.stack([pick(per_step[t], b, s) for t in range(len(per_step)) for b, s in generate_rows(mask, t)])
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
+
+
+def assert_stores_equal(a_path, b_path) -> int:
+    """Every array and coordinate of two stores equal bit for bit (NaN too); returns how many."""
+    import dmi
+    a, b = dmi.open(a_path), dmi.open(b_path)
+    n = 0
+    for node in a.subtree:
+        for v in list(node.dataset.data_vars) + list(node.dataset.coords):
+            x, y = node.dataset[v].values, b[node.path].dataset[v].values
+            assert x.shape == y.shape and x.dtype == y.dtype, (node.path, v, x.shape, y.shape)
+            assert np.array_equal(_bits(x), _bits(y)), (node.path, v)
+            n += 1
+    return n
