@@ -188,8 +188,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
             matched = _match(pattern, candidates)
             if not matched:
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
-                raise hook.error(path + ("sites", j), _no_match_message(pattern, arch, canonical_names, n_layers, where),
-                                 fix=_no_match_fix(pattern, arch, canonical_names, n_layers, where))
+                problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where)
+                raise hook.error(path + ("sites", j), problem, fix=fix)
             if layers is not None:
                 matched = [m for m in matched if m[2] is None or m[2] in layers]
                 if not matched:
@@ -294,30 +294,24 @@ def _split_layer(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
-def _no_match_message(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> str:
+def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> tuple[str, str]:
+    """(problem, fix) for a site pattern that matched nothing."""
     layer, base = _split_layer(pattern)
-    if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
-        return f"site pattern {pattern!r} matches nothing: {base!r} is a model-level site, not a per-layer one"
-    if base in canonical and layer is not None and where and str(layer).isdigit() and int(layer) < n_layers:
-        return f"site {base!r} does not exist on layer {layer} of this model (only on layers {where})"
-    if base in canonical and layer is not None:
-        return f"site pattern {pattern!r} matches no layer of this model (it has {n_layers} layers: 0..{n_layers - 1})"
-    if base in canonical:
-        return f"site pattern {pattern!r} matches no site of this model"
-    return f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}"
-
-
-def _no_match_fix(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> str:
-    layer, base = _split_layer(pattern)
-    if base in canonical and layer is not None and not arch.data["sites"][base].get("per_layer"):
-        return f"write {base!r} without 'layers.{layer}.'"
-    if base in canonical and layer is not None and where and str(layer).isdigit() and int(layer) < n_layers:
-        return f"capture {base} on layers {where} (e.g. layers.{where[0]}.{base}), or {base!r} for all of them"
-    if base in canonical and layer is not None:
-        return f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer"
+    known = base in canonical
+    if known and layer is not None and not arch.data["sites"][base].get("per_layer"):
+        return (f"site pattern {pattern!r} matches nothing: {base!r} is a model-level site, not a per-layer one",
+                f"write {base!r} without 'layers.{layer}.'")
+    if known and layer is not None and where and str(layer).isdigit() and int(layer) < n_layers:
+        return (f"site {base!r} does not exist on layer {layer} of this model (only on layers {where})",
+                f"capture {base} on layers {where} (e.g. layers.{where[0]}.{base}), or {base!r} for all of them")
+    if known and layer is not None:
+        return (f"site pattern {pattern!r} matches no layer of this model (it has {n_layers} layers: 0..{n_layers - 1})",
+                f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer")
+    problem = (f"site pattern {pattern!r} matches no site of this model" if known
+               else f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}")
     close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-    return f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
+    return problem, f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
 
 
 def _policy(hook: Document) -> Policy:

@@ -62,9 +62,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
         handle = SiteHandle(run.id, s.index, run.ticket)
         if "assign" in anchor or "compute" in anchor:
-            frozen = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else
-                                   tuple(v) if isinstance(v, list) else v) for k, v in anchor.items()))
-            source_edits[module].append((s.canonical, SourceEdit(s.canonical, frozen)))
+            source_edits[module].append((s.canonical, SourceEdit.of(s.canonical, anchor)))
             handles[module][s.canonical] = handle
         elif "input" in anchor:
             try:

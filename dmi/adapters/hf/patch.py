@@ -32,7 +32,13 @@ SITES_ATTR = "_dmi_sites"
 @dataclass(frozen=True)
 class SourceEdit:
     canonical: str
-    anchor: tuple          # frozen anchor items
+    anchor: tuple          # frozen anchor items (hashable: rewritten functions are cached by them)
+
+    @classmethod
+    def of(cls, canonical: str, anchor: dict, keys: tuple[str, ...] | None = None) -> "SourceEdit":
+        items = ((k, tuple(sorted(v.items())) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
+                 for k, v in anchor.items() if keys is None or k in keys)
+        return cls(canonical, tuple(sorted(items)))
 
 
 def _dmi_site(module, canonical: str, x):

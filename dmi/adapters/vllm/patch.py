@@ -140,6 +140,9 @@ def anchor_error(arch, site_name: str, obj, what: str) -> AnchorError:
         f"anchor in {arch.file} to this version's source ({src})")
 
 
+_SOURCE_KEYS = ("assign", "occurrence", "from_call", "compute", "after_call", "args")
+
+
 def attach(model: torch.nn.Module, plan, arch, run) -> callable:
     """Patch every planned site (its ``anchor`` is the spec's ``vllm`` entry) into ``model``."""
     source_edits: dict = defaultdict(list)
@@ -156,10 +159,7 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
             if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module
                 a = dict(a, compute=f"vllm_{a['compute']}", args=dict(a["args"], layer="self"))
                 obj._dmi_pattern = (s.shape[0], s.shape[-1])       # (heads, max_keys): constants for the op
-            frozen = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else
-                                   tuple(v) if isinstance(v, list) else v) for k, v in a.items()
-                                  if k in ("assign", "occurrence", "from_call", "compute", "after_call", "args")))
-            source_edits[obj].append(SourceEdit(s.canonical, frozen))
+            source_edits[obj].append(SourceEdit.of(s.canonical, a, _SOURCE_KEYS))
             handles[obj][s.canonical] = handle
             continue
         method = a.get("method", "forward")
