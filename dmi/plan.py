@@ -98,7 +98,7 @@ class Plan:
     layers: int
     store_dtype: str = "native"
     chunk_bytes: int = 4 << 20
-    compression: str = "none"
+    compression: str = "lz4"
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -270,7 +270,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
 
     policy = _policy(hook)
     plan = Plan(family=arch.data["family"], sites=sites, policy=policy, layers=n_layers, store_dtype=store_dtype,
-                chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "none"),
+                chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 arch_file=arch.file,
                 hook_file=hook.file, hook_spec=spec)
     check_policy_fits(plan, model_dtype_itemsize, hook)

@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="dmi-exporter-bench-"))
     print(f"{'compression':12s} {'captured GB/s (median)':>24s}  runs")
-    for comp in ("none", "zstd"):
+    for comp in ("lz4", "none", "zstd"):
         runs = [bench(comp, args.steps, args.tokens, base / f"{comp}.zarr") for _ in range(args.repeats)]
         print(f"{comp:12s} {statistics.median(runs):24.2f}  {[round(r, 2) for r in runs]}")
     shutil.rmtree(base, ignore_errors=True)
