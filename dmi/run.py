@@ -80,18 +80,14 @@ class Run:
         self._external = False
         self.ring.end_step(device=True)
 
-    def stepped(self, fn):
+    def stepped(self, fn, step_inputs):
         """``fn`` (a callable running one forward, e.g. transformers' compiled forward) with the
         step's host work done around it instead of inside it: required when ``fn`` replays a CUDA
-        graph (``torch.compile(mode="reduce-overhead")``)."""
+        graph (``torch.compile(mode="reduce-overhead")``). ``step_inputs(args, kwargs)`` is the
+        adapter's reading of a call: (tokens, attention_mask, position_ids, cache)."""
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            tokens = kwargs.get("input_ids")
-            tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
-            tokens = tokens if tokens is not None else args[0]
-            cache = kwargs.get("past_key_values")
-            self.begin_step(tokens, kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                            cache if cache is not None else kwargs.get("cache"))
+            self.begin_step(*step_inputs(args, kwargs))
             try:
                 out = fn(*args, **kwargs)
             except BaseException:

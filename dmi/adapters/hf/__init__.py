@@ -100,25 +100,32 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
     return detach
 
 
+def _step_inputs(given: dict) -> tuple:
+    """(tokens, attention_mask, position_ids, cache) of a causal-LM call, by argument name:
+    transformers 5.24 renamed past_key_values to cache."""
+    tokens = given.get("input_ids")
+    tokens = tokens if tokens is not None else given.get("inputs_embeds")
+    cache = given.get("past_key_values")
+    cache = cache if cache is not None else given.get("cache")
+    return tokens, given.get("attention_mask"), given.get("position_ids"), cache
+
+
 def _wrap_step(model: torch.nn.Module, run) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
     inner = model.forward
     ticket, run_id = run.ticket, run.id
     params = list(inspect.signature(inner).parameters)
 
+    def step_inputs(args, kwargs):
+        return _step_inputs({**dict(zip(params, args)), **kwargs})
+
     @functools.wraps(inner)   # keeps the signature: generate() inspects it (e.g. logits_to_keep)
     def forward(*args, **kwargs):
-        # arguments by name, not position: transformers 5.24 renamed past_key_values to cache
-        given = {**dict(zip(params, args)), **kwargs}
-        tokens = given.get("input_ids")
-        tokens = tokens if tokens is not None else given.get("inputs_embeds")
-        cache = given.get("past_key_values")
-        cache = cache if cache is not None else given.get("cache")
+        tokens, mask, position_ids, cache = step_inputs(args, kwargs)
         past_len = cache.get_seq_length() if cache is not None else 0
         past_t = past_len if isinstance(past_len, torch.Tensor) else None      # static caches keep it on device
-        mask = given.get("attention_mask")
         mask = mask if isinstance(mask, torch.Tensor) else None
-        torch.ops.dmi.step_begin(tokens, mask, given.get("position_ids"), 0 if past_t is not None else past_len,
+        torch.ops.dmi.step_begin(tokens, mask, position_ids, 0 if past_t is not None else past_len,
                                  past_t, ticket, run_id)
         out = inner(*args, **kwargs)
         torch.ops.dmi.step_end(ticket, run_id)
@@ -140,7 +147,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
 
     @functools.wraps(compiled_call)
     def get_compiled_call(*args, **kwargs):
-        return run.stepped(compiled_call(*args, **kwargs))
+        return run.stepped(compiled_call(*args, **kwargs), step_inputs)
 
     model.prepare_inputs_for_generation = prepare_inputs_for_generation
     model.get_compiled_call = get_compiled_call
