@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import zarr
 from zarr.codecs import BloscCodec
 
 from .errors import StoreError
@@ -82,7 +83,6 @@ def check_writable(path: str | Path, overwrite: bool) -> Path:
 
 class ZarrExporter:
     def __init__(self, path: str | Path, plan: Plan, capture_dtype: str, attrs: dict, overwrite: bool = False):
-        import zarr
         self.path = check_writable(path, overwrite)
         if self.path.exists():
             shutil.rmtree(self.path)
@@ -220,7 +220,6 @@ class ZarrExporter:
         g.pending_rows -= n
 
     def close(self, summary: dict, clean: bool = True) -> None:
-        import zarr
         for done in [self._pool.submit(self._flush, g, False) for g in self.groups.values()]:
             done.result()
         self._pool.shutdown()
