@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DmiError, SpecError
-from .exporter import check_writable
+from .exporter import check_resumable, check_writable
 from .plan import build_plan
 from .run import Run
 from .spec import find_arch_spec, load_arch_spec, load_hook_spec
@@ -50,12 +50,14 @@ def _resolve_model(model: Any, dtype=None, device=None, **hf_kwargs):
 
 
 def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = None, *, backend: str = "hf",
-         arch_spec: str | Path | dict | None = None, overwrite: bool = False, dtype=None, device=None,
-         **engine_kwargs) -> Run:
+         arch_spec: str | Path | dict | None = None, overwrite: bool = False, resume: bool = False, dtype=None,
+         device=None, **engine_kwargs) -> Run:
     """Load (or take) a model, patch the hook spec's sites into it and start capturing into ``store``.
 
     model: a transformers model, a ``PretrainedConfig``, a built-in tiny model name (``tiny-qwen3``,
     ``tiny-llama3_1``, ``tiny-qwen3_moe``, ``tiny-mixtral``) or a path / hub id for ``from_pretrained``.
+    resume: append to an existing store (one whose run crashed, or a closed one) after its last
+    committed step; the hook spec and the model must be the ones it was written with.
     """
     if backend == "vllm":     # engine keywords go to vllm.LLM; the run's .llm is that LLM
         from .adapters import vllm as vllm_adapter
@@ -70,17 +72,23 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
         raise SpecError("no store given", file=hook.file, key="store.path",
                         line=hook.line_of(("store",)) if "store" in hook.data else None,
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
-    check_writable(store, overwrite)      # before the model loads: a bad store path fails fast
+    if resume and overwrite:
+        raise DmiError("dmi.load: resume=True and overwrite=True contradict each other. Fix: pass one of them")
+    if resume:                            # before the model loads: a store that cannot be resumed fails fast
+        check_resumable(store, {"hook_spec": hook.data}, hook.file)
+    else:
+        check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
     m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
-    run = Run(m, plan, str(store), overwrite=overwrite)
+    run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)
     try:
         run._detach = hf.attach(m, plan, arch, run)
     except BaseException:
         run.close()
-        shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
+        if not resume:
+            shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
         raise
     return run
 
@@ -97,9 +105,33 @@ def _check_version(arch) -> None:
 
 
 def open_store(path: str | Path):
-    """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase coordinates)."""
+    """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase coordinates).
+
+    A closed store opens from its consolidated metadata. A store still open (being written, or
+    whose writer died: ``dmi_status: open``) opens from each array's own metadata, never from
+    consolidated metadata (stale once rows are appended), and is cut to its last committed step
+    (root attribute ``dmi_committed``), so every group holds the same whole steps."""
+    import json
+
     import xarray as xr
     from .errors import StoreError
-    if not Path(path).exists():
+    p = Path(path)
+    if not p.exists():
         raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
-    return xr.open_datatree(str(path), engine="zarr", consolidated=True)
+    try:
+        meta = json.loads((p / "zarr.json").read_text())
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory that "
+                         f"`dmi capture --out` wrote") from None
+    attrs = meta.get("attributes") or {}
+    if attrs.get("dmi_status") in ("closed", "failed") and meta.get("consolidated_metadata"):
+        return xr.open_datatree(str(p), engine="zarr", consolidated=True)
+    tree = xr.open_datatree(str(p), engine="zarr", consolidated=False)
+    rows = (attrs.get("dmi_committed") or {}).get("rows", {})
+    if attrs.get("dmi_status") == "open":
+        for node in tree.subtree:
+            n = rows.get(node.path.strip("/"))
+            dim = "drop" if node.name == "drops" else "token"
+            if n is not None and node.dataset.sizes.get(dim, 0) > n:
+                node.dataset = node.to_dataset(inherit=False).isel({dim: slice(0, n)})
+    return tree

@@ -2,6 +2,7 @@
 
     dmi capture --out out.zarr                     # packaged example spec + prompts, tiny-qwen3
     dmi capture --model Qwen/Qwen3-0.6B --spec hooks.yaml --prompts prompts.jsonl --out out.zarr
+    dmi capture --resume --out out.zarr --prompts more.jsonl   # append after the last committed step
     dmi inspect out.zarr [--json]
     dmi specs list
     dmi specs validate hooks.yaml [--arch qwen3 | --model NAME]
@@ -38,6 +39,7 @@ class Prompt:
     id: str
     text: str
     line: int
+    auto: bool = False      # the id was made up (p<N>), not given in the file
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
@@ -88,7 +90,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise UsageError(f"{name}:{lineno}: id {rid!r} is already used on line {seen[rid]}. "
                              f"Fix: give every prompt a unique id")
         seen[rid] = lineno
-        out.append(Prompt(rid, obj["prompt"], lineno))
+        out.append(Prompt(rid, obj["prompt"], lineno, auto="id" not in obj))
     if not out:
         raise UsageError(f"{name}: no prompts. Fix: write one JSON object per line, e.g. "
                          f'{{"id": "a", "prompt": "Hello"}}')
@@ -132,8 +134,14 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise UsageError("no output store. Fix: pass --out out.zarr (or set store.path in the hook spec)")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UsageError("--max-new-tokens and --batch-size must be >= 1. Fix: pass a positive integer")
-    from .exporter import check_writable
-    check_writable(out, args.overwrite)          # before spending time on the model
+    from .exporter import check_resumable, check_writable, stored_request_ids
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other. Fix: pass one of them")
+    if args.resume:                              # before spending time on the model
+        check_resumable(out, {"hook_spec": hook.data, "model": {"name_or_path": args.model}}, hook.file)
+        _new_ids(prompts, set(stored_request_ids(out)), "<stdin>" if str(prompts_path) == "-" else prompts_path, out)
+    else:
+        check_writable(out, args.overwrite)
 
     import torch
     from . import load
@@ -145,7 +153,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"seed": args.seed} if args.model in BUILTIN else {}
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        run = load(args.model, hook_spec=spec, store=out, overwrite=args.overwrite, dtype=dtype,
+        run = load(args.model, hook_spec=spec, store=out, overwrite=args.overwrite, resume=args.resume, dtype=dtype,
                    device=args.device, **kwargs)
     except OSError as e:
         from .errors import DmiError
@@ -190,10 +198,34 @@ def cmd_capture(args: argparse.Namespace) -> int:
                         f"{type(failed).__name__}: {_first_line(failed)}") from failed
     from .inspect_store import format_summary, summarize
     stats = run.stats()
+    if stats["store_error"]:     # policy.on_store_error drop: the model ran on, the store stopped
+        _warn(f"{stats['store_error']}; policy.on_store_error is drop: "
+              f"{stats['drops_by_reason'].get('sink', 0)} capture(s) dropped (reason sink)")
     print(f"captured {len(prompts)} prompt(s) into {run.store} in {time.perf_counter() - t0:.1f} s "
           f"({stats['steps']} steps)")
-    print(format_summary(summarize(run.store)))
+    from .errors import DmiError
+    try:
+        print(format_summary(summarize(run.store)))
+    except (DmiError, OSError) as e:
+        _warn(f"cannot summarize {run.store}: {e}")
     return EXIT_OK
+
+
+def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:
+    """--resume: requests must not reuse the store's ids. Made-up ids move on to free p<N>; a
+    given id already in the store is refused."""
+    for p in prompts:
+        if not p.auto and p.id in taken:
+            raise UsageError(f"{path}:{p.line}: id {p.id!r} is already in the store {str(store)!r}. Fix: give this "
+                             f"prompt a new id (--resume appends new requests after the stored ones)")
+    used = taken | {p.id for p in prompts if not p.auto}
+    k = 0
+    for p in prompts:
+        if p.auto:
+            while f"p{k}" in used:
+                k += 1
+            p.id = f"p{k}"
+            used.add(p.id)
 
 
 # --- inspect --------------------------------------------------------------------------------------
@@ -426,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
     c.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     c.add_argument("--overwrite", action="store_true", help="replace the store if it exists")
+    c.add_argument("--resume", action="store_true",
+                   help="append to an existing store (one whose run was killed, or a closed one) after its last "
+                        "committed step; same hook spec and model; prompts get ids the store does not hold yet")
     c.add_argument("--dtype", choices=DTYPES, help="model dtype (default: float32 for built-ins, the checkpoint's "
                                                    "dtype otherwise)")
     c.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs (default: where it loads, cpu)")
@@ -511,6 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          " (run with --traceback for details)"),
              exc=e if args.traceback else None)
         return EXIT_FAIL
+
+
+def _warn(msg: str) -> None:
+    print(f"{PROG}: warning: {msg}", file=sys.stderr)
 
 
 def _err(msg: str, exc: BaseException | None = None) -> None:

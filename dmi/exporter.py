@@ -1,4 +1,4 @@
-"""Zarr v3 exporter: drained steps in, chunk-aligned appends out.
+"""Zarr v3 exporter: drained steps in, whole chunk files out.
 
 Layout (mirrors the spec): one group per canonical site (``layers/attn/q``, ``final_norm``,
 ``logits``) holding its output arrays ``[token, (layer,) ...]`` and the token coordinates
@@ -7,48 +7,63 @@ Layout (mirrors the spec): one group per canonical site (``layers/attn/q``, ``fi
 ``xarray.open_datatree`` opens the whole store. Root attributes carry the run metadata; the
 ``drops`` group lists every dropped capture.
 
-One thread (the exporter's) owns every array handle: one writer per array, no locks needed.
-Rows are buffered per group and written in whole chunks; the tail is written on close.
+Write path: zarr-python creates the groups and arrays (their ``zarr.json``); dmi writes the chunk
+files itself. The exporter thread copies each step's rows straight into the open chunk of their
+group (bf16 widened on the way); a full chunk is encoded exactly as zarr-python would store it
+(``bytes`` codec: the raw little-endian C-order bytes, then numcodecs' Blosc or Zstd, which release
+the GIL) and written by a thread pool (one thread per core) as a temp file + ``os.replace``: chunks
+are written in parallel and a reader never sees a torn one.
+
+Commit protocol (crash consistency): an array's ``shape`` only grows over rows whose chunk files
+are on disk, and only to whole steps. At least every ``COMMIT_S`` the exporter writes the open
+(partial) chunk of each group, takes the last step S whose rows are on disk in every group,
+rewrites the arrays' ``zarr.json`` to the rows up to S (atomically), then the root attribute
+``dmi_committed`` (step S, rows per group, row accounting up to S). A process killed at any point
+leaves a store that opens, holds steps 0..S, and still says ``dmi_status: open``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import datetime
 import json
+import logging
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import socket
+import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numcodecs
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
 from .errors import StoreError
+from .inspect_store import writer_alive
 from .plan import Plan, SitePlan
+from .ring import Drop
 from .tokens import PHASES
 
+log = logging.getLogger("dmi")
+
 COORDS = ("request", "position", "step", "phase")
-
-
-@dataclass
-class GroupBuffer:
-    """Pending rows of one store group (one canonical site) before they fill a chunk."""
-    name: str
-    sites: list[SitePlan]                 # one per captured layer (or a single model-level site)
-    chunk_rows: int
-    arrays: dict = field(default_factory=dict)
-    pending: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    pending_rows: int = 0
-    written: int = 0
-
-    @property
-    def per_layer(self) -> bool:
-        return self.sites[0].layer is not None
-
-
+DROP_COLUMNS = {"step": "int64", "site": str, "requests": str, "rows": "int64", "bytes": "int64", "reason": str}
+DROP_CHUNK = 1024
+COPY_PARALLEL_BYTES = 4 << 20   # a step with more rows than this is copied into chunks by several threads
+FREE_BYTES = 512 << 20          # chunk buffers kept for reuse: fresh ones cost a page fault per 4 KiB
+TICK_S = 0.25          # the exporter thread looks at failures and the commit clock at least this often
+COMMIT_S = 1.0         # open chunks are written and steps committed at least this often
+TMP_SUFFIX = ".dmi-tmp"
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4}
+_PHASES = np.asarray(PHASES, dtype=object)
+_VLEN = numcodecs.VLenUTF8()
+_FIX_IO = ("Fix: free space or restore write permission there (policy.on_store_error: drop keeps the model "
+           "running without the store)")
 
 
 def storage_dtype(plan: Plan, capture_dtype: str) -> np.dtype:
@@ -58,14 +73,26 @@ def storage_dtype(plan: Plan, capture_dtype: str) -> np.dtype:
     return np.dtype("float32" if name == "bfloat16" else name)
 
 
+def sink_policy(plan: Plan) -> str:
+    """What a failed store write does: policy.on_store_error (the plan defaults it from
+    policy.mode: full raises, the model stops; best_effort drops, the model runs on)."""
+    return plan.policy.on_store_error
+
+
 def check_writable(path: str | Path, overwrite: bool) -> Path:
     """Fail early, naming the path and the fix, if the store cannot be created."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
     if path.exists() and not overwrite:
-        raise StoreError(f"store {str(path)!r} already exists. Fix: pass overwrite=True (CLI: --overwrite), "
-                         f"or choose a new path")
+        attrs = _root_attrs(path)
+        if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
+            raise StoreError(f"store {str(path)!r} is being written by process {attrs['dmi_writer']['pid']}. "
+                             f"Fix: choose a new path, or wait until that run closes it")
+        crashed = attrs.get("dmi_status") == "open"
+        raise StoreError(f"store {str(path)!r} already exists" + (" and did not close cleanly" if crashed else "")
+                         + ". Fix: " + ("continue it with resume=True (CLI: --resume), " if crashed else "")
+                         + "pass overwrite=True (CLI: --overwrite), or choose a new path")
     if path.exists() and any(path.iterdir()) and not (path / "zarr.json").exists():
         raise StoreError(f"store {str(path)!r} is a directory that is not a Zarr store; overwrite=True would delete "
                          f"everything in it. Fix: choose a new path, or remove that directory yourself")
@@ -81,56 +108,323 @@ def check_writable(path: str | Path, overwrite: bool) -> Path:
     return path
 
 
+def check_resumable(path: str | Path, attrs: dict | None = None, hook_file: str | None = None) -> dict:
+    """The root ``zarr.json`` of a store that a new run may append to; refuses (naming the file, the
+    key and the fix) a path that is no dmi store, or one whose hook spec / model differ from
+    ``attrs`` (the new run's root attributes; only the keys given are compared)."""
+    path = Path(path)
+    meta_file = path / "zarr.json"
+    if not meta_file.is_file():
+        raise StoreError(f"store {str(path)!r} does not exist (no zarr.json): there is nothing to resume. "
+                         f"Fix: leave out resume (CLI: --resume) to create it")
+    meta = json.loads(meta_file.read_text())
+    stored = meta.get("attributes") or {}
+    if "dmi_format" not in stored:
+        raise StoreError(f"{meta_file}: dmi_format: not a dmi store. Fix: resume a store written by dmi")
+    if "dmi_committed" not in stored:
+        raise StoreError(f"{meta_file}: dmi_committed: the store has no commit marker (written by an older dmi). "
+                         f"Fix: capture into a new store")
+    if stored.get("dmi_status") == "open" and writer_alive(stored.get("dmi_writer")):
+        raise StoreError(f"{meta_file}: dmi_writer: process {stored['dmi_writer']['pid']} is still writing this "
+                         f"store. Fix: resume it once that run has ended, or capture into a new store")
+    for key in ("family", "sites", "model", "hook_spec", "engine"):
+        if attrs is None or key not in attrs:
+            continue
+        a, b = _comparable(key, stored.get(key), attrs[key]), _comparable(key, attrs[key], attrs[key])
+        diff = _first_diff(a, b, key)
+        if diff is not None:
+            where, old, new = diff
+            file = hook_file if key == "hook_spec" and hook_file else str(meta_file)
+            raise StoreError(f"{file}: {where}: this run has {new!r} but the store {str(path)!r} was captured with "
+                             f"{old!r}. Fix: resume with the hook spec and model the store was written with "
+                             f"(`dmi inspect {path}` shows them), or capture into a new store")
+    return meta
+
+
+def _comparable(key: str, value, new):
+    """What must match between a store and a run resuming it (the policy and the sink limits may
+    change); ``new``: the run's value, which says which model fields are known."""
+    value = _jsonable({"v": value})["v"]
+    if key == "hook_spec" and isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k != "policy"}
+        if isinstance(value.get("store"), dict):
+            value["store"] = {k: v for k, v in value["store"].items() if k not in ("path", "max_bytes", "bytes_per_s")}
+    if key == "model" and isinstance(value, dict):
+        value = {k: value.get(k) for k in ("name_or_path", "model_type", "dtype", "class") if k in (new or {})}
+    return value
+
+
+def _first_diff(a, b, where: str):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            d = _first_diff(a.get(k), b.get(k), f"{where}.{k}")
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_diff(x, y, f"{where}[{i}]")
+            if d is not None:
+                return d
+        return None
+    return None if a == b else (where, a, b)
+
+
+def stored_request_ids(path: str | Path) -> list[str]:
+    """Request ids in the committed rows of a store (a resumed run gives its requests new ones)."""
+    path = Path(path)
+    attrs = _root_attrs(path)
+    rows = (attrs.get("dmi_committed") or {}).get("rows", {})
+    root = zarr.open_group(str(path), mode="r", use_consolidated=False)
+    ids: dict[str, None] = {}
+    for name, n in rows.items():
+        if name != "drops" and n:
+            ids.update(dict.fromkeys(str(v) for v in np.asarray(root[f"{name}/request"][:n]).tolist()))
+    return list(ids)
+
+
+def _root_attrs(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "zarr.json").read_text()).get("attributes") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+# --- chunk files ----------------------------------------------------------------------------------
+
+class ArrayFile:
+    """An array zarr-python created whose chunk files and shape dmi writes itself. A chunk file
+    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``."""
+
+    def __init__(self, store: Path, name: str):
+        self.name, self.dir = name, store / name
+        self.meta = json.loads((self.dir / "zarr.json").read_text())
+        m = self.meta
+        self.chunks = tuple(m["chunk_grid"]["configuration"]["chunk_shape"])
+        enc = m["chunk_key_encoding"]
+        default = enc["name"] == "default"
+        self._sep = enc.get("configuration", {}).get("separator", "/" if default else ".")
+        self._prefix = "c" + self._sep if default else ""
+        first, *rest = m["codecs"]
+        if first["name"] not in ("bytes", "vlen-utf8") or first.get("configuration", {}).get("endian", "little") != "little":
+            raise StoreError(f"{self.dir}/zarr.json: codecs: {first['name']} is not a codec dmi writes")
+        self.vlen = first["name"] == "vlen-utf8"
+        self.codecs = [_numcodec(c, self.dir) for c in rest]
+        self.dtype = np.dtype(object) if self.vlen else np.dtype(m["data_type"]).newbyteorder("<")
+        fv = m["fill_value"]
+        self.fill = float(fv) if isinstance(fv, str) and self.dtype.kind == "f" else fv   # "NaN" -> nan
+        self._dirs: set[Path] = set()
+
+    def path(self, chunk: int) -> Path:
+        """The chunk file of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
+        key = self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))
+        return self.dir / key
+
+    def encode(self, block: np.ndarray):
+        data = _VLEN.encode(block.reshape(-1)) if self.vlen else np.ascontiguousarray(block).view(np.uint8).reshape(-1)
+        for codec in self.codecs:
+            data = codec.encode(data)
+        return data
+
+    def write(self, chunk: int, data) -> tuple[Path, Path]:
+        """Write an encoded chunk to a temp file beside its final name: (temp, final)."""
+        path = self.path(chunk)
+        if path.parent not in self._dirs:
+            os.makedirs(path.parent, exist_ok=True)
+            self._dirs.add(path.parent)
+        tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        return tmp, path
+
+    def set_rows(self, n: int) -> None:
+        self.meta["shape"][0] = int(n)
+        _write_atomic(self.dir / "zarr.json", json.dumps(self.meta, indent=2).encode())
+
+
+def _numcodec(c: dict, where: Path):
+    """The numcodecs object zarr-python's codec of the same configuration encodes with."""
+    cfg = c.get("configuration", {})
+    if c["name"] == "blosc":
+        return numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg.get("blocksize", 0),
+                               shuffle={"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]],
+                               typesize=cfg["typesize"])
+    if c["name"] == "zstd":
+        return numcodecs.Zstd(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
+    raise StoreError(f"{where}/zarr.json: codecs: {c['name']} is not a codec dmi writes")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _unlink(paths) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+# --- buffers and bookkeeping ----------------------------------------------------------------------
+
+@dataclass(eq=False)
+class GroupBuffer:
+    """One store group: its arrays' files, the open chunk's rows, and which rows are on disk."""
+    name: str
+    sites: list[SitePlan]                 # one per captured layer (or a single model-level site); [] for drops
+    chunk_rows: int = 0
+    capped: bool = True                   # counts against store.max_bytes, stops when the store failed
+    files: dict[str, ArrayFile] = field(default_factory=dict)      # the token-dim arrays
+    buf: dict[str, np.ndarray] = field(default_factory=dict)       # the open chunk, per array
+    free: list = field(default_factory=list)      # buffers of written chunks, reused (no page faults)
+    chunk_nbytes: int = 0
+    rows: int = 0             # rows appended
+    chunk: int = 0            # index of the open chunk
+    fill: int = 0             # rows in the open chunk
+    snap: int = 0             # rows covered by the last write submitted for the open chunk
+    gen: int = 0              # writes submitted: orders the writes of one chunk
+    # written by the pool threads, under the exporter's lock:
+    whole: int = 0            # chunks [0, whole) are complete on disk
+    durable: int = 0          # rows on disk, from row 0
+    landed: dict = field(default_factory=dict)   # chunk >= whole -> (gen, rows end) of its newest file
+    sizes: dict = field(default_factory=dict)    # chunk >= whole -> bytes of its files
+    shape_rows: int = 0       # rows the arrays' zarr.json covers (exporter thread)
+
+    @property
+    def per_layer(self) -> bool:
+        return bool(self.sites) and self.sites[0].layer is not None
+
+
+class _Entry:
+    """One step appended but not yet committed: rows per group after it, and its row accounting."""
+    __slots__ = ("step", "cum", "stored", "dropped", "nc", "reqs", "bytes")
+
+    def __init__(self, step: int, n_sites: int):
+        self.step = step
+        self.cum = None
+        self.stored = np.zeros(n_sites, np.int64)
+        self.dropped = np.zeros(n_sites, np.int64)
+        self.nc = np.zeros(n_sites, np.int64)        # selected rows the engine did not compute
+        self.reqs: dict[str, np.ndarray] = {}        # group -> request index of each row
+        self.bytes = np.zeros(n_sites, np.int64)
+
+
+def _view(raw: np.ndarray, dtype: str) -> np.ndarray:
+    return raw.view(np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+
+
+def _copy_all(jobs) -> None:
+    for dst, src in jobs:
+        _copy_rows(dst, src)
+
+
+def _copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
+    if src.dtype == np.uint16:     # bfloat16 bits: the upper half of a float32, so widening is exact
+        if dst.dtype == np.float32:
+            np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
+        else:
+            dst[...] = (src.astype(np.uint32) << 16).view(np.float32)
+    else:
+        dst[...] = src
+
+
 class ZarrExporter:
-    def __init__(self, path: str | Path, plan: Plan, capture_dtype: str, attrs: dict, overwrite: bool = False):
-        self.path = check_writable(path, overwrite)
-        if self.path.exists():
-            shutil.rmtree(self.path)
+    def __init__(self, path: str | Path, plan: Plan, capture_dtype: str, attrs: dict, overwrite: bool = False,
+                 resume: bool = False):
         self.plan = plan
         self.capture_dtype = capture_dtype
         self.float_dtype = storage_dtype(plan, self.capture_dtype)
-        try:
-            self.root = zarr.open_group(str(self.path), mode="w", zarr_format=3)
-        except OSError as e:
-            raise StoreError(f"store {str(self.path)!r} cannot be created: {e}. Fix: choose a writable path") from e
-        self.root.attrs.update(_jsonable(attrs) | {"dmi_status": "open"})
-        # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
-        # near disk speed and shrinks the fill of partial tail chunks
-        self._compressors = {"none": None, "zstd": "auto",
-                             "lz4": BloscCodec(cname="lz4", clevel=1, shuffle="shuffle")}[plan.compression]
-        # groups flush their whole chunks in parallel (file writes release the GIL); each array
-        # is still written by one task at a time
-        self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="dmi-zarr")
+        self.on_error = sink_policy(plan)                # 'raise' | 'drop'
+        self.error: StoreError | None = None             # the store's first failure
+        self.drops: list[Drop] = []                      # captures lost because the store failed (reason sink)
+        self._failed = self._raised = False
+        self._lock = threading.Lock()
+        self._workers = workers = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-zarr")
+        # the row copies of a big step run on several cores too (numpy releases the GIL)
+        self._copy_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-copy") if workers > 1 else None
+        self._jobs: list = []         # (destination, source) row copies of the step being appended
+        self._job_bytes = 0
+        self._sealed: list = []       # chunks the step filled: written once its copies are done
+        self._inflight: collections.deque = collections.deque()
+        self._max_inflight = 2 * workers                 # bounds the memory of chunks waiting for a thread
+        self._rate_t = 0.0
+        self._free_bytes = 0
+        n = len(plan.sites)
+        self._log: collections.deque[_Entry] = collections.deque()
+        self._acc = {k: np.zeros(n, np.int64) for k in ("stored", "dropped", "not_computed")}   # this run, accounted
+        self.prior = {k: np.zeros(n, np.int64) for k in ("selected", "stored", "dropped", "not_computed")}
+        self._ring_pos = 0
+        self.committed_step = -1
+        self.next_step = 0                               # the first step this run numbers
+        self.stored_request_ids: list[str] = []
+        self.store_bytes = 0
+        self._finished = False
+        self._last_commit = time.monotonic()
         self.groups: dict[str, GroupBuffer] = {}
         for s in plan.sites:
-            self.groups.setdefault(s.group, GroupBuffer(s.group, [], 0)).sites.append(s)
-        for g in self.groups.values():
-            self._create(g)
-        self.rows_stored: dict[int, int] = {s.index: 0 for s in plan.sites}
-        # selected rows the engine never computed: logits of non-final prompt positions under
-        # generate, or a module that did not run in a step (not drops: nothing was captured)
-        self.rows_not_computed: dict[int, int] = {s.index: 0 for s in plan.sites}
+            self.groups.setdefault(s.group, GroupBuffer(s.group, [])).sites.append(s)
+        self.drops_group = GroupBuffer("drops", [], DROP_CHUNK, capped=False)
+        self._all = list(self.groups.values()) + [self.drops_group]
+        try:
+            if resume:
+                self._reopen(Path(path), attrs)
+            else:
+                self._create(path, attrs, overwrite)
+        except BaseException:
+            self._shutdown(wait=False)
+            raise
 
     # --- layout ---------------------------------------------------------------------------------
-    def _create(self, g: GroupBuffer) -> None:
+    def _create(self, path, attrs: dict, overwrite: bool) -> None:
+        self.path = check_writable(path, overwrite)
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        try:
+            self.root = zarr.open_group(str(self.path), mode="w", zarr_format=3)
+            self.root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "dmi_writer": _writer()})
+            # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
+            # near disk speed and shrinks the fill of partial tail chunks
+            compressors = {"none": None, "zstd": "auto",
+                           "lz4": BloscCodec(cname="lz4", clevel=1, shuffle="shuffle")}[self.plan.compression]
+            for g in self.groups.values():
+                self._create_group(g, compressors)
+            grp = self.root.require_group("drops")
+            for name, dt in DROP_COLUMNS.items():
+                grp.create_array(name, shape=(0,), chunks=(DROP_CHUNK,), dtype=dt, dimension_names=["drop"])
+            grp.attrs["description"] = ("every dropped capture: (step, site, requests, rows, bytes, reason); reason: "
+                                        "what the policy dropped (ring_full, bandwidth) or sink (the store failed)")
+            self._open_files(self.drops_group)
+            self.root.attrs["dmi_committed"] = self._marker()
+        except OSError as e:
+            raise StoreError(f"store {str(self.path)!r} cannot be created: {e}. Fix: choose a writable path") from e
+        self.store_bytes = _du(self.path)
+
+    def _create_group(self, g: GroupBuffer, compressors) -> None:
         grp = self.root.require_group(g.name)
         first = g.sites[0]
-        row_bytes = sum(o.row_elems for o in first.outputs) * 4 * len(g.sites)
-        g.chunk_rows = int(max(16, min(65536, self.plan.chunk_bytes // max(row_bytes, 1))))
+        g.chunk_rows = _chunk_rows(self.plan, g.sites)
         lead = ("token", "layer") if g.per_layer else ("token",)
         nl = (len(g.sites),) if g.per_layer else ()
         coords = list(COORDS) + (["layer"] if g.per_layer else []) + (["head"] if first.heads else [])
         for o in first.outputs:
             dtype = self._stored(o.kind)
             arr = grp.create_array(o.name, shape=(0, *nl, *o.shape), chunks=(g.chunk_rows, *nl, *o.shape),
-                                   compressors=self._compressors,
+                                   compressors=compressors,
                                    dtype=dtype, dimension_names=[*lead, *o.dims],
                                    fill_value=-1 if o.kind == "int32" else np.nan)
             arr.attrs.update({"coordinates": " ".join(coords), "site": first.canonical,
                               "description": f"{first.canonical} {o.name}"})
-            g.arrays[o.name] = arr
         for c, dt in zip(COORDS, (str, "int64", "int64", str)):
-            g.arrays[c] = grp.create_array(c, shape=(0,), chunks=(g.chunk_rows,), dtype=dt, dimension_names=["token"])
+            grp.create_array(c, shape=(0,), chunks=(g.chunk_rows,), dtype=dt, dimension_names=["token"])
         if g.per_layer:
             lay = grp.create_array("layer", shape=(len(g.sites),), dtype="int32", dimension_names=["layer"])
             lay[:] = np.array([s.layer for s in g.sites], np.int32)
@@ -139,116 +433,496 @@ class ZarrExporter:
             hd[:] = np.array(first.heads, np.int32)
         grp.attrs.update({"site": first.canonical, "sites": [s.name for s in g.sites],
                           "tokens": dataclasses.asdict(first.tokens), "reduce": first.reduce or {}})
-        g.pending = {k: [] for k in g.arrays if k not in ("layer", "head")}
+        self._open_files(g)
+
+    def _open_files(self, g: GroupBuffer) -> None:
+        names = [o.name for o in g.sites[0].outputs] + list(COORDS) if g.sites else list(DROP_COLUMNS)
+        g.files = {k: ArrayFile(self.path, f"{g.name}/{k}") for k in names}
+        g.chunk_rows = g.files[names[0]].chunks[0]
+        g.buf = self._fresh(g)
+        g.chunk_nbytes = sum(b.nbytes for b in g.buf.values())
 
     def _stored(self, kind: str) -> np.dtype:
         return self.float_dtype if kind == "float" else np.dtype(kind)
 
+    def _reopen(self, path: Path, attrs: dict) -> None:
+        """Resume: append after the committed steps of an existing store (crashed or closed)."""
+        self.path = path
+        meta = check_resumable(path, _jsonable(attrs), self.plan.hook_file)
+        stored = meta["attributes"]
+        mark = stored["dmi_committed"]
+        for p in path.rglob(f"*{TMP_SUFFIX}"):      # temp files of a killed writer
+            _unlink([p])
+        try:
+            meta.pop("consolidated_metadata", None)  # stale as soon as anything is appended
+            _write_atomic(path / "zarr.json", json.dumps(meta, indent=2).encode())
+            self.root = zarr.open_group(str(path), mode="r+", use_consolidated=False)
+            resumed = list(stored.get("resumed") or []) + [
+                {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
+                 "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
+            self.root.attrs.update({"dmi_status": "open", "dmi_writer": _writer(), "resumed": resumed})
+            for g in self._all:
+                self._open_files(g)
+                if g.sites:
+                    want = _chunk_rows(self.plan, g.sites)
+                    if want != g.chunk_rows:
+                        raise StoreError(f"{path}/{g.name}: chunks: the store has {g.chunk_rows} rows per chunk, "
+                                         f"this run would write {want}. Fix: resume with the store.chunk_bytes the "
+                                         f"store was written with, or capture into a new store")
+                self._restore(g, int(mark["rows"].get(g.name, 0)))
+        except StoreError:
+            raise
+        except OSError as e:
+            raise StoreError(f"store {str(path)!r} cannot be resumed: {e}. Fix: check it is writable") from e
+        names = stored.get("sites") or []
+        for k in self.prior:
+            values = mark.get(k) or []
+            if len(values) == len(names) == len(self.plan.sites):
+                self.prior[k][:] = values
+        self.committed_step = int(mark["step"])
+        self.next_step = int(mark["next_step"])
+        self.stored_request_ids = stored_request_ids(path)
+        self.store_bytes = _du(path)
+
+    def _restore(self, g: GroupBuffer, n: int) -> None:
+        """Truncate a group to its committed rows and reload the rows of its partial last chunk."""
+        for f in g.files.values():
+            if f.meta["shape"][0] != n:
+                f.set_rows(n)
+        c = g.chunk_rows
+        g.rows = g.durable = g.shape_rows = g.snap = n
+        g.chunk = g.whole = n // c
+        g.fill = n % c
+        if g.fill:
+            g.landed[g.chunk] = (0, n)
+            g.sizes[g.chunk] = sum(f.path(g.chunk).stat().st_size for f in g.files.values() if f.path(g.chunk).exists())
+            for name in g.files:
+                values = np.asarray(self.root[f"{g.name}/{name}"][g.chunk * c:n])
+                g.buf[name][:g.fill] = values.astype(object) if g.files[name].vlen else values
+
     # --- writing --------------------------------------------------------------------------------
-    def write_step(self, ctrl, records, request_ids: list[str]) -> None:
-        """records: (slot, meta record, bytes) of one drained step."""
+    def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
+        """records: (slot, meta record, bytes) of one drained step; ring_drops: the ring's list of
+        drops (those of this step and earlier ones are recorded with it)."""
+        if self.error is not None:
+            self.drop_step(ctrl, records, request_ids, ring_drops)
+            self._on_failure()
+            return
+        entry = _Entry(ctrl.step, len(self.plan.sites))
+        try:
+            self._take_ring_drops(ring_drops, ctrl.step, entry)
+            for g, sel, n, got in self._rows(ctrl, records, entry):
+                self._ingest(g, ctrl, sel, n, got, request_ids, entry)
+            self._flush_jobs()
+        except Exception as e:     # noqa: BLE001 - a step half appended: the store takes nothing more
+            with self._lock:
+                if self.error is None:
+                    self.error = e if isinstance(e, StoreError) else StoreError(
+                        f"{self.path}: exporting step {ctrl.step} failed: {type(e).__name__}: {e}")
+            self._jobs.clear()
+            self._flush_jobs()        # the drops table's chunks still go out; the site groups' do not
+            self._sink_drops(entry)
+            self._on_failure()
+            return
+        entry.cum = np.array([g.rows for g in self._all], np.int64)
+        self._log.append(entry)
+        if time.monotonic() - self._last_commit >= COMMIT_S:
+            self.checkpoint()
+
+    def drop_step(self, ctrl, records, request_ids, ring_drops=(), reason: str = "sink") -> None:
+        """A step the store will not get: every capture of it is accounted as dropped."""
+        entry = _Entry(ctrl.step, len(self.plan.sites))
+        self._take_ring_drops(ring_drops, ctrl.step, entry)
+        for g, sel, n, got in self._rows(ctrl, records, entry):
+            reqs = tuple(np.unique(ctrl.tokens.request[sel]).tolist())
+            for s, item in zip(g.sites, got):
+                if item is not None:
+                    self._drop(Drop(ctrl.step, s.index, reqs, n, len(item[2]), reason), entry)
+        self._fold(entry)
+
+    def _rows(self, ctrl, records, entry: _Entry):
+        """Per group with rows this step: (group, selected rows, count, per-site record or None);
+        counts the selected rows the engine never computed."""
         tokens = ctrl.tokens
         by_site = {slot.site: (slot, rec, data) for slot, rec, data in records}
-        ids = np.asarray(request_ids[: int(tokens.request.max()) + 1] if len(tokens) else [], dtype=str)
         for g in self.groups.values():
             got = [by_site.get(s.index) for s in g.sites]
             for s, item in zip(g.sites, got):
                 if item is None and s.index in ctrl.slots:
-                    self.rows_not_computed[s.index] += len(ctrl.slots[s.index].sel)
+                    entry.nc[s.index] += len(ctrl.slots[s.index].sel)
             present = [x for x in got if x is not None]
             if not present:
                 continue
             slot, rec, _ = present[0]
-            keep = tokens.local[slot.sel] >= ctrl.tokens.seq - int(rec["src_seq"])
+            keep = tokens.local[slot.sel] >= tokens.seq - int(rec["src_seq"])
             sel = slot.sel[keep]
-            n = len(sel)
             for s, item in zip(g.sites, got):
                 if item is not None:
-                    self.rows_not_computed[s.index] += len(slot.sel) - n
-            if n == 0:
-                continue
-            first = g.sites[0]
-            blocks = {}
-            for o in first.outputs:
-                dtype = self._stored(o.kind)
-                shape = (n, len(g.sites), *o.shape) if g.per_layer else (n, *o.shape)
-                blocks[o.name] = np.empty(shape, dtype)
-            for li, item in enumerate(got):
-                if item is None:    # this layer's capture was dropped: its rows stay NaN / -1
-                    for o in first.outputs:
-                        blocks[o.name][:, li] = -1 if o.kind == "int32" else np.nan
-                    continue
-                s_rec, rec, data = item
-                if int(rec["rows"]) != n:
-                    raise StoreError(f"site {g.sites[li].name}: record has {int(rec['rows'])} rows, expected {n}")
-                offset = 0
-                for o in first.outputs:
-                    src = self.capture_dtype if o.kind == "float" else o.kind
-                    nb = n * o.row_elems * ITEMSIZE[src]
-                    vals = _decode(data[offset:offset + nb], src).reshape(n, *o.shape)
-                    offset += nb
-                    if g.per_layer:
-                        blocks[o.name][:, li] = vals
-                    else:
-                        blocks[o.name][:] = vals
-                self.rows_stored[g.sites[li].index] += n
-            g.pending["request"].append(ids[tokens.request[sel]])
-            g.pending["position"].append(tokens.position[sel])
-            g.pending["step"].append(np.full(n, ctrl.step, np.int64))
-            g.pending["phase"].append(np.asarray(PHASES)[tokens.phase[sel]])
-            for k, v in blocks.items():
-                g.pending[k].append(v)
-            g.pending_rows += n
-        full = [g for g in self.groups.values() if g.pending_rows >= g.chunk_rows]
-        for done in [self._pool.submit(self._flush, g, True) for g in full]:
-            done.result()
+                    entry.nc[s.index] += len(slot.sel) - len(sel)
+            if len(sel):
+                yield g, sel, len(sel), got
 
-    def _flush(self, g: GroupBuffer, whole_chunks: bool) -> None:
-        if not g.pending_rows:
+    def _ingest(self, g: GroupBuffer, ctrl, sel, n: int, got, request_ids, entry: _Entry) -> None:
+        tokens = ctrl.tokens
+        req = tokens.request[sel]
+        ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
+        cols = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
+                "phase": _PHASES[tokens.phase[sel]]}
+        outputs = g.sites[0].outputs
+        srcs: dict[str, list] = {o.name: [] for o in outputs}
+        for s, item in zip(g.sites, got):
+            if item is None:         # this layer's capture was dropped: its rows stay NaN / -1
+                for o in outputs:
+                    srcs[o.name].append(None)
+                continue
+            _, rec, data = item
+            if int(rec["rows"]) != n:
+                raise StoreError(f"site {s.name}: record has {int(rec['rows'])} rows, expected {n}")
+            offset = 0
+            for o in outputs:
+                src = self.capture_dtype if o.kind == "float" else o.kind
+                nb = n * o.row_elems * ITEMSIZE[src]
+                srcs[o.name].append(_view(data[offset:offset + nb], src).reshape(n, *o.shape))
+                offset += nb
+            entry.stored[s.index] += n
+            entry.bytes[s.index] += len(data)
+        entry.reqs[g.name] = req
+        self._append(g, n, cols, srcs)
+
+    def _append(self, g: GroupBuffer, n: int, cols: dict, srcs: dict | None = None) -> None:
+        """Copy n rows into the open chunk(s) of a group; a chunk that fills goes to the writers."""
+        done, c = 0, g.chunk_rows
+        while done < n:
+            a = g.fill
+            k = min(n - done, c - a)
+            for name, v in cols.items():
+                g.buf[name][a:a + k] = v[done:done + k]
+            for name, layers in (srcs or {}).items():
+                buf, fill = g.buf[name], g.files[name].fill
+                for li, src in enumerate(layers):
+                    dst = buf[a:a + k, li] if g.per_layer else buf[a:a + k]
+                    if src is None:
+                        dst[...] = fill
+                    else:
+                        self._jobs.append((dst, src[done:done + k]))
+                        self._job_bytes += dst.nbytes
+            g.fill += k
+            g.rows += k
+            done += k
+            if g.fill == c:
+                self._sealed.append((g, g.chunk, g.buf, g.rows))
+                g.buf = self._fresh(g)
+                g.chunk, g.fill, g.snap = g.chunk + 1, 0, g.rows
+
+    def _flush_jobs(self) -> None:
+        """Run the step's row copies (on several threads when the step is big), then hand the
+        chunks it filled to the writers."""
+        jobs, self._jobs = self._jobs, []
+        if self._copy_pool is not None and self._job_bytes >= COPY_PARALLEL_BYTES and len(jobs) > 1:
+            n = min(self._workers, len(jobs))
+            list(self._copy_pool.map(_copy_all, [jobs[k::n] for k in range(n)]))
+        else:
+            _copy_all(jobs)
+        self._job_bytes = 0
+        sealed, self._sealed = self._sealed, []
+        for g, i, bufs, end in sealed:
+            self._submit(g, i, bufs, end, recycle=True)
+
+    def _fresh(self, g: GroupBuffer) -> dict[str, np.ndarray]:
+        with self._lock:
+            if g.free:
+                self._free_bytes -= g.chunk_nbytes
+                return g.free.pop()
+        return {k: np.empty((g.chunk_rows, *f.chunks[1:]), f.dtype) for k, f in g.files.items()}
+
+    def _write_open(self, g: GroupBuffer) -> None:
+        """Write the open chunk as it is (padded with the fill value), if it holds unwritten rows."""
+        if not g.fill or g.snap == g.rows:
             return
-        n = g.pending_rows // g.chunk_rows * g.chunk_rows if whole_chunks else g.pending_rows
-        if n == 0:
+        bufs = {}
+        for k, f in g.files.items():
+            b = np.empty_like(g.buf[k])
+            b[:g.fill] = g.buf[k][:g.fill]
+            b[g.fill:] = f.fill
+            bufs[k] = b
+        g.snap = g.rows
+        self._submit(g, g.chunk, bufs, g.rows, recycle=False)
+
+    def _submit(self, g: GroupBuffer, i: int, bufs: dict, end: int, recycle: bool) -> None:
+        g.gen += 1
+        fut = self._pool.submit(self._write_chunk, g, i, g.gen, bufs, end, recycle)
+        fut.add_done_callback(self._written)
+        self._inflight.append(fut)
+        while self._inflight and (self._inflight[0].done() or len(self._inflight) > self._max_inflight):
+            wait([self._inflight.popleft()])
+
+    def _write_chunk(self, g: GroupBuffer, i: int, gen: int, bufs: dict, end: int, recycle: bool) -> None:
+        """Pool thread: encode and write every array's chunk ``i`` of a group; the files replace the
+        old ones together, and only if no newer write of this chunk landed first."""
+        if self.error is not None and g.capped:
             return
-        start = g.written
-        for k, parts in g.pending.items():
-            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            arr = g.arrays[k]
-            arr.resize((start + n, *arr.shape[1:]))
-            arr[start:start + n] = data[:n]
-            g.pending[k] = [data[n:]] if len(data) > n else []
-        g.written += n
-        g.pending_rows -= n
+        tmps: list[Path] = []
+        try:
+            encoded = [(f, f.encode(bufs[k])) for k, f in g.files.items()]
+            size = sum(memoryview(d).nbytes for _, d in encoded)
+            self._throttle(size)
+            files = []
+            for f, data in encoded:
+                tmp, path = f.write(i, data)
+                tmps.append(tmp)
+                files.append((tmp, path))
+            with self._lock:
+                if i < g.whole or g.landed.get(i, (0, 0))[0] > gen:
+                    return       # stale: a newer write of this chunk is on disk
+                self._charge(g, i, size)
+                for tmp, path in files:
+                    os.replace(tmp, path)
+                tmps = []
+                g.landed[i] = (gen, end)
+                c = g.chunk_rows
+                while g.landed.get(g.whole, (0, 0))[1] == (g.whole + 1) * c:
+                    del g.landed[g.whole]
+                    g.sizes.pop(g.whole, None)
+                    g.whole += 1
+                g.durable = g.landed.get(g.whole, (0, g.whole * c))[1]
+        except StoreError:
+            raise
+        except OSError as e:
+            raise StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}") from e
+        finally:
+            _unlink(tmps)
+            if recycle:
+                with self._lock:
+                    if self._free_bytes + g.chunk_nbytes <= FREE_BYTES:
+                        g.free.append(bufs)
+                        self._free_bytes += g.chunk_nbytes
+
+    def _charge(self, g: GroupBuffer, i: int, size: int) -> None:
+        """Bytes on disk after replacing chunk i's files (under the lock); refuses past store.max_bytes."""
+        delta = size - g.sizes.get(i, 0)
+        cap = self.plan.max_bytes
+        if cap is not None and g.capped and self.store_bytes + delta > cap:
+            raise StoreError(f"{self.path}: store.max_bytes: store full: chunk {i} of {g.name} ({size:,} bytes) "
+                             f"would take the store to {self.store_bytes + delta:,} bytes, over the cap of {cap:,}. "
+                             f"Fix: raise store.max_bytes, capture fewer sites or tokens, or use store.compression")
+        self.store_bytes += delta
+        g.sizes[i] = size
+
+    def _throttle(self, size: int) -> None:
+        """store.bytes_per_s: each write starts when the ones before it have used their share of time."""
+        rate = self.plan.bytes_per_s
+        if not rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._rate_t, now)
+            self._rate_t = start + size / rate
+        if start > now:
+            time.sleep(start - now)
+
+    def _written(self, fut) -> None:
+        e = fut.exception()
+        if e is None:
+            return
+        if not isinstance(e, StoreError):
+            e = StoreError(f"{self.path}: writing a chunk failed: {type(e).__name__}: {e}")
+        with self._lock:
+            if self.error is None:
+                self.error = e
+
+    def _wait_all(self) -> None:
+        while self._inflight:
+            wait([self._inflight.popleft()])
+
+    # --- commit ---------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """The exporter thread, idle (at least every TICK_S): surface a failure, keep commits going."""
+        if self.error is not None:
+            self._on_failure()
+        elif time.monotonic() - self._last_commit >= COMMIT_S:
+            self.checkpoint()
+
+    def checkpoint(self, wait_all: bool = False) -> None:
+        """Write the open chunks, then commit every step whose rows are all on disk."""
+        self._last_commit = time.monotonic()
+        if self.error is None:
+            for g in self._all:
+                self._write_open(g)
+        if wait_all:
+            self._wait_all()
+        if self.error is not None:
+            self._on_failure()
+            return
+        with self._lock:
+            durable = np.array([g.durable for g in self._all], np.int64)
+        last = None
+        while self._log and (self._log[0].cum <= durable).all():
+            last = self._log.popleft()
+            self._fold(last)
+        if last is None:
+            return
+        self.committed_step = last.step
+        try:
+            for g, n in zip(self._all, last.cum.tolist()):
+                if g.shape_rows != n:
+                    for f in g.files.values():
+                        f.set_rows(n)
+                    g.shape_rows = n
+            self.root.attrs["dmi_committed"] = self._marker()   # zarr writes a temp file and renames it
+        except OSError as e:
+            with self._lock:
+                if self.error is None:
+                    self.error = StoreError(f"{self.path}: committing step {last.step} failed: {e}. {_FIX_IO}")
+            self._on_failure()
+
+    def _marker(self, summary: dict | None = None) -> dict:
+        """Root attribute ``dmi_committed``: the last step the store holds, the rows of each group up to
+        it, and per site (in ``sites`` order) the row accounting of the steps it covers."""
+        acc = self.accounting()
+        names = [s.name for s in self.plan.sites]
+        summary = summary or {}
+        if "rows_selected" in summary:
+            acc = {k: [summary[f"rows_{k}"][n] for n in names] for k in ("selected", "stored", "dropped", "not_computed")}
+        else:     # committed steps only: their selected rows are exactly what was stored, dropped or not computed
+            acc["selected"] = acc["selected"] + self._acc["stored"] + self._acc["dropped"] + self._acc["not_computed"]
+        return {"step": self.committed_step, "next_step": summary.get("steps", self.committed_step + 1),
+                "rows": {g.name: g.shape_rows for g in self._all},
+                **{k: [int(x) for x in v] for k, v in acc.items()}}
+
+    def accounting(self) -> dict[str, np.ndarray]:
+        """Per site, rows accounted so far (earlier runs of a resumed store included): ``stored``,
+        ``dropped``, ``not_computed``; ``selected`` holds only the earlier runs' (the run counts its own)."""
+        return {"selected": self.prior["selected"].copy(),
+                **{k: self.prior[k] + self._acc[k] for k in ("stored", "dropped", "not_computed")}}
+
+    def _fold(self, e: _Entry) -> None:
+        self._acc["stored"] += e.stored
+        self._acc["dropped"] += e.dropped
+        self._acc["not_computed"] += e.nc
+
+    # --- drops and failures -----------------------------------------------------------------------
+    def _take_ring_drops(self, ring_drops, step: int, entry: _Entry | None) -> None:
+        """The ring's drops up to ``step``: counted with the step and appended to the drops table."""
+        new = []
+        while self._ring_pos < len(ring_drops) and (step is None or ring_drops[self._ring_pos].step <= step):
+            new.append(ring_drops[self._ring_pos])
+            self._ring_pos += 1
+        for d in new:
+            if entry is not None:
+                entry.dropped[d.site] += d.rows
+            else:
+                self._acc["dropped"][d.site] += d.rows
+        self._append_drops(new)
+
+    def _append_drops(self, drops: list[Drop]) -> None:
+        if not drops:
+            return
+        names = [s.name for s in self.plan.sites]
+        cols = {"step": np.array([d.step for d in drops], np.int64),
+                "site": np.array([names[d.site] for d in drops], object),
+                "requests": np.array([" ".join(map(str, d.requests)) for d in drops], object),
+                "rows": np.array([d.rows for d in drops], np.int64),
+                "bytes": np.array([d.bytes for d in drops], np.int64),
+                "reason": np.array([d.reason for d in drops], object)}
+        self._append(self.drops_group, len(drops), cols)
+        self._flush_jobs()
+
+    def _drop(self, d: Drop, entry: _Entry) -> None:
+        self.drops.append(d)
+        entry.dropped[d.site] += d.rows
+
+    def _sink_drops(self, e: _Entry) -> None:
+        """A step whose rows will never be committed: its stored rows become drops (reason sink)."""
+        names = {s.index: s for s in self.plan.sites}
+        for i in np.flatnonzero(e.stored).tolist():
+            rows = int(e.stored[i])
+            reqs = tuple(np.unique(e.reqs.get(names[i].group, np.zeros(0, np.int64))).tolist())
+            self.drops.append(Drop(e.step, i, reqs, rows, int(e.bytes[i]), "sink"))
+            e.dropped[i] += rows
+            e.stored[i] = 0
+        self._fold(e)
+
+    def _on_failure(self) -> None:
+        """The store failed: steps not committed are accounted as dropped (reason sink) and nothing
+        more is written to the site groups; policy.on_store_error raise: raise it (once)."""
+        if not self._failed:
+            self._failed = True
+            while self._log:
+                self._sink_drops(self._log.popleft())
+            if self.on_error == "drop":
+                log.warning("dmi: %s; policy.on_store_error is drop: the model keeps running and every later "
+                            "capture is dropped (reason sink)", self.error)
+        if self.on_error == "raise" and not self._raised:
+            self._raised = True
+            raise self.error
+
+    # --- end ------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Every step handed over so far on disk and committed (``run.flush``)."""
+        self.checkpoint(wait_all=True)
+
+    def finish(self, ring_drops=()) -> None:
+        """Before the close summary: every step on disk and committed, or (once the store failed)
+        accounted as dropped; ring drops of steps that never reached the exporter recorded."""
+        if self._finished:
+            return
+        self._finished = True
+        self._take_ring_drops(ring_drops, None, None)
+        if self.error is None:
+            self.checkpoint(wait_all=True)
+        self._wait_all()
+        if self.error is not None:
+            self._on_failure()
 
     def close(self, summary: dict, clean: bool = True) -> None:
-        for done in [self._pool.submit(self._flush, g, False) for g in self.groups.values()]:
-            done.result()
-        self._pool.shutdown()
-        self._write_drops(summary.pop("drops", []))
-        self.root.attrs.update(_jsonable(summary) | {"dmi_status": "closed" if clean else "failed"})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # consolidated metadata is not in the v3 spec yet
-            zarr.consolidate_metadata(str(self.path))
+        """Final metadata: the drops table, the summary attributes, the marker, consolidated metadata.
+        Once the store has failed this is best effort (what cannot be written stays as committed)."""
+        try:
+            self.finish()
+        except StoreError:
+            clean = False
+        try:
+            if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
+                self._append_drops(self.drops)
+                self._write_open(self.drops_group)
+                self._wait_all()
+                with self._lock:
+                    n = self.drops_group.durable
+                for f in self.drops_group.files.values():
+                    f.set_rows(n)
+                self.drops_group.shape_rows = n
+            self._shutdown(wait=True)
+            attrs = _jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
+                                          "store_error": None if self.error is None else str(self.error)}
+            attrs["dmi_committed"] = self._marker(summary)
+            self.root.attrs.update(attrs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # consolidated metadata is not in the v3 spec yet
+                zarr.consolidate_metadata(str(self.path))
+        except OSError as e:
+            self._shutdown(wait=False)
+            if self.error is None:
+                raise StoreError(f"{self.path}: closing the store failed: {e}. {_FIX_IO}") from e
+            log.warning("dmi: %s: the store keeps its last committed step %d (%s)", self.path, self.committed_step, e)
 
-    def _write_drops(self, drops) -> None:
-        grp = self.root.require_group("drops")
-        cols = {"step": ("int64", [d.step for d in drops]),
-                "site": (str, [self.plan.sites[d.site].name for d in drops]),
-                "requests": (str, [" ".join(map(str, d.requests)) for d in drops]),
-                "rows": ("int64", [d.rows for d in drops]),
-                "bytes": ("int64", [d.bytes for d in drops]),
-                "reason": (str, [d.reason for d in drops])}
-        for name, (dt, values) in cols.items():
-            arr = grp.create_array(name, shape=(len(values),), dtype=dt, dimension_names=["drop"],
-                                   chunks=(max(len(values), 1),), overwrite=True)
-            if values:
-                arr[:] = np.asarray(values, dtype=dt if dt is not str else str)
-        grp.attrs["description"] = "every capture dropped under policy best_effort: (step, site, requests, rows, bytes)"
+    def _shutdown(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=wait)
 
 
-def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":   # the upper half of a float32: widening is exact
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return raw.view(np.dtype(dtype))
+def _chunk_rows(plan: Plan, sites: list[SitePlan]) -> int:
+    """Rows per chunk of a group: about store.chunk_bytes, at least 16."""
+    row_bytes = sum(o.row_elems for o in sites[0].outputs) * 4 * len(sites)
+    return int(max(16, min(65536, plan.chunk_bytes // max(row_bytes, 1))))
+
+
+def _writer() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def _du(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _jsonable(d: dict) -> dict:

@@ -5,10 +5,14 @@
     print(format_summary(info))
 
 Reads the store with ``zarr`` directly (no xarray, no consolidated metadata needed), so it also
-works on a store whose run is still open or failed.
+works on a store whose run is still open, failed, or was killed: a store still marked ``open``
+is read from each array's own metadata and cut to its last committed step (``dmi_committed``).
 """
 from __future__ import annotations
 
+import json
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,10 @@ def _open_root(path: str | Path):
         raise StoreError(f"{str(path)!r} is not a Zarr v3 store (no zarr.json). "
                          f"Fix: pass the directory that `dmi capture --out` wrote")
     try:
-        root = zarr.open_group(str(p), mode="r")
+        meta = json.loads((p / "zarr.json").read_text())
+        # consolidated metadata is only trusted on a closed store: appends make it stale
+        closed = (meta.get("attributes") or {}).get("dmi_status") in ("closed", "failed")
+        root = zarr.open_group(str(p), mode="r", use_consolidated=closed and bool(meta.get("consolidated_metadata")))
     except Exception as e:   # noqa: BLE001 - any failure to open means "not a readable store"
         raise StoreError(f"{str(path)!r} cannot be opened as a Zarr group: {e}. "
                          f"Fix: pass the directory that `dmi capture --out` wrote") from None
@@ -79,10 +86,13 @@ def summarize(path: str | Path) -> dict[str, Any]:
     Raises :class:`dmi.StoreError` if the path does not exist or is not a dmi store.
     """
     root, attrs = _open_root(path)
+    status = attrs.get("dmi_status", "unknown")
+    committed = attrs.get("dmi_committed") or {}
+    cut = committed.get("rows", {}) if status == "open" else {}    # rows past the last commit are not the store's
     sites: list[dict] = []
     request_parts: list[np.ndarray] = []
     total_bytes = total_logical = 0
-    drops: dict[str, Any] = {"count": 0, "bytes": 0, "by_reason": {}}
+    drops: dict[str, Any] = {"count": 0, "bytes": 0, "by_reason": {}, "bytes_by_reason": {}}
     groups = [(name, g) for name, g in root.members(max_depth=None) if not hasattr(g, "shape")]
     order = {s: i for i, s in enumerate(attrs.get("sites") or [])}   # plan (model) order
 
@@ -96,32 +106,37 @@ def summarize(path: str | Path) -> dict[str, Any]:
             for a in arrays.values():
                 total_bytes += _stored_bytes(a)
                 total_logical += int(a.nbytes)
-            n = arrays["step"].shape[0] if "step" in arrays else 0
+            n = min(arrays["step"].shape[0], cut.get(name, arrays["step"].shape[0])) if "step" in arrays else 0
             drops["count"] = int(n)
             if n and "bytes" in arrays:
-                drops["bytes"] = int(np.asarray(arrays["bytes"][:]).sum())
+                drops["bytes"] = int(np.asarray(arrays["bytes"][:n]).sum())
             if n and "reason" in arrays:
-                reasons, counts = np.unique(np.asarray(arrays["reason"][:]).astype(object), return_counts=True)
-                drops["by_reason"] = {str(r): int(c) for r, c in zip(reasons, counts)}
+                reason = np.asarray(arrays["reason"][:n]).astype(object)
+                nbytes = np.asarray(arrays["bytes"][:n]) if "bytes" in arrays else np.zeros(n, np.int64)
+                for r in _ordered_unique(reason):
+                    drops["by_reason"][r] = int((reason == r).sum())
+                    drops["bytes_by_reason"][r] = int(nbytes[reason == r].sum())
             continue
         if "request" not in arrays:     # intermediate groups (layers/, layers/attn/) hold no arrays
             continue
         gattrs = dict(grp.attrs)
         data, coords = [], []
         stored = logical = 0
+        n = min(arrays["request"].shape[0], cut.get(name, arrays["request"].shape[0]))
         for k, a in sorted(arrays.items()):
-            entry = {"name": k, "dims": list(a.metadata.dimension_names or ()), "shape": list(a.shape),
-                     "dtype": str(a.dtype)}
+            dims = list(a.metadata.dimension_names or ())
+            shape = [n if d == "token" else s for d, s in zip(dims, a.shape)] if dims else list(a.shape)
+            entry = {"name": k, "dims": dims, "shape": shape, "dtype": str(a.dtype)}
             (coords if k in COORD_NAMES else data).append(entry)
             stored += _stored_bytes(a)
             logical += int(a.nbytes)
-        req = np.asarray(arrays["request"][:])
+        req = np.asarray(arrays["request"][:n])
         request_parts.append(req)
         layers = [int(v) for v in arrays["layer"][:]] if "layer" in arrays else None
         heads = [int(v) for v in arrays["head"][:]] if "head" in arrays else None
-        steps = arrays["step"][:] if "step" in arrays else np.zeros(0)
+        steps = arrays["step"][:n] if "step" in arrays else np.zeros(0)
         sites.append({"group": name, "site": gattrs.get("site", name.split("/")[-1]),
-                      "tokens": int(arrays["request"].shape[0]), "layers": layers, "heads": heads,
+                      "tokens": int(n), "layers": layers, "heads": heads,
                       "token_filter": gattrs.get("tokens"), "reduce": gattrs.get("reduce") or None,
                       "requests": len(_ordered_unique(req)),
                       "steps": [int(steps.min()), int(steps.max())] if steps.size else None,
@@ -130,9 +145,16 @@ def summarize(path: str | Path) -> dict[str, Any]:
         total_logical += logical
     ids = _ordered_unique(np.concatenate(request_parts)) if request_parts else []
     model = attrs.get("model") or {}
+    last = committed.get("step")
     return {
         "store": str(path),
-        "status": attrs.get("dmi_status", "unknown"),
+        "status": status,
+        "committed_step": last,
+        "writer_alive": writer_alive(attrs.get("dmi_writer")) if status == "open" else None,
+        "writer": attrs.get("dmi_writer"),
+        "error": attrs.get("error"),
+        "store_error": attrs.get("store_error"),
+        "resumed": attrs.get("resumed") or [],
         "format": attrs.get("dmi_format"),
         "model": model.get("name_or_path"),
         "model_class": model.get("class"),
@@ -141,7 +163,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "family": attrs.get("family"),
         "hook_spec_file": attrs.get("hook_spec_file"),
         "policy_mode": (attrs.get("policy") or {}).get("mode"),
-        "steps": attrs.get("steps"),
+        "steps": attrs.get("steps") if status != "open" or last is None else last + 1,
         "requests": {"count": len(ids), "first": ids[:MAX_IDS]},
         "sites": sites,
         "total_bytes": total_bytes,
@@ -152,6 +174,37 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "stall_seconds": attrs.get("stall_seconds"),
         "versions": attrs.get("versions", {}),
     }
+
+
+def writer_alive(writer: dict | None) -> bool | None:
+    """Whether the process that opened a store (root attribute ``dmi_writer``) still runs; None
+    when it ran on another host (unknown)."""
+    if not writer or not writer.get("pid"):
+        return False
+    if writer.get("host") != socket.gethostname():
+        return None
+    if int(writer["pid"]) == os.getpid():
+        return True
+    try:
+        os.kill(int(writer["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:              # exists, owned by someone else
+        return True
+    return True
+
+
+def status_text(info: dict) -> str:
+    """'closed', 'failed', or for an open store whether its writer still runs and its last committed step."""
+    status = info["status"]
+    if status != "open":
+        return status
+    last = info.get("committed_step")
+    upto = f"last committed step {last}" if last is not None and last >= 0 else "no step committed yet"
+    if info.get("writer_alive"):
+        return f"open: being written by pid {info['writer']['pid']} ({upto})"
+    return f"open: did not close cleanly ({upto})" + ("" if info.get("writer_alive") is False else
+                                                      " unless its writer on another host still runs")
 
 
 def human_bytes(n: int | None) -> str:
@@ -176,17 +229,26 @@ def format_summary(info: dict) -> str:
     extra = ", ".join(x for x in (info.get("model_class"), info.get("model_dtype")) if x)
     drops = info["drops"]
     stall = info.get("stall_seconds")
+    by_reason = drops.get("bytes_by_reason", {})
     lines = [
         f"store     {info['store']}",
         f"model     {model}" + (f" ({extra})" if extra else ""),
         f"family    {info['family']}",
-        f"status    {info['status']}" + (f"   policy {info['policy_mode']}" if info.get("policy_mode") else ""),
+        f"status    {status_text(info)}" + (f"   policy {info['policy_mode']}" if info.get("policy_mode") else ""),
+    ]
+    for key in ("error", "store_error"):
+        if info.get(key):
+            lines.append(f"error     {info[key]}")
+    if info.get("resumed"):
+        lines.append("resumed   at step " + ", ".join(str(r.get("at_step")) for r in info["resumed"]))
+    lines += [
         f"steps     {info['steps'] if info['steps'] is not None else '-'}",
         f"requests  {req['count']}" + (f": {ids}" if ids else ""),
         f"bytes     {human_bytes(info['total_bytes'])} stored "
         f"({human_bytes(info['total_logical_bytes'])} uncompressed)",
         f"drops     {drops['count']} captures, {human_bytes(drops['bytes'])}"
-        + (" (" + ", ".join(f"{r}: {c}" for r, c in drops["by_reason"].items()) + ")" if drops["by_reason"] else ""),
+        + (" (" + ", ".join(f"{r}: {c}, {human_bytes(by_reason.get(r))}" for r, c in drops["by_reason"].items())
+           + ")" if drops["by_reason"] else ""),
         f"stall     {stall:.6f} s" if isinstance(stall, (int, float)) else "stall     -",
         f"sites     {len(info['sites'])} groups",
     ]

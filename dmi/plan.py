@@ -17,6 +17,7 @@ from .spec import Document, parse_bytes
 
 DEFAULT_RING_BYTES = 64 << 20
 DEFAULT_MAX_KEYS = 256
+RING_ALIGN = 256     # every site's block in the payload ring starts at a multiple of this (dmi.ring.ALIGN)
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
 
 
@@ -88,6 +89,7 @@ class Policy:
     meta_records: int = 4096
     max_step_tokens: int | None = None
     on_store_error: str = "raise"
+    d2h_bytes_per_s: int | None = None   # device-to-host cap on reserved step bytes (None: uncapped)
 
 
 @dataclass
@@ -99,6 +101,8 @@ class Plan:
     store_dtype: str = "native"
     chunk_bytes: int = 4 << 20
     compression: str = "lz4"
+    max_bytes: int | None = None       # store.max_bytes: cap on chunk bytes on disk
+    bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -109,6 +113,11 @@ class Plan:
     def step_bytes(self, tokens: int, float_itemsize: int) -> int:
         """Upper bound of one step's payload for ``tokens`` rows (analytic, from the plan)."""
         return sum(tokens * s.row_bytes(float_itemsize) for s in self.sites)
+
+    def reserved_bytes(self, tokens: int, float_itemsize: int) -> int:
+        """What the ring reserves for a step of ``tokens`` rows in every site: each site's block is
+        rounded up to ``RING_ALIGN``, so this (not :meth:`step_bytes`) is what must fit a budget."""
+        return sum(-(-tokens * s.row_bytes(float_itemsize) // RING_ALIGN) * RING_ALIGN for s in self.sites)
 
 
 def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
@@ -271,6 +280,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     policy = _policy(hook)
     plan = Plan(family=arch.data["family"], sites=sites, policy=policy, layers=n_layers, store_dtype=store_dtype,
                 chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
+                max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
+                bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 arch_file=arch.file,
                 hook_file=hook.file, hook_spec=spec)
     check_policy_fits(plan, model_dtype_itemsize, hook)
@@ -314,11 +325,14 @@ def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int,
     return problem, f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
 
 
+_BYTE_BUDGETS = ("ring_bytes", "host_bytes", "d2h_bytes_per_s")
+
+
 def _policy(hook: Document) -> Policy:
     p = hook.data.get("policy", {})
     out = Policy()
     out.mode = p.get("mode", out.mode)
-    for key in ("ring_bytes", "host_bytes"):
+    for key in _BYTE_BUDGETS:
         if key in p:
             try:
                 setattr(out, key, parse_bytes(p[key]))
@@ -326,7 +340,8 @@ def _policy(hook: Document) -> Policy:
                 raise hook.error(("policy", key), str(e), fix="write a size such as 64MiB") from None
     out.meta_records = p.get("meta_records", out.meta_records)
     out.max_step_tokens = p.get("max_step_tokens")
-    out.on_store_error = p.get("on_store_error", out.on_store_error)
+    # a failed store write follows the mode unless said: full stops the model, best_effort drops
+    out.on_store_error = p.get("on_store_error", "drop" if out.mode == "best_effort" else "raise")
     return out
 
 
@@ -347,15 +362,42 @@ def _size(n: int) -> str:
 
 
 def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, tokens: int | None = None) -> None:
-    """Refuse a plan whose single step cannot fit the ring (at load: for max_step_tokens or one token)."""
+    """Refuse a policy that cannot be met: a budget of zero bytes, or one step (of max_step_tokens
+    tokens, else of one token) that does not fit the ring, the host staging or the meta ring."""
     n = tokens or plan.policy.max_step_tokens or 1
-    need = plan.step_bytes(n, itemsize)
-    if need > plan.policy.ring_bytes:
-        msg = (f"one step of {n} token(s) over {len(plan.sites)} site(s) needs {need:,} bytes of ring but "
-               f"policy.ring_bytes is {plan.policy.ring_bytes:,}")
-        fix = (f"raise policy.ring_bytes to at least {need:,} ({_size(need)}), "
+    _check_nonzero(plan, hook)
+    _check_step_fits(plan, itemsize, hook, n, "ring_bytes", "ring")
+    _check_step_fits(plan, itemsize, hook, n, "host_bytes", "host staging")
+    _check_meta(plan, hook)
+
+
+def _check_nonzero(plan: Plan, hook: Document | None) -> None:
+    # '0MiB' or '0.1B' pass the schema's size pattern but parse to 0 bytes
+    what = {"ring_bytes": "no step could ever be reserved", "host_bytes": "no step could ever be staged",
+            "d2h_bytes_per_s": "nothing could ever be copied to the host"}
+    for key in _BYTE_BUDGETS:
+        value = getattr(plan.policy, key)
+        if value is not None and value < 1:
+            fix = ("remove policy.d2h_bytes_per_s to copy uncapped, or give a rate such as 2GiB"
+                   if key == "d2h_bytes_per_s" else "give a size such as 64MiB")
+            unit = "bytes/s" if key == "d2h_bytes_per_s" else "bytes"
+            raise _policy_error(plan, hook, key, f"policy.{key} is {value} {unit}: {what[key]}", fix)
+
+
+def _check_step_fits(plan: Plan, itemsize: int, hook: Document | None, n: int, key: str, what: str) -> None:
+    """One step of ``n`` tokens must fit ``policy.<key>`` (the ring; host staging, where the drain
+    stages a whole step before the exporter takes it)."""
+    need = plan.reserved_bytes(n, itemsize)
+    have = getattr(plan.policy, key)
+    if need > have:
+        msg = (f"one step of {n} token(s) over {len(plan.sites)} site(s) needs {need:,} bytes of {what} but "
+               f"policy.{key} is {have:,}")
+        fix = (f"raise policy.{key} to at least {need:,} ({_size(need)}), "
                f"capture fewer sites, or lower policy.max_step_tokens")
-        raise _policy_error(plan, hook, "ring_bytes", msg, fix)
+        raise _policy_error(plan, hook, key, msg, fix)
+
+
+def _check_meta(plan: Plan, hook: Document | None) -> None:
     per_step_records = len(plan.sites) + 1
     if per_step_records > plan.policy.meta_records:
         raise _policy_error(plan, hook, "meta_records",

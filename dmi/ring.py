@@ -26,6 +26,8 @@ the GPU), so a matching ``seq`` means the fields are complete.
 from __future__ import annotations
 
 import collections
+import collections.abc
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,8 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import CaptureError, PolicyError
+from .plan import RING_ALIGN
 
-ALIGN = 256
+ALIGN = RING_ALIGN       # the plan's budget checks round each site's block the same way
 META_DTYPE = np.dtype([("seq", "<u8"), ("step", "<i8"), ("site", "<i4"), ("flags", "<i4"),
                        ("offset", "<i8"), ("nbytes", "<i8"), ("rows", "<i8"), ("src_seq", "<i8")])
 END_MARKER = -1
@@ -81,7 +84,7 @@ class ByteRing:
         self.tail = upto
 
 
-@dataclass
+@dataclass(slots=True)
 class SiteSlot:
     """Where one site of one step writes: filled at begin_step, read by the capture op."""
     site: int
@@ -103,6 +106,51 @@ class StepControl:
     block_end: int            # absolute ring position freed when the step is drained
     first_seq: int
     ended: bool = False
+    layout: "StepLayout | None" = None    # set when the step reused a layout (fast path)
+
+
+class StepLayout:
+    """A step's captures laid out in its block, computed once and reused by every step that wants
+    exactly the same captures (decode steps of one batch): the per-step host work is then one
+    reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
+    GPU waits for it between decode steps)."""
+    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "cache")
+
+    def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
+        self.wanted = wanted
+        self.sizes = [align_up(w[3]) for w in wanted]
+        self.rel = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64) if wanted else np.zeros(0, np.int64)
+        self.total = sum(self.sizes)
+        self.sites = frozenset(w[0] for w in wanted)
+        self.cache: dict = {}                  # backends keep what they derive from the layout here
+
+
+class _LaidOutSlots(collections.abc.Mapping):
+    """``StepControl.slots`` of a step begun from a :class:`StepLayout`, built when first read
+    (by the drain thread, off the model's critical path)."""
+    __slots__ = ("layout", "base", "first", "_slots")
+
+    def __init__(self, layout: StepLayout, base: int, first: int):
+        self.layout, self.base, self.first, self._slots = layout, base, first, None
+
+    def _built(self) -> dict[int, SiteSlot]:
+        if self._slots is None:
+            L, base = self.layout, self.base
+            self._slots = {w[0]: SiteSlot(w[0], base + int(r), size, w[1], w[2], self.first + i)
+                           for i, (w, r, size) in enumerate(zip(L.wanted, L.rel, L.sizes))}
+        return self._slots
+
+    def __getitem__(self, site: int) -> SiteSlot:
+        return self._built()[site]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self.layout.wanted)
+
+    def __contains__(self, site) -> bool:
+        return site in self.layout.sites
 
 
 @dataclass
@@ -126,6 +174,41 @@ class Stats:
     drops: list[Drop] = field(default_factory=list)
 
 
+class TokenBucket:
+    """``policy.d2h_bytes_per_s`` as a token bucket on the bytes each step reserves.
+
+    It fills at ``rate`` bytes/s up to ``burst`` (one second of rate) and starts full. A step may
+    start when the bucket holds its bytes. A step larger than the burst may start once the bucket is
+    full: it then drives the level negative and later steps wait until that debt is paid back at
+    ``rate``. Without that exception such a step could never start (``full`` would wait forever,
+    ``best_effort`` would drop it every time) although the cap is an average, and the long-run
+    average still never exceeds ``rate``: over any interval T at most ``burst + rate * T`` plus one
+    step's overshoot goes through."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock=time.monotonic):
+        self.rate = float(rate)
+        self.burst = float(rate if burst is None else burst)
+        self.clock = clock
+        self.level = self.burst
+        self.t = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.burst, self.level + (now - self.t) * self.rate)
+        self.t = now
+
+    def wait_for(self, nbytes: int) -> float:
+        """Seconds until a step of ``nbytes`` may start (0.0: now; a step that copies nothing never waits)."""
+        if nbytes <= 0:
+            return 0.0
+        self._refill()
+        return max(0.0, (min(nbytes, self.burst) - self.level) / self.rate)
+
+    def spend(self, nbytes: int) -> None:
+        self._refill()
+        self.level -= nbytes
+
+
 class Ring:
     """Host side of Ring², independent of where the payload lives."""
 
@@ -141,11 +224,19 @@ class Ring:
         self.stats = Stats()
         self.error: BaseException | None = None
         self.null = False               # null mode: the run begins no steps (capture kernels still launch)
+        self.bucket: TokenBucket | None = None    # policy.d2h_bytes_per_s (set up from the plan)
+        # The drain runs in batches, every DRAIN_INTERVAL_S: waking per step would contend for the
+        # GIL with the thread that drives the model exactly when the GPU waits for it. ``urgent``
+        # wakes it early (ring or meta ring a quarter full, backpressure, flush, close).
+        self.urgent = threading.Event()
+        self.hurry = False
 
     # --- backend hooks --------------------------------------------------------------------------
     def setup(self, plan, dtype, device) -> None:
         """Called once by the run: the plan's sites, the capture dtype and the model's device."""
         self.plan, self.dtype, self.device = plan, dtype, device
+        rate = getattr(plan.policy, "d2h_bytes_per_s", None)
+        self.bucket = TokenBucket(rate) if rate else None
 
     def meta_view(self) -> np.ndarray:
         raise NotImplementedError
@@ -156,6 +247,14 @@ class Ring:
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
         """The host publishes the step's end marker (CPU always; CUDA only for an aborted step)."""
         raise NotImplementedError
+
+    def publish_record(self, seq: int, step: int, site: int, offset: int, nbytes: int, rows: int,
+                       src_seq: int, flags: int = 0) -> None:
+        """The host writes one meta record (host-side captures, end markers), ``seq`` last."""
+        rec = self.meta_view()[seq % self.meta_records]
+        rec["step"], rec["site"], rec["flags"] = step, site, flags
+        rec["offset"], rec["nbytes"], rec["rows"], rec["src_seq"] = offset, nbytes, rows, src_seq
+        rec["seq"] = seq       # written last: the record is published
 
     def device_end(self) -> None:
         """Called by the ``dmi::step_end`` op (also while a CUDA graph is being captured): the
@@ -169,9 +268,10 @@ class Ring:
         """Copy ``nbytes`` at ``offset`` of the payload ring into host memory."""
         raise NotImplementedError
 
-    def fetch(self, ctrl: StepControl, recs: list[np.void]) -> list[np.ndarray]:
-        """Bytes of each published record of one step (default: one ``copy_out`` each)."""
-        return [self.copy_out(int(r["offset"]), int(r["nbytes"])) for r in recs]
+    def fetch(self, ctrl: StepControl, recs: np.ndarray) -> list[np.ndarray]:
+        """Bytes of each published record of one step (``recs``: META_DTYPE array; default: one
+        ``copy_out`` each)."""
+        return [self.copy_out(o, n) for o, n in zip(recs["offset"].tolist(), recs["nbytes"].tolist())]
 
     def release_host(self, ctrl: StepControl) -> None:
         """The exporter is done with the arrays ``fetch`` returned for ``ctrl`` (staging reuse)."""
@@ -180,13 +280,20 @@ class Ring:
         """Free backend memory (after the drain and exporter threads have stopped)."""
 
     # --- host: steps ----------------------------------------------------------------------------
-    def begin_step(self, step: int, tokens, pad: np.ndarray, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]
-                   ) -> StepControl:
-        """wanted: (site, sel, rows, bytes, priority) for every site with rows this step."""
+    def begin_step(self, step: int, tokens, pad: np.ndarray,
+                   wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout") -> StepControl:
+        """wanted: (site, sel, rows, bytes, priority) for every site with rows this step, or a
+        :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it)."""
+        if isinstance(wanted, StepLayout):
+            ctrl = self._begin_laid_out(step, tokens, pad, wanted)
+            if ctrl is not None:
+                return ctrl
+            wanted = wanted.wanted
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)          # the previous forward raised before it ended
-        sizes = [align_up(w[3]) for w in wanted]
+        a = ALIGN
+        sizes = [-(-w[3] // a) * a for w in wanted]        # align_up, inlined: a hot loop
         total = sum(sizes)
         if total > self.bytes.capacity:
             if self.mode == "full":
@@ -195,6 +302,8 @@ class Ring:
                     f"{self.bytes.capacity:,}. Fix: raise policy.ring_bytes, lower the batch size, or capture "
                     f"fewer sites/tokens (policy.mode best_effort would drop them instead)")
         keep = list(range(len(wanted)))
+        if self.bucket is not None:              # policy.d2h_bytes_per_s: wait (full) or drop (best_effort)
+            keep = self._within_bandwidth(step, tokens, wanted, sizes, keep)
         with self.cond:
             t0 = time.perf_counter()
             while True:
@@ -213,14 +322,18 @@ class Ring:
                             break
                         self.cond.wait(0.05)         # even an empty step needs its end marker slot
                         continue
+                    self.urgent.set()
                     victim = min(keep, key=lambda i: (wanted[i][4], -i))
                     keep.remove(victim)
                     site, sel, rows, nbytes, _ = wanted[victim]
                     self.stats.drops.append(Drop(step, site, tuple(np.unique(tokens.request[sel]).tolist()),
                                                  len(sel), nbytes, "ring_full"))
                     continue
+                self.urgent.set()
                 self.cond.wait(0.05)
             self.stats.stall_seconds += time.perf_counter() - t0 if self.mode == "full" else 0.0
+            if self.bucket is not None:
+                self.bucket.spend(need)
             base, block_end = block
             slots, off = {}, base
             for i in keep:
@@ -230,11 +343,76 @@ class Ring:
                 self.next_seq += 1
             ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep))
             self.next_seq += 1
-            self.pending.append(ctrl)
-            self.current = ctrl
-            self.stats.steps += 1
+            self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl
+
+    def _open(self, ctrl: StepControl) -> None:
+        """Under ``cond``: ``ctrl`` becomes the open step; the drain is woken early once the ring
+        or the meta ring is a quarter full."""
+        self.pending.append(ctrl)
+        self.current = ctrl
+        self.stats.steps += 1
+        if 4 * self.bytes.used > self.bytes.capacity or 4 * (self.next_seq - self.freed_seq) > self.meta_records:
+            self.urgent.set()
+
+    def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout) -> StepControl | None:
+        """begin_step for a reused layout; None where the general path must decide (a bandwidth
+        cap, or best_effort with no room: it drops per site)."""
+        if self.bucket is not None or layout.total > self.bytes.capacity:
+            return None
+        self.raise_if_failed()
+        if self.current is not None and not self.current.ended:
+            self.end_step(aborted=True)
+        n = len(layout.wanted)
+        with self.cond:
+            t0 = None
+            while True:
+                self.raise_if_failed()
+                head = self.bytes.head
+                block = self.bytes.try_reserve(layout.total) if layout.total else (head % self.bytes.capacity, head)
+                if block is not None and self.next_seq + n + 1 - self.freed_seq <= self.meta_records:
+                    break
+                self.bytes.head = head
+                if self.mode == "best_effort":
+                    return None
+                t0 = t0 or time.perf_counter()
+                self.urgent.set()
+                self.cond.wait(0.05)
+            if t0 is not None:
+                self.stats.stall_seconds += time.perf_counter() - t0
+            base, block_end = block
+            first = self.next_seq
+            self.next_seq += n + 1
+            ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
+                               layout=layout)
+            self._open(ctrl)
+        self.publish_control(ctrl)
+        return ctrl
+
+    def _within_bandwidth(self, step: int, tokens, wanted: list, sizes: list[int], keep: list[int]) -> list[int]:
+        """The captures of ``keep`` the D2H budget lets through now. ``full`` waits for the bucket
+        (counted as stall time) and keeps all; ``best_effort`` never waits: it drops whole captures,
+        lowest priority first (as for a full ring), with reason ``bandwidth``."""
+        need = sum(sizes[i] for i in keep)
+        if self.mode == "full":
+            t0 = time.perf_counter()
+            while (wait := self.bucket.wait_for(need)) > 0:
+                self.raise_if_failed()
+                time.sleep(min(wait, 0.05))
+            self.stats.stall_seconds += time.perf_counter() - t0
+            return keep
+        while keep and self.bucket.wait_for(need) > 0:
+            victim = min(keep, key=lambda i: (wanted[i][4], -i))
+            keep.remove(victim)
+            need -= sizes[victim]
+            self._record_drop(step, tokens, wanted[victim], "bandwidth")
+        return keep
+
+    def _record_drop(self, step: int, tokens, want: tuple, reason: str) -> None:
+        site, sel, _rows, nbytes, _priority = want
+        self.stats.drops.append(Drop(step, site, tuple(np.unique(tokens.request[sel]).tolist()), len(sel), nbytes,
+                                     reason))
 
     def end_step(self, aborted: bool = False, device: bool = False) -> None:
         """Host side of a step's end. ``device``: the step's forward ran its ``dmi::step_end`` op,
@@ -256,40 +434,61 @@ class Ring:
             err = self.error
             raise CaptureError(f"capture stopped: {type(err).__name__}: {err}") from err
 
-    # --- drain: one step ----------------------------------------------------------------------
-    def drain_ready(self) -> StepControl | None:
-        """The oldest pending step if its end marker is published (polls host memory only)."""
+    # --- drain ---------------------------------------------------------------------------------
+    def drain_ready(self, limit: int = 1) -> list[StepControl]:
+        """The oldest pending steps (at most ``limit``) whose end markers are published, in order
+        (polls host memory only)."""
         with self.cond:
-            if not self.pending:
-                return None
-            ctrl = self.pending[0]
-        meta = self.meta_view()
-        if int(meta["seq"][ctrl.end_seq % self.meta_records]) != ctrl.end_seq:
-            return None
-        return ctrl
+            pending = list(itertools.islice(self.pending, limit))
+        seqs = self.meta_view()["seq"]
+        ready = []
+        for ctrl in pending:
+            if int(seqs[ctrl.end_seq % self.meta_records]) != ctrl.end_seq:
+                break
+            ready.append(ctrl)
+        return ready
 
-    def drain_step(self, ctrl: StepControl) -> list[tuple[SiteSlot, np.void, np.ndarray]]:
-        meta = self.meta_view()
-        seqs = meta["seq"]
-        published = []
-        for slot in ctrl.slots.values():
-            i = slot.seq % self.meta_records
-            if int(seqs[i]) != slot.seq:       # seq first: the writer stores it last
-                self.stats.not_run += 1
-                continue
-            published.append((slot, meta[i].copy()))
-        datas = self.fetch(ctrl, [rec for _, rec in published])
+    def drain_steps(self, ctrls: list[StepControl]) -> list[list[tuple[SiteSlot, np.void, np.ndarray]]]:
+        """Copy out the records of ready steps (the oldest pending ones, in order) and free their
+        ring space: per step, ``(slot, record, bytes)`` for each published record."""
+        if not ctrls:
+            return []
+        # consecutive steps hold consecutive seqs (sites, then the end marker): one vectorized read
+        first = ctrls[0].first_seq
+        seqs = np.arange(first, ctrls[-1].end_seq, dtype=np.uint64)
+        meta = self.meta_view()[seqs % self.meta_records]        # a copy
+        ok = meta["seq"] == seqs               # seq first: the writer stores it last
+        per_step = []
+        for ctrl in ctrls:
+            a, b = ctrl.first_seq - first, ctrl.end_seq - first
+            recs, hit = meta[a:b], ok[a:b]
+            slots = list(ctrl.slots.values())
+            if not hit.all():                  # a planned site whose module did not run
+                self.stats.not_run += len(slots) - int(hit.sum())
+                slots = [s for s, k in zip(slots, hit.tolist()) if k]
+                recs = recs[hit]
+            per_step.append((slots, recs))
+        datas = self.fetch_steps(ctrls, [recs for _, recs in per_step])
         out = []
-        for (slot, rec), data in zip(published, datas):
-            out.append((slot, rec, data))
-            self.stats.records += 1
-            self.stats.bytes_drained += int(rec["nbytes"])
+        for (slots, recs), data in zip(per_step, datas):
+            out.append(list(zip(slots, recs, data)))
+            self.stats.records += len(recs)
+            self.stats.bytes_drained += int(recs["nbytes"].sum())
         with self.cond:
-            self.pending.popleft()
-            self.bytes.release(ctrl.block_end)
-            self.freed_seq = ctrl.end_seq + 1
+            for _ in ctrls:
+                self.pending.popleft()
+            self.bytes.release(ctrls[-1].block_end)
+            self.freed_seq = ctrls[-1].end_seq + 1
             self.cond.notify_all()
         return out
+
+    def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """:meth:`fetch` for several steps (a backend may copy them at once)."""
+        return [self.fetch(c, r) for c, r in zip(ctrls, recs)]
+
+    def drain_step(self, ctrl: StepControl) -> list[tuple[SiteSlot, np.void, np.ndarray]]:
+        """:meth:`drain_steps` of one step."""
+        return self.drain_steps([ctrl])[0]
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -342,13 +541,6 @@ class CpuRing(Ring):
         self.payload[slot.offset:slot.offset + flat.numel()].copy_(flat)
         self.publish_record(slot.seq, ctrl.step, site.index, slot.offset, flat.numel(), n, src_seq)
         self.stats.bytes_captured += flat.numel()
-
-    def publish_record(self, seq: int, step: int, site: int, offset: int, nbytes: int, rows: int,
-                       src_seq: int, flags: int = 0) -> None:
-        rec = self.meta[seq % self.meta_records]
-        rec["step"], rec["site"], rec["flags"] = step, site, flags
-        rec["offset"], rec["nbytes"], rec["rows"], rec["src_seq"] = offset, nbytes, rows, src_seq
-        rec["seq"] = seq       # written last: the record is published
 
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
         self.publish_record(ctrl.end_seq, ctrl.step, END_MARKER, 0, 0, 0, 0, flags)

@@ -1,6 +1,7 @@
 """A capture run: the plan, the ring, the drain and exporter threads, and the patched model."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -10,21 +11,24 @@ from importlib import metadata
 import numpy as np
 import torch
 
-from .errors import CaptureError
-from .exporter import ZarrExporter
+from .errors import CaptureError, StoreError
+from .exporter import TICK_S, ZarrExporter
 from .plan import Plan, check_policy_fits
-from .ring import Ring, make_ring
+from .ring import Ring, StepLayout, make_ring
 from .siteop import register_run, unregister_run
 from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
 
 _STOP = object()
+DRAIN_INTERVAL_S = 0.1       # the drain copies ready steps out in batches this far apart ...
+DRAIN_FAST_S = 0.0005        # ... or this far apart while a flush or close waits for it
+DRAIN_BATCH = 64             # steps per batch at most
 
 
 class Run:
     """Returned by :func:`dmi.load`. Use ``run.model`` as usual; ``run.close()`` (or ``with``) flushes."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
-                 attrs: dict | None = None, ring: Ring | None = None):
+                 attrs: dict | None = None, ring: Ring | None = None, resume: bool = False):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -35,14 +39,15 @@ class Run:
         self.ring = ring or make_ring(plan.policy, device)
         self.ring.setup(plan, self.dtype, device)
         self.exporter = ZarrExporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                     _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite)
+                                     _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
         self.store = str(self.exporter.path)
         self.id = register_run(self)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
         if self._cuda:   # the site ops mutate it inside CUDA graphs: a static address keeps cudagraphs on
             torch._dynamo.mark_static_address(self.ticket)
-        self._step = 0
+        self._step = self.exporter.next_step     # resume: numbering goes on after the committed steps
+        self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self._filters: dict = {}
         self.rows_selected = [0] * len(plan.sites)    # accounting: stored + dropped == selected
         self._not_computed = [0] * len(plan.sites)    # selected rows an engine tensor does not hold (held=)
@@ -50,8 +55,13 @@ class Run:
         self._external = False       # the open step was begun outside the forward (graphs, engines)
         self._gen_mask = None        # 2D attention mask generate() prepared for the next forward
         self._mirror: _Mirror | None = None
+        self._owner = _StepOwner(self._orphaned)   # the thread driving the steps now (one generate at a time)
         filters = list(dict.fromkeys(s.tokens for s in plan.sites))
         self._n_filters = len(filters)
+        # filters whose selection in a decode step depends only on the batch (no counters, no
+        # position windows): decode steps then reuse one StepLayout
+        self._stateless_filters = all(f.every_n_steps <= 1 and f.max_per_request is None and f.positions is None
+                                      for f in filters)
         self._site_info = [(s, s.row_bytes(self.itemsize), filters.index(s.tokens)) for s in plan.sites]
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
@@ -59,6 +69,7 @@ class Run:
         self._queue_cond = threading.Condition()
         self._closed = False
         self._detach = None
+        self.drain_interval = DRAIN_INTERVAL_S
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
         self._drain.start()
@@ -72,13 +83,46 @@ class Run:
         each replay and :meth:`end_step` after it; the graph's site ops read the step's offsets, rows
         and flags from device tensors this call updates (async H2D on the current stream).
         ``past_len``: an int, a 0-d tensor or a transformers cache (read only without a 2D mask)."""
+        self._owner.claim("a step")
+        try:
+            self._begin(tokens, attention_mask, position_ids, past_len)
+        except BaseException:
+            self._owner.release_step()      # a step that failed to begin holds nothing
+            raise
         self._external = True
-        self._begin(tokens, attention_mask, position_ids, past_len)
 
     def end_step(self) -> None:
         """Close the step begun with :meth:`begin_step` (its forward has been launched)."""
         self._external = False
         self.ring.end_step(device=True)
+        self._owner.release_step()
+
+    def abort_step(self) -> None:
+        """Close the open step as aborted (its forward raised); frees the run for other threads."""
+        self._external = False
+        self.ring.end_step(aborted=True)
+        self._owner.release_step()
+
+    def _orphaned(self) -> None:
+        """The thread that owned the run exited inside a step: close that step as aborted."""
+        self._external, self._gen_mask = False, None
+        self.ring.end_step(aborted=True)
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str = "generate"):
+        """The calling thread drives this run's steps for the whole block (the HF adapter wraps
+        ``generate()`` in it: its steps share the request table and the decode bookkeeping). A step
+        or another ``exclusive`` block of a different thread meanwhile raises :class:`CaptureError`.
+        A block left by an exception closes the step its forward left open."""
+        self._owner.enter(what)
+        try:
+            yield self
+        except BaseException:
+            if self._owner.depth == 1:
+                self.abort_step()
+            raise
+        finally:
+            self._owner.exit()
 
     def stepped(self, fn, step_inputs):
         """``fn`` (a callable running one forward, e.g. transformers' compiled forward) with the
@@ -91,8 +135,7 @@ class Run:
             try:
                 out = fn(*args, **kwargs)
             except BaseException:
-                self._external = False
-                self.ring.end_step(aborted=True)
+                self.abort_step()
                 raise
             self.end_step()
             return out
@@ -104,23 +147,32 @@ class Run:
         self._gen_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 
     def set_enabled(self, enabled: bool) -> None:
-        """``False``: null mode. Sites stay patched and the site ops still run (launching their
-        kernels on CUDA), but no step is begun, so the device flag stays off and nothing is copied."""
+        """``False``: null mode. Sites stay patched and the site ops still run, but no step is
+        begun: inside a CUDA graph their kernels exit on the device flag, which stays off; eager
+        calls return on the host. Nothing is copied."""
         self.enabled = bool(enabled)
         self.ring.null = not self.enabled
 
     def step_begin_op(self, tokens, attention_mask, position_ids, past) -> None:
         """``dmi::step_begin``: the host work of an eager forward's step (none inside a graph
         capture or when the step was begun from outside)."""
-        if self._external or (self._cuda and torch.cuda.is_current_stream_capturing()):
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             return
-        self._begin(tokens, attention_mask, position_ids, past)
+        self._owner.claim("a forward")        # before _external: a step begun outside may be another thread's
+        if self._external:
+            return
+        try:
+            self._begin(tokens, attention_mask, position_ids, past)
+        except BaseException:
+            self._owner.release_step()      # a step that failed to begin (policy, request ids) holds nothing
+            raise
 
     def step_end_op(self) -> None:
         """``dmi::step_end``: the device side of the end marker, and the host side in eager forwards."""
         self.ring.device_end()
         if not self._external and not (self._cuda and torch.cuda.is_current_stream_capturing()):
             self.ring.end_step(device=True)
+            self._owner.release_step()
 
     def _begin(self, tokens: torch.Tensor, attention_mask, position_ids, past) -> None:
         """HF: a step from the tensors the top-level forward received ([batch, seq] grid)."""
@@ -132,14 +184,26 @@ class Run:
         if mask_t is None and gen is not None and gen.shape[0] == batch and gen.shape[1] >= seq:
             mask_t = gen
         m = self._mirror
-        if (mask_t is not None and mask_t.device.type != "cpu" and seq == 1 and m is not None
-                and m.batch == batch and mask_t.shape[1] == m.total + 1):
+        if (mask_t is not None and seq == 1 and m is not None
+                and m.batch == batch and mask_t.shape[1] == m.total + 1 and m.thread == threading.get_ident()):
             # a decode step of the same batch (the mask grew by one column): its token is real, as
             # generate() guarantees, and positions advance by one. No device read, no sync.
             m.total += 1
             m.last_pos = m.last_pos + 1
             st = StepTokens(step=self._step, batch=batch, seq=1, rows=m.arange, request=m.req, position=m.last_pos,
                             phase=m.decode, local=m.zeros)
+            if m.keep is not None:        # some requests opted out (set_request_ids(capture=...))
+                st = st.subset(m.keep)
+            if self._stateless_filters:   # every decode step of this batch wants the same captures
+                if m.layout is None:
+                    wanted, counts = self._wanted(st)
+                    m.layout = StepLayout(wanted)
+                    m.layout.cache["counts"] = counts
+                st.step = self._step
+                self.ring.begin_step(self._step, st, m.pad, m.layout)
+                self._count(m.layout.cache["counts"])
+                self._step += 1
+                return
             self._begin_tokens(st, m.pad)
             return
         mask = mask_t.detach().cpu().numpy() if mask_t is not None else None
@@ -153,9 +217,10 @@ class Run:
         else:
             last = np.broadcast_to(pos[:, -1] if pos is not None else np.int64(past_len + seq - 1), (batch,))
             total = past_len + seq
+        keep = self.requests.batch_capture       # per batch row (None: every request captures)
         self._mirror = _Mirror(batch, total, np.array(last, np.int64), np.asarray(self.requests.current(batch), np.int64),
-                               np.asarray(pad, np.int64))
-        self._begin_tokens(st, pad)
+                               np.asarray(pad, np.int64), keep)
+        self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad)
 
     def begin_tokens(self, st: StepTokens, pad: np.ndarray, *, keep: dict | None = None,
                      held: dict | None = None) -> None:
@@ -170,15 +235,37 @@ class Run:
         -1 where the engine never computes it (counted as not computed). The ring sees such a
         tensor like HF's ``logits_to_keep`` output, the last ``n`` rows of the step: the adapter
         sets ``st.local`` of a held row to ``st.seq - n + index``."""
-        self._external = True
+        self._owner.claim("a step")
         if self.enabled:
-            self._begin_tokens(st, pad, keep, held)
+            try:
+                self._begin_tokens(st, pad, keep, held)
+            except BaseException:
+                self._owner.release_step()
+                raise
+        self._external = True
 
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
                       held: dict | None = None) -> None:
         st.step = self._step
+        wanted, counts = self._wanted(st, keep, held)
+        self.ring.begin_step(self._step, st, pad, wanted)
+        self._count(counts)
+        self._step += 1
+
+    def _count(self, counts: list[tuple[int, int, int]]) -> None:
+        """Account a begun step's selection: (site, rows selected, of those not computed). Only once
+        the ring took the step, so a refused step leaves selected = stored + dropped + not computed."""
+        selected, not_computed = self.rows_selected, self._not_computed
+        for site, n, missing in counts:
+            selected[site] += n
+            if missing:
+                not_computed[site] += missing
+
+    def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, list]:
+        """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's
+        accounting for :meth:`_count`."""
         selections: list = [None] * self._n_filters
-        wanted = []
+        wanted, counts = [], []
         for s, row_bytes, f in self._site_info:      # per site: (plan, bytes per row, token filter index)
             base = selections[f]
             if base is None:
@@ -189,17 +276,16 @@ class Run:
             if keep is not None and s.index in keep:
                 sel = sel[keep[s.index][sel]]
                 rows = st.rows[sel]
+            missing = 0
             if held is not None and s.anchor.get("rows") in held:
                 index, n = held[s.anchor["rows"]]
                 at = index[sel]
-                self.rows_selected[s.index] += int((at < 0).sum())
-                self._not_computed[s.index] += int((at < 0).sum())
+                missing = int((at < 0).sum())
                 sel, rows = sel[at >= 0], st.seq - n + at[at >= 0]
-            self.rows_selected[s.index] += len(sel)
+            counts.append((s.index, len(sel) + missing, missing))
             if len(sel):
                 wanted.append((s.index, sel, rows, len(sel) * row_bytes, s.priority))
-        self.ring.begin_step(self._step, st, pad, wanted)
-        self._step += 1
+        return wanted, counts
 
     def capture(self, site_index: int, x: torch.Tensor) -> None:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x``."""
@@ -207,50 +293,58 @@ class Run:
 
     # --- threads ----------------------------------------------------------------------------------
     def _drain_loop(self) -> None:
-        idle = 1e-4
+        ring = self.ring
         try:
             while True:
-                ctrl = self.ring.drain_ready()
-                if ctrl is None:
-                    if self._closed and not self.ring.pending:
-                        break
-                    time.sleep(idle)
-                    idle = min(idle * 2, 2e-3)
-                    continue
-                idle = 1e-4
-                records = self.ring.drain_step(ctrl)
-                nbytes = sum(len(r[2]) for r in records)
-                with self._queue_cond:   # host budget: wait for the exporter before staging more
-                    while self._queued_bytes and self._queued_bytes + nbytes > self.plan.policy.host_bytes:
-                        if self.ring.error:
-                            return
-                        self._queue_cond.wait(0.05)
-                    self._queued_bytes += nbytes
-                self._queue.put((ctrl, records, nbytes))
+                # sleep without the GIL until the next batch is due or the ring needs room now
+                hurry = self._closed or ring.hurry
+                ring.urgent.wait(DRAIN_FAST_S if hurry else self.drain_interval)
+                ring.urgent.clear()
+                while ctrls := ring.drain_ready(DRAIN_BATCH):
+                    for ctrl, records in zip(ctrls, ring.drain_steps(ctrls)):
+                        nbytes = sum(len(r[2]) for r in records)
+                        with self._queue_cond:   # host budget: wait for the exporter before staging more
+                            while self._queued_bytes and self._queued_bytes + nbytes > self.plan.policy.host_bytes:
+                                if ring.error:
+                                    return
+                                self._queue_cond.wait(0.05)
+                            self._queued_bytes += nbytes
+                        self._queue.put((ctrl, records, nbytes))
+                if self._closed and not ring.pending:
+                    break
         except BaseException as e:    # surfaces in the caller's next step or close
             self._fail(e)
         finally:
             self._queue.put(_STOP)
 
     def _export_loop(self) -> None:
-        try:
-            while True:
-                item = self._queue.get()
-                if item is _STOP:
-                    break
-                ctrl, records, nbytes = item
-                if self.ring.error is None:
-                    self.exporter.write_step(ctrl, records, self.requests.ids)
-                self.ring.release_host(ctrl)
-                with self._queue_cond:
-                    self._queued_bytes -= nbytes
-                    self._exported += 1
-                    self._queue_cond.notify_all()
-        except BaseException as e:
-            self._fail(e)
-            with self._queue_cond:
-                self._queued_bytes = 0
-                self._queue_cond.notify_all()
+        exporter = self.exporter
+        while True:
+            try:   # wake up now and then: a failed write surfaces, and commits go on while idle
+                item = self._queue.get(timeout=TICK_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            try:
+                if item is None:
+                    exporter.tick()
+                elif isinstance(item, threading.Event):      # flush(): commit what was handed over
+                    try:
+                        exporter.sync()
+                    finally:
+                        item.set()
+                else:   # after a failure the exporter accounts the step as dropped instead of writing it
+                    exporter.write_step(item[0], item[1], self.requests.ids, self.ring.stats.drops)
+            except BaseException as e:     # surfaces in the caller's next step, flush or close
+                self._fail(e)
+            finally:
+                if isinstance(item, tuple):
+                    self.ring.release_host(item[0])
+                    with self._queue_cond:
+                        self._queued_bytes -= item[2]
+                        self._exported += 1
+                        self._queue_cond.notify_all()
 
     def _fail(self, e: BaseException) -> None:
         if self.ring.error is None:
@@ -262,6 +356,14 @@ class Run:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every step begun so far is drained and handed to the store (True), or the
         timeout passed (False). The run stays open."""
+        self.ring.hurry = True            # the drain polls fast until this returns
+        self.ring.urgent.set()
+        try:
+            return self._flush(timeout)
+        finally:
+            self.ring.hurry = False
+
+    def _flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._queue_cond:
             while self._exported < self.ring.stats.steps:
@@ -271,19 +373,36 @@ class Run:
                 if left is not None and left <= 0:
                     return False
                 self._queue_cond.wait(0.01 if left is None else min(left, 0.01))
+        if self.ring.error is None and self._export.is_alive():    # and on disk, committed
+            done = threading.Event()
+            self._queue.put(done)
+            while not done.wait(0.01):
+                if self.ring.error is not None:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
         self.ring.raise_if_failed()
         return True
 
     def stats(self) -> dict:
-        st = self.ring.stats
+        st, exp = self.ring.stats, self.exporter
+        drops = st.drops + exp.drops         # ring_full (best_effort) + sink (the store failed)
+        by_reason: dict[str, int] = {}
+        for d in drops:
+            by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
         return {"steps": st.steps, "records": st.records, "bytes_captured": st.bytes_captured,
                 "bytes_drained": st.bytes_drained, "stall_seconds": round(st.stall_seconds, 6),
-                "not_run": st.not_run, "dropped_captures": len(st.drops),
-                "dropped_bytes": sum(d.bytes for d in st.drops), "requests": len(self.requests.ids)}
+                "not_run": st.not_run, "dropped_captures": len(drops),
+                "dropped_bytes": sum(d.bytes for d in drops), "drops_by_reason": by_reason,
+                "requests": len(self.requests.ids), "committed_step": exp.committed_step,
+                "store_bytes": exp.store_bytes, "store_error": None if exp.error is None else str(exp.error)}
 
-    def set_request_ids(self, ids: list[str]) -> None:
-        """Name the rows of the next batch that starts (else they are r0, r1, ...)."""
-        self.requests.set_next(list(ids))
+    def set_request_ids(self, ids: list[str] | None = None, *, capture=None) -> None:
+        """Name the rows of the next batch this thread starts (else they are r0, r1, ...) and,
+        with ``capture`` (one bool per batch row), say which of its requests are captured at all:
+        rows of a request with ``False`` are never selected, stored or counted (opt-in per request).
+        ``ids=None`` with ``capture`` keeps the made-up ids."""
+        self.requests.set_next(None if ids is None else list(ids), capture)
 
     def close(self, error: BaseException | None = None) -> None:
         """Flush everything captured and close the store. ``error``: the caller failed (the
@@ -293,21 +412,26 @@ class Run:
         self.ring.end_step(aborted=error is not None)       # a step whose forward never finished
         self._external = False
         self._closed = True
+        self.ring.urgent.set()
         self._drain.join()
         self._export.join()
         self.ring.close()
         if self._detach is not None:
             self._detach()
         unregister_run(self.id)
+        try:       # tail chunks on disk and every step committed (or, if the store failed, accounted as dropped)
+            self.exporter.finish(self.ring.stats.drops)
+        except StoreError as e:
+            self._fail(e)
         clean = self.ring.error is None and error is None
-        summary = self.stats() | {"error": None if error is None else f"{type(error).__name__}: {error}",
-                                  "drops": list(self.ring.stats.drops),
-                                  "rows_dropped": {s.name: sum(d.rows for d in self.ring.stats.drops if d.site == s.index)
-                                                   for s in self.plan.sites},
-                                  "rows_selected": {s.name: self.rows_selected[s.index] for s in self.plan.sites},
-                                  "rows_stored": {self.plan.sites[i].name: n for i, n in self.exporter.rows_stored.items()},
-                                  "rows_not_computed": {self.plan.sites[i].name: n + self._not_computed[i]
-                                                        for i, n in self.exporter.rows_not_computed.items()}}
+        acc = self.exporter.accounting()     # per site; a resumed store's earlier runs included
+        names = [s.name for s in self.plan.sites]
+        summary = self.stats() | {"steps": self._step,
+                                  "error": None if error is None else f"{type(error).__name__}: {error}",
+                                  "rows_dropped": dict(zip(names, acc["dropped"].tolist())),
+                                  "rows_selected": dict(zip(names, (acc["selected"] + self.rows_selected).tolist())),
+                                  "rows_stored": dict(zip(names, acc["stored"].tolist())),
+                                  "rows_not_computed": dict(zip(names, (acc["not_computed"] + self._not_computed).tolist()))}
         self.exporter.close(summary, clean=clean)
         self.ring.raise_if_failed()
 
@@ -321,15 +445,76 @@ class Run:
         return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} store={self.store!r}>"
 
 
+class _StepOwner:
+    """Which thread drives a run's steps. The token bookkeeping (request table, decode mirror,
+    token filter counters, the open step) is one sequence of steps: two threads interleaving their
+    forwards would attribute rows to each other's requests. So a thread owns the run from its step's
+    begin to its end, and for a whole ``Run.exclusive`` block (a ``generate()`` call); another
+    thread meanwhile is refused at once (never blocked: no deadlock, and the owner's steps are
+    untouched). An owner thread that has exited is taken over (its open step is aborted by the
+    next step)."""
+
+    def __init__(self, on_takeover) -> None:
+        self.on_takeover = on_takeover     # called when the owner thread is found dead
+        self.lock = threading.Lock()
+        self.thread: int | None = None
+        self.what = ""
+        self.depth = 0             # nested exclusive blocks of the owner
+
+    def claim(self, what: str) -> None:
+        me = threading.get_ident()
+        if self.thread == me:      # the common case: no lock (only the owner changes an owned value)
+            return
+        with self.lock:
+            if self.thread is not None and self.thread != me and _alive(self.thread):
+                raise CaptureError(
+                    f"one generate at a time per dmi run: thread {_name(me)!r} began {what} while thread "
+                    f"{_name(self.thread)!r} is running {self.what} on the same run (their steps share the "
+                    f"run's request bookkeeping, so rows would be attributed to the wrong requests). Fix: "
+                    f"serialize the calls (e.g. a threading.Lock around generate), or give each thread its "
+                    f"own model and dmi.load run")
+            orphaned = self.thread is not None
+            self.thread, self.what, self.depth = me, what, 0
+            if orphaned:
+                self.on_takeover()
+
+    def release_step(self) -> None:
+        """A step ended: the run is free again unless its thread is inside an exclusive block."""
+        if self.thread == threading.get_ident() and self.depth == 0:
+            self.thread = None
+
+    def enter(self, what: str) -> None:
+        self.claim(what)
+        self.what = what
+        self.depth += 1
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.thread = None
+
+
+def _alive(ident: int) -> bool:
+    return any(t.ident == ident for t in threading.enumerate())
+
+
+def _name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
 class _Mirror:
     """Host copy of what a decode step needs about the current batch (no device reads)."""
-    __slots__ = ("batch", "total", "last_pos", "req", "pad", "arange", "zeros", "decode")
+    __slots__ = ("batch", "total", "last_pos", "req", "pad", "arange", "zeros", "decode", "keep", "thread", "layout")
 
-    def __init__(self, batch: int, total: int, last_pos: np.ndarray, req: np.ndarray, pad: np.ndarray):
+    def __init__(self, batch: int, total: int, last_pos: np.ndarray, req: np.ndarray, pad: np.ndarray,
+                 keep: np.ndarray | None = None):
         self.batch, self.total, self.last_pos, self.req, self.pad = batch, total, last_pos, req, pad
+        self.keep = None if keep is None or keep.all() else keep     # batch rows captured (None: all)
+        self.thread = threading.get_ident()      # another thread's step takes the slow path (and its checks)
         self.arange = np.arange(batch, dtype=np.int64)
         self.zeros = np.zeros(batch, np.int64)
         self.decode = np.ones(batch, np.int8)
+        self.layout: StepLayout | None = None    # the decode steps' captures, once laid out
 
 
 def _past_int(past) -> int:

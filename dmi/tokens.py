@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DmiError
+from .errors import CaptureError, DmiError
 from .plan import TokenFilter
 
 PHASES = ("prefill", "decode")
@@ -33,24 +33,38 @@ class StepTokens:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def subset(self, keep: np.ndarray | None) -> "StepTokens":
+        """The rows where the bool mask ``keep`` is true (``None`` or all true: this step itself)."""
+        if keep is None or keep.all():
+            return self
+        return StepTokens(self.step, self.batch, self.seq, self.rows[keep], self.request[keep], self.position[keep],
+                          self.phase[keep], self.local[keep])
+
 
 class RequestTable:
-    """Request ids of the run, and which request each batch row belongs to right now."""
+    """Request ids of the run, which request each batch row belongs to right now, and which batch
+    rows capture at all (per-request opt-in)."""
 
     def __init__(self) -> None:
         self.ids: list[str] = []
         self._index: dict[str, int] = {}
         self._batch_rows: list[int] = []     # batch row -> request index
-        self._pending: list[str] | None = None
+        self._batch_thread: int | None = None    # the thread that started the current batch
+        # what set_next said for the next batch, per thread: a thread's ids never name another's batch
+        self._pending: dict[int, tuple[list[str] | None, np.ndarray | None]] = {}
+        self.batch_capture: np.ndarray | None = None    # bool per batch row of the current batch (None: all)
         self.lock = threading.Lock()
 
-    def set_next(self, ids: list[str]) -> None:
-        """Ids for the rows of the next new batch (else 'r<N>' ids are made up)."""
-        dup = {i for i in ids if ids.count(i) > 1} | {i for i in ids if i in self._index}
-        if dup:
-            raise DmiError(f"request ids must be unique in a run; repeated: {sorted(dup)}. "
-                           f"Fix: give each request a new id")
-        self._pending = list(ids)
+    def set_next(self, ids: list[str] | None, capture=None) -> None:
+        """Ids for the rows of the next new batch this thread starts (else 'r<N>' ids are made up),
+        and ``capture``: one bool per row, False for a request that is not captured at all."""
+        if ids is not None:
+            dup = {i for i in ids if ids.count(i) > 1} | {i for i in ids if i in self._index}
+            if dup:
+                raise DmiError(f"request ids must be unique in a run; repeated: {sorted(dup)}. "
+                               f"Fix: give each request a new id")
+        flags = _capture_flags(capture, ids)
+        self._pending[threading.get_ident()] = (None if ids is None else list(ids), flags)
 
     def intern(self, ids: list[str]) -> list[int]:
         """Indices of engine-given request ids (vLLM's), adding the ones not seen before."""
@@ -62,23 +76,49 @@ class RequestTable:
             return [self._index[r] for r in ids]
 
     def start_batch(self, batch: int) -> list[int]:
-        ids = self._pending or [f"r{len(self.ids) + b}" for b in range(batch)]
+        given, flags = self._pending.pop(threading.get_ident(), (None, None))
+        ids = given if given is not None else [f"r{len(self.ids) + b}" for b in range(batch)]
         if len(ids) != batch:
             raise DmiError(f"{len(ids)} request ids were given for a batch of {batch} rows. "
                            f"Fix: pass one id per batch row to set_request_ids")
-        self._pending = None
+        if flags is not None and len(flags) != batch:
+            raise DmiError(f"{len(flags)} capture flags were given for a batch of {batch} rows. "
+                           f"Fix: pass one bool per batch row in set_request_ids(capture=...)")
         with self.lock:
             for rid in ids:
                 self._index[rid] = len(self.ids)
                 self.ids.append(rid)
         self._batch_rows = [self._index[r] for r in ids]
+        self._batch_thread = threading.get_ident()
+        self.batch_capture = None if flags is None or flags.all() else flags
         return self._batch_rows
 
     def current(self, batch: int) -> list[int]:
         if len(self._batch_rows) != batch:
             # a continuation step with another batch size: treat as new requests
             return self.start_batch(batch)
+        if self._batch_thread != threading.get_ident():
+            # its rows would be attributed to the requests of whatever batch another thread started last
+            raise CaptureError(
+                f"thread {threading.current_thread().name!r} continues a batch (a step with a KV cache) "
+                f"that another thread started: a dmi run attributes a continuation step to the batch started "
+                f"last, by any thread. Fix: run each batch's steps (prefill and decode) in one thread inside "
+                f"`with run.exclusive():` (generate() does this itself), or serialize whole batches")
         return self._batch_rows
+
+
+def _capture_flags(capture, ids: list[str] | None) -> np.ndarray | None:
+    """``set_request_ids(capture=...)`` as a bool array (None: every row captures)."""
+    if capture is None:
+        return None
+    if isinstance(capture, (str, bytes, dict)) or not hasattr(capture, "__len__") \
+            or not all(isinstance(c, (bool, np.bool_)) for c in capture):
+        raise DmiError(f"capture must be a list of booleans, one per batch row (True: capture that request), "
+                       f"not {capture!r}. Fix: e.g. run.set_request_ids(ids, capture=[True, False, True])")
+    if ids is not None and len(capture) != len(ids):
+        raise DmiError(f"{len(capture)} capture flags for {len(ids)} request ids. "
+                       f"Fix: pass one bool per id in set_request_ids(ids, capture=...)")
+    return np.asarray(capture, bool)
 
 
 def step_tokens(step: int, batch: int, seq: int, requests: RequestTable, *,

@@ -84,7 +84,7 @@ def main():
     print(f"_SiteLaunch.launch (null):      {per_call(lambda: launcher.launch(run.ring, x, None)):.1f} us/call")
     r = run.ring
     geo = K.direct_geometry(x, ["batch", "seq", "hidden"], 16)
-    print(f"K.launch (null):                {per_call(lambda: K.launch(x, r.payload, r.ctrl, r.meta_dev, r.counters, site_index=0, meta_records=r.meta_records, fence_idx=r.fence_idx, K=16, src_seq=1, geometry=geo[1:], mode=K.DIRECT, row_bytes0=2048)):.1f} us/call")
+    print(f"K.launch (null):                {per_call(lambda: K.launch(x, r.payload, r.ctrl, r.meta_dev, site_index=0, meta_records=r.meta_records, K=16, src_seq=1, geometry=geo[1:], mode=K.DIRECT, row_bytes0=2048)):.1f} us/call")
     print(f"device_end:                     {per_call(r.device_end):.1f} us/call")
 
     def gen():

@@ -80,14 +80,14 @@ def drain_gbs(step_mib: int, total_gib: float, ring_mib: int, staging_mib: int, 
         try:
             done = 0
             while done < steps:
-                ctrl = ring.drain_ready()
-                if ctrl is None:
+                ctrls = ring.drain_ready(64)
+                if not ctrls:
                     time.sleep(2e-5)
                     continue
-                recs = ring.drain_step(ctrl)
-                drained[0] += sum(len(r[2]) for r in recs)
-                ring.release_host(ctrl)
-                done += 1
+                for ctrl, recs in zip(ctrls, ring.drain_steps(ctrls)):
+                    drained[0] += sum(len(r[2]) for r in recs)
+                    ring.release_host(ctrl)
+                    done += 1
         except BaseException as e:     # pragma: no cover
             err.append(e)
             ring.error = e
@@ -137,9 +137,10 @@ def kernel_copy_gbs(rows: int = 8192, hidden: int = 4096, repeats: int = 20) -> 
         ring.end_step(device=True)
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-        ctrl = ring.drain_ready()
-        while ctrl is None:
-            ctrl = ring.drain_ready()
+        ctrls = ring.drain_ready()
+        while not ctrls:
+            ctrls = ring.drain_ready()
+        ctrl, = ctrls
         ring.drain_step(ctrl)
         ring.release_host(ctrl)
     ring.close()

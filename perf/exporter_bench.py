@@ -2,7 +2,12 @@
 
 Feeds the real ZarrExporter synthetic drained steps shaped like Qwen3-8B hidden-states capture
 (36 x resid_post + final_norm, bf16 captured, stored float32) and prints GB/s of captured bytes
-for each compression setting. Run: python perf/exporter_bench.py [--steps 64] [--tokens 256]
+for each compression setting, from the first step to the store closed (every chunk on disk and
+committed). The exporter writes chunk files from a pool of one thread per core: run it on the
+machine that captures. Run: python perf/exporter_bench.py [--steps 64] [--tokens 256] [--dir /dev/shm/eb]
+
+16-core GPU host, --steps 24 --tokens 256: none 2.3, lz4 1.9, zstd 0.6 GB/s (zarr-python writes
+before: 0.31, 0.30, 0.18).
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path) -> float:
             records.append((slots[s.index], rec, payload[s.index]))
             captured += len(payload[s.index])
         exp.write_step(ctrl, records, ["r0"])
-    exp.close({"drops": []})
+    exp.close({})
     return captured / (time.perf_counter() - t0) / 1e9
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install carried wheels (zarr & co are missing there),
 # then run a part: `check` (GPU tests, drain microbenchmark, quick offline perf) or `perf` (the
-# offline matrix, arguments passed on). Full logs go to $OUT; the tail of each is printed.
+# offline matrix, arguments passed on), or `vllm` (perf/gpu_vllm.sh: vLLM GPU tests + online
+# serving benchmark). Full logs go to $OUT; the tail of each is printed.
 set -u
+# `vllm [all|tests|online ...]`: vLLM 0.25.1 (staged first, ../shared/device/vllm/README.md), its own script
+[ "${1:-}" = vllm ] && { shift; exec bash perf/gpu_vllm.sh "$@"; }
 OUT=${OUT:-/tmp/dmi-out}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -36,6 +39,15 @@ case "$part" in
   diag)
     TAIL=200 step diag 300 python3 perf/diagnose.py "$@"
     TAIL=30 step tests2 200 python3 -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider -k "fullgraph or null"
+    ;;
+  probe)
+    TAIL=30 step tests 300 python3 -m pytest -m gpu tests/gpu -q -ra --durations=6 -p no:cacheprovider
+    TAIL=20 step ablate 270 python3 perf/ablate.py "$@"
+    ;;
+  final)   # GPU tests, the compiled Qwen3-8B rows, then the bandwidth-cap benchmark
+    TAIL=25 step tests 120 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+    TAIL=16 step perf 240 python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals --no-zarr --repeats 3 --results "$OUT/RESULTS.md"
+    TAIL=12 step budget 110 python3 perf/budget.py --model qwen3-0.6b --caps 0.5 --repeats 2
     ;;
   perf)
     TAIL=40 step perf "${PERF_LIMIT:-540}" python3 perf/offline.py --results "$OUT/RESULTS.md" "$@"

@@ -17,7 +17,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
 
 Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
-Ratio = tokens/s over vanilla's. Also printed: dmi's GPU memory (ring + control tensors), bytes
+dmi runs on a twin of the model sharing its weights, and every timed run of a configuration
+follows a timed vanilla run of the unpatched model: ratio = median vanilla time of those pairs /
+median time of the configuration, so slow drift of the machine (clocks, temperature) cancels. Also printed: dmi's GPU memory (ring + control tensors), bytes
 captured per run, achieved D2H rate, drops, µs per enabled site per step ((t - t_vanilla) /
 (forward steps x sites)).
 
@@ -86,6 +88,14 @@ def build(name: str):
     model.generation_config.eos_token_id = None       # random weights: always generate every new token
     model.generation_config.pad_token_id = 0
     return model
+
+
+def twin(model):
+    """A second instance of ``model`` sharing its weights (buffers and modules copied): dmi patches
+    instances, so the twin carries dmi while ``model`` stays vanilla, and the two can be timed
+    alternately in one process (no drift between a vanilla phase and a dmi phase)."""
+    import copy
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
 
 
 def prompts(batch: int, lo: int, hi: int, vocab: int, seed: int = 0):
@@ -165,7 +175,8 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         if DEV == "cuda":
             torch.cuda.empty_cache()
         _MODEL[name] = build(name)
-    model = _MODEL[name]
+        _MODEL[name + "/twin"] = twin(_MODEL[name])
+    model, dmodel = _MODEL[name], _MODEL[name + "/twin"]
     cfg = model.config
     new = args.new_tokens if mode == "compiled" else args.eager_new_tokens
     enc, lengths = prompts(batch, args.prompt_min, args.prompt_max, cfg.vocab_size)
@@ -182,7 +193,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     rows = {}
 
     def record(label, timed_runs, run=None, sites=0, note=""):
-        times, before = timed_runs
+        times, before, vtimes = timed_runs
         t = statistics.median(times)
         row = {"model": name, "batch": batch, "mode": mode, "config": label, "seconds": t, "runs": [round(x, 3) for x in times],
                "tok_s": batch * new / t, "note": note}
@@ -197,42 +208,53 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             row["d2h_gbs"] = row["bytes"] / t / 1e9
         rows[label] = row
         out.append(row)
-        van = rows.get("vanilla")
-        ratio = van["seconds"] / t if van else 1.0
-        row["ratio"] = ratio
-        if van and sites:
-            row["us_site_step"] = (t - van["seconds"]) / (new * sites) * 1e6
+        # against vanilla timed alternately with this config (else the vanilla row)
+        t_van = statistics.median(vtimes) if vtimes else rows["vanilla"]["seconds"] if "vanilla" in rows else t
+        ratio = t_van / t
+        row["ratio"], row["vanilla_seconds"] = ratio, t_van
+        if label != "vanilla" and sites:
+            row["us_site_step"] = (t - t_van) / (new * sites) * 1e6
         log(f"  {name} b{batch} {mode:8s} {label:28s} {t:7.3f}s  ratio {ratio:.3f}  " +
             (f"{row['bytes'] / 1e9:.2f} GB/run {row['d2h_gbs']:.1f} GB/s drops {row['drops']}" if run else "") + f" {note}")
 
-    def reps_of(fn, n=reps, run=None, warm=True):
+    def vanilla():
+        model.generate(**enc, **kw)
+
+    def reps_of(fn, n=reps, run=None, warm=True, paired=True):
+        """n timed runs of fn, each after a timed vanilla run when paired."""
         for _ in range(warm * (2 if mode == "compiled" else 1)):
             fn()                          # warm-up (compiles, records CUDA graphs in compiled mode)
+        if paired:
+            vanilla()
         before = run.stats() if run is not None else None
-        return [timed(fn) for _ in range(n)], before
+        times, vtimes = [], []
+        for _ in range(n):
+            if paired:
+                vtimes.append(timed(vanilla))
+            times.append(timed(fn))
+        return times, before, vtimes
 
     with torch.no_grad():
-        record("vanilla", reps_of(lambda: model.generate(**enc, **kw)))
+        record("vanilla", reps_of(vanilla, paired=False))
         if mode == "eager" and not args.no_baselines:
-            record("baseline forward_hook->cpu", reps_of(lambda: _hooked(model, enc, kw), max(1, reps - 1)),
+            record("baseline forward_hook->cpu", reps_of(lambda: _hooked(dmodel, enc, kw), max(1, reps - 1)),
                    note="(sync .to('cpu') of every layer output, final norm, last logits)")
-            record("baseline output_hidden_states", reps_of(lambda: model.generate(
+            record("baseline output_hidden_states", reps_of(lambda: dmodel.generate(
                 **enc, **kw, output_hidden_states=True, output_logits=True, return_dict_in_generate=True),
                 max(1, reps - 1)), note="(kept on the GPU)")
 
         sd = store_dir()
         n_hidden = L + 2
         ring = ring_for(hid_prefill)
-        torch._dynamo.reset()
-        run = dmi.load(model, hook_spec=hidden_spec(ring, args.host_mib << 20), store=sd / "hidden.zarr", overwrite=True)
+        run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20), store=sd / "hidden.zarr", overwrite=True)
         try:
             run.set_enabled(False)
-            record("dmi null", reps_of(lambda: model.generate(**enc, **kw), run=run), run, sites=n_hidden)
+            record("dmi null", reps_of(lambda: dmodel.generate(**enc, **kw), run=run), run, sites=n_hidden)
             run.set_enabled(True)
 
             def stepped(to_store: bool):
                 def go():
-                    model.generate(**enc, **kw)
+                    dmodel.generate(**enc, **kw)
                     run.flush()
                 if to_store:
                     return go
@@ -254,13 +276,12 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         if not args.no_internals:
             sd = store_dir()
             ring = ring_for(real * int_row)
-            torch._dynamo.reset()
-            run = dmi.load(model, hook_spec=internals_spec(ring, args.host_mib << 20), store=sd / "int.zarr",
+            run = dmi.load(dmodel, hook_spec=internals_spec(ring, args.host_mib << 20), store=sd / "int.zarr",
                            overwrite=True)
             try:
                 def go():
                     with Skip(run):
-                        model.generate(**enc, **kw)
+                        dmodel.generate(**enc, **kw)
                         run.flush()
                 record("dmi internals -> host", reps_of(go, max(1, reps - 1), run=run), run, sites=7 * L,
                        note=f"ring {ring / GiB:.2f} GiB, {int_bytes / 1e9:.1f} GB/run expected")

@@ -663,12 +663,16 @@ HEADS = mix(st.lists(st.integers(0, 1), min_size=1, max_size=2, unique=True),
             st.sampled_from([[], [-1], [0, 0], [5], [1.0], "0"]))
 BYTES = mix(st.one_of(st.sampled_from(["64MiB", "8 MiB", "0.5GiB", "1MiB"]), st.integers(1 << 20, 1 << 26)),
             st.sampled_from(["1KiB", "16B", 100, 0, -1, "lots", "1e6", "", 4096.0, None]))
+# a D2H cap: good ones high enough that a short capture never waits on it
+D2H = mix(st.one_of(st.sampled_from(["2GiB", "64 MiB", "1.5GiB"]), st.integers(64 << 20, 1 << 33)),
+          st.sampled_from([0, "0 GiB", "0.5B", -1, "fast", "2 GiB/s", 1.5e9, None]))
 POLICY = st.fixed_dictionaries({}, optional={
     "mode": mix(st.sampled_from(["full", "best_effort"]), st.just("fast")),
     "ring_bytes": BYTES,
     "host_bytes": BYTES,
     "meta_records": mix(st.integers(64, 8192), st.sampled_from([0, 15, 16, 17, "many", 32.0])),
     "max_step_tokens": mix(st.integers(1, 64), st.sampled_from([0, 4096, None])),
+    "d2h_bytes_per_s": D2H,
     "on_store_error": mix(st.sampled_from(["raise", "drop"]), st.just("ignore")),
 })
 ENTRY = st.builds(

@@ -55,10 +55,11 @@ def generate(run, prompts, params) -> dict[str, tuple[list[int], list[int]]]:
     return {o.request_id: (list(map(int, o.prompt_token_ids)), list(map(int, o.outputs[0].token_ids))) for o in outs}
 
 
-def hf_reference(family: str, seqs: dict, spec: dict, store: Path):
-    """dmi's HF capture of each request's full sequence (one unpadded forward each)."""
+def hf_reference(family: str, seqs: dict, spec: dict, store: Path, *, device: str = "cpu", dtype=torch.float32):
+    """dmi's HF capture of each request's full sequence (one unpadded forward each), the model on
+    ``device`` (tests/gpu: "cuda", captured through the CUDA ring)."""
     import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(save_builtin(f"tiny-{family}"), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_pretrained(save_builtin(f"tiny-{family}"), dtype=dtype).to(device)
     keep = ("sites", "layers", "max_keys", "heads")
     hook = {"capture": [{k: v for k, v in e.items() if k in keep} for e in spec["capture"]],
             "policy": {"ring_bytes": "64MiB"}}
@@ -66,7 +67,7 @@ def hf_reference(family: str, seqs: dict, spec: dict, store: Path):
         for rid, (prompt, out) in seqs.items():
             run.set_request_ids([rid])
             with torch.no_grad():
-                run.model(input_ids=torch.tensor([prompt + out]))
+                run.model(input_ids=torch.tensor([prompt + out], device=device))
     return dmi.open(store)
 
 
@@ -277,6 +278,43 @@ def test_per_request_control(tmp_path):
     assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
 
 
+def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
+    """The CUDA ring on vLLM's flat batches, its Triton kernels run by Triton's interpreter over host
+    memory (``DMI_RING=interpret``), every capture launched as a CUDA-graph replay launches it (row
+    counts, rows and seq read from the device control block; the logits compacted on the device),
+    vLLM's profiling run in dmi's null mode: every site of every row equals HF's."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, "interpret", "qwen3_moe", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert "rows checked" in r.stdout
+
+
+def _interpreted(family: str, tmp: Path) -> None:
+    """(subprocess of the test above: Triton reads TRITON_INTERPRET when a kernel is defined)"""
+    from vllm import SamplingParams
+    spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "16MiB"}}
+    run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp / "v.zarr", backend="vllm", **ENGINE,
+                   max_num_batched_tokens=64, max_model_len=128)
+    assert type(run.run.ring).__name__ == "InterpretRing"
+    run.run.ring.graph_mode = True
+    prompts = [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate([3, 20, 37, 9])]
+    try:
+        seqs = generate(run, prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp / "v.zarr")
+    os.environ["DMI_RING"] = "cpu"                   # the HF reference on the reference ring
+    n = assert_matches_hf(tree, hf_reference(family, seqs, spec, tmp / "hf.zarr"))
+    assert positions_by_request(tree["layers/resid_post"].dataset) == {
+        r: list(range(len(p) + len(o) - 1)) for r, (p, o) in seqs.items()}
+    assert_accounting(tree)
+    print("rows checked", n)
+
+
 def _plugin_installed() -> bool:
     from importlib.metadata import entry_points
     return any(e.value.startswith("dmi.") for e in entry_points(group="vllm.general_plugins"))
@@ -375,3 +413,7 @@ def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_pat
     # the store's request ids start with the OpenAI response id (vLLM adds a suffix per prompt)
     who = {g: {next(k for k, v in ok.items() if r.startswith(v)) for r in c} for g, c in count.items()}
     assert who == {"layers/resid_post": {"default"}, "logits": {"default", "narrow"}, "layers/attn/q": {"widen"}}
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "interpret":
+    _interpreted(sys.argv[2], Path(sys.argv[3]))

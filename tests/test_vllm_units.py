@@ -185,3 +185,94 @@ def test_run_held_rows_and_site_masks(tmp_path):
     np.testing.assert_array_equal(lg.logits.values, vocab[[0, 1]].numpy())
     a = tree.attrs
     assert a["rows_selected"]["logits"] == 4 and a["rows_not_computed"]["logits"] == 2 and a["rows_stored"]["logits"] == 2
+
+
+# --- seams added for vLLM 0.25.1 on the GPU (tests/gpu/test_vllm_gpu.py runs them for real) ---------
+def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
+    """vLLM warms up and captures its CUDA graphs in _dummy_run with no dmi step open: the graph
+    launches must happen there (Triton loads its kernels before the capture), and each graph bakes
+    its own token count as row bound."""
+    import types
+
+    from dmi.adapters.vllm import compat
+    from dmi.adapters.vllm.worker import Session
+    seen = []
+    ring = types.SimpleNamespace(null=False, graph_mode=False, geometry=(1, 37))   # a kernel ring after a step
+    runner = types.SimpleNamespace(
+        _prepare_inputs=lambda *a, **k: None, _model_forward=lambda **k: None, execute_model=lambda *a, **k: None,
+        shutdown=lambda: None, _dummy_run=lambda n, **k: seen.append((n, ring.graph_mode, ring.geometry)) or "out")
+    session = types.SimpleNamespace(closed=False, run=types.SimpleNamespace(ring=ring))
+    unwrap = compat.wrap_runner(runner, on_batch=None, on_forward=None, on_step_end=None, on_shutdown=None,
+                                dummy_run=lambda: Session.on_dummy_run(session))
+    assert runner._dummy_run(64, is_graph_capturing=True) == "out"
+    assert seen == [(64, True, (1, None))] and ring.graph_mode is False   # only inside, restored after
+    unwrap()
+    assert "_dummy_run" not in vars(runner)
+    cpu = types.SimpleNamespace(null=False)                                # the CPU ring: untouched
+    with Session.on_dummy_run(types.SimpleNamespace(closed=False, run=types.SimpleNamespace(ring=cpu))):
+        assert vars(cpu) == {"null": False}
+
+
+def test_cuda_graphs_on_reads_the_compilation_config():
+    import enum
+    import types
+
+    from dmi.adapters.vllm.compat import cuda_graphs_on
+    Mode = enum.Enum("CUDAGraphMode", "NONE PIECEWISE FULL_AND_PIECEWISE")
+    cfg = lambda m: types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=m))  # noqa: E731
+    assert not cuda_graphs_on(cfg(Mode.NONE)) and not cuda_graphs_on(cfg(None)) and not cuda_graphs_on(object())
+    assert cuda_graphs_on(cfg(Mode.PIECEWISE)) and cuda_graphs_on(cfg(Mode.FULL_AND_PIECEWISE))
+
+
+def test_request_check_wraps_validate_params_where_the_validator_builder_is_absent(monkeypatch):
+    """0.25.1's InputProcessor has no _build_logits_processors_params_validator: dmi's check runs in
+    _validate_params instead, before vLLM's own, and its refusal is a ValueError (HTTP 400)."""
+    import sys
+    import types
+
+    from dmi.adapters.vllm import compat
+    calls = []
+
+    class InputProcessor:                       # the 0.25.1 shape
+        def __init__(self):
+            self.vllm_config = "cfg"
+
+        def _validate_params(self, params, supported_tasks):
+            calls.append(("vllm", params.extra_args))
+
+    def make_validator(config):
+        assert config == "cfg"
+
+        def check(params):
+            calls.append(("dmi", params.extra_args))
+            if params.extra_args.get("dmi_capture") == "bad":
+                raise RequestRefused("dmi: 'capture' must be true or false")
+        return check
+    mod = types.ModuleType(compat.INPUT_MODULE)
+    mod.InputProcessor = InputProcessor
+    monkeypatch.setitem(sys.modules, compat.INPUT_MODULE, mod)
+    compat.wrap_request_validation(make_validator)
+    compat.wrap_request_validation(make_validator)          # idempotent
+    proc = InputProcessor()
+    proc._validate_params(types.SimpleNamespace(extra_args=None), ())
+    proc._validate_params(types.SimpleNamespace(extra_args={"dmi_capture": 0}), ())
+    with pytest.raises(ValueError, match="must be true or false"):
+        proc._validate_params(types.SimpleNamespace(extra_args={"dmi_capture": "bad"}), ())
+    assert calls == [("vllm", None), ("dmi", {"dmi_capture": 0}), ("vllm", {"dmi_capture": 0}),
+                     ("dmi", {"dmi_capture": "bad"})]
+
+
+def test_a_step_larger_than_the_kernel_rings_control_block_is_refused_at_load():
+    import types
+
+    from dmi.adapters.vllm.worker import _check_step_tokens
+    from dmi.errors import PolicyError
+    from dmi.spec import Document
+    hook = Document({"capture": [], "policy": {"max_step_tokens": 2048}}, "hooks.yaml",
+                    {("policy", "max_step_tokens"): 7})
+    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192))
+    with pytest.raises(PolicyError, match="max_num_batched_tokens=8192.*max_step_tokens=2048") as e:
+        _check_step_tokens(types.SimpleNamespace(ring=types.SimpleNamespace(max_rows=2048)), config, hook)
+    assert e.value.line == 7 and "max_step_tokens: 8192" in str(e.value)
+    _check_step_tokens(types.SimpleNamespace(ring=types.SimpleNamespace(max_rows=8192)), config, hook)
+    _check_step_tokens(types.SimpleNamespace(ring=types.SimpleNamespace()), config, hook)     # the CPU ring: no bound

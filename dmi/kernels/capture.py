@@ -1,12 +1,16 @@
 """The capture kernel behind ``dmi::capture`` on CUDA, and the end-marker kernel behind ``dmi::step_end``.
 
-One launch per site and step. It copies the selected rows of a site tensor into the GPU payload
-ring at the step's reserved offset, and the last of its programs publishes the site's meta record
-into the host meta ring (mapped pinned memory): fields first, then a system-scope fence, then the
-``seq`` word. Everything that changes per step is read from ``ctrl``, a small int64 device tensor
-the host updates with one async H2D copy before the step (``CudaRing.publish_control``), so a CUDA
-graph that captured these launches writes fresh slots on every replay, and copies exactly the
-step's row count (padding rows of a graph-padded batch are never copied):
+One launch per site and step, inside CUDA graphs (eager steps copy with torch ops instead:
+``CudaRing``'s ``_SiteLaunch._eager``). It copies the selected rows of a site tensor into the GPU
+payload ring at the step's reserved offset, and its first program writes the site's meta record
+into the host meta ring (mapped pinned memory), ``seq`` last. The drain trusts a step's records
+only after the step's end marker: the end kernel runs after every capture of the step (stream
+order) and fences at system scope before its ``seq``, so one fence per step covers every record
+and payload byte (no per-site fence, no wait for a kernel's last program). Everything that
+changes per step is read from ``ctrl``, a small int64 device tensor the host updates with one
+async H2D copy before the step (``CudaRing.publish_control``), so a CUDA graph that captured
+these launches writes fresh slots on every replay, and copies exactly the step's row count
+(padding rows of a graph-padded batch are never copied):
 
 ``ctrl`` layout (int64 words)::
 
@@ -56,9 +60,9 @@ _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.const
 
 
 @triton.jit
-def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq):
-    """Write one meta record; ``seq`` last, after a system-scope fence (acq_rel atomic on device
-    memory): a host that reads the expected ``seq`` then reads complete fields."""
+def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq, FENCE: tl.constexpr):
+    """Write one meta record, ``seq`` last; with FENCE, a system-scope fence (acq_rel atomic on
+    device memory) before it, so everything the step wrote reaches the host first."""
     base = meta + (seq % meta_records) * 7
     tl.store(base + 1, step)
     tl.store(base + 2, site_word)
@@ -67,47 +71,44 @@ def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, ro
     tl.store(base + 5, rows)
     tl.store(base + 6, src_seq)
     tl.debug_barrier()
-    tl.atomic_add(fence, 0, sem="acq_rel", scope="sys")
-    tl.debug_barrier()
+    if FENCE:
+        tl.atomic_add(fence, 0, sem="acq_rel", scope="sys")
+        tl.debug_barrier()
     tl.store(base, seq)
 
 
 @triton.jit
-def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2):
+def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2, CONTIG: tl.constexpr):
     fmask = f < F
-    foff = (f // F2).to(tl.int64) * stride_f1 + (f % F2).to(tl.int64) * stride_f2
+    if CONTIG:      # one unit-stride feature dim: no per-element div/mod, so loads vectorize
+        foff = f.to(tl.int64)
+    else:
+        foff = (f // F2).to(tl.int64) * stride_f1 + (f % F2).to(tl.int64) * stride_f2
     m = rmask[:, None] & fmask[None, :]
     v = tl.load(src + roff[:, None] + foff[None, :], mask=m)
     out = dst_base.to(src.dtype)
     tl.store(out + dst[:, None] * F + f[None, :], v, mask=m)
 
 
-@triton.jit(do_not_specialize=["hdr", "site_word", "c_arg", "n_arg", "cnt_idx", "K", "src_seq", "seq_arg",
-                               "counter_idx", "fence_idx"])
-def capture_kernel(src0, src1, ring, ctrl, meta, counters, drow, cnt,
-                   hdr, site_word, c_arg, n_arg, cnt_idx, K, src_seq, seq_arg,
+@triton.jit(do_not_specialize=["hdr", "site_word", "cnt_idx", "K", "src_seq", "seq_arg"])
+def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
+                   hdr, site_word, cnt_idx, K, src_seq, seq_arg,
                    stride_b, stride_s, F0, F2, stride_f1, stride_f2, F1, stride_r1,
-                   row_bytes0, row_bytes1, meta_records, counter_idx, fence_idx,
-                   MODE: tl.constexpr, HAS_DROW: tl.constexpr, NOUT: tl.constexpr,
+                   row_bytes0, row_bytes1, meta_records,
+                   MODE: tl.constexpr, HAS_DROW: tl.constexpr, NOUT: tl.constexpr, CONTIG: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     """Copy rows of ``src0`` (and ``src1``) into ``ring`` and publish the site's record.
 
-    c_arg / n_arg: candidate rows / output rows when the host knows them (eager), else -1: read
-    from ``ctrl`` (candidates) and ``cnt[cnt_idx]`` (outputs). seq_arg: the step's seq when the
-    host knows it, else -1 (read from ``ctrl``)."""
+    Candidate rows come from ``ctrl``, output rows from ``cnt[cnt_idx]``. seq_arg: the step's seq
+    when known at launch (the graph's geometry), else -1 (read from ``ctrl``)."""
     armed = tl.load(ctrl + _ARMED)
     enabled = tl.load(ctrl + hdr + _ENABLED)
     if (armed != 0) & (enabled != 0):
         pid_r = tl.program_id(0)
         pid_f = tl.program_id(1)
         offset = tl.load(ctrl + hdr + _OFFSET)
-        c = tl.load(ctrl + hdr + _ROWS)
-        if c_arg >= 0:
-            c = c_arg.to(tl.int64)
-        c = tl.minimum(c, K)
+        c = tl.minimum(tl.load(ctrl + hdr + _ROWS), K)
         n = tl.load(cnt + cnt_idx)
-        if n_arg >= 0:
-            n = n_arg.to(tl.int64)
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
         rmask = r < c
@@ -128,23 +129,21 @@ def capture_kernel(src0, src1, ring, ctrl, meta, counters, drow, cnt,
         else:
             roff = r.to(tl.int64) * stride_b
         if NOUT == 1:
-            _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2)
+            _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2, CONTIG)
         else:
             if tl.program_id(2) == 0:
-                _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2)
+                _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2, CONTIG)
             else:
                 roff1 = r.to(tl.int64) * stride_r1
-                _copy_rows(src1, ring + offset + n * row_bytes0, roff1, dst, rmask, f, F1, F1, 0, 1)
-        # the last program to finish publishes the record (all payload writes happen before it)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counters + counter_idx, 1, sem="acq_rel", scope="gpu")
-        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if ticket == total - 1:
-            tl.store(counters + counter_idx, 0)        # ready for the next launch / replay
+                _copy_rows(src1, ring + offset + n * row_bytes0, roff1, dst, rmask, f, F1, F1, 0, 1, True)
+        # The first program writes the record. No fence and no wait for the other programs: the
+        # drain reads a step's records only after its end marker, whose kernel runs after this one
+        # has finished (stream order) and fences at system scope before publishing.
+        if (pid_r == 0) & (pid_f == 0) & (tl.program_id(2) == 0):
             seq_no = tl.load(ctrl + hdr + _RSEQ)
             step = tl.load(ctrl + _STEP)
-            _publish(meta, counters + fence_idx, meta_records, seq_no, step, site_word, offset,
-                     n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64))
+            _publish(meta, meta, meta_records, seq_no, step, site_word, offset,
+                     n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64), False)
 
 
 @triton.jit(do_not_specialize=["fence_idx"])
@@ -156,7 +155,8 @@ def end_kernel(ctrl, meta, counters, fence_idx, meta_records, site_word):
         step = tl.load(ctrl + _STEP)
         tl.store(ctrl + _ARMED, 0)
         zero = step * 0
-        _publish(meta, counters + fence_idx, meta_records, seq, step, site_word, zero, zero, zero, zero)
+        # every earlier kernel of the step (payload and records) reaches the host before this seq
+        _publish(meta, counters + fence_idx, meta_records, seq, step, site_word, zero, zero, zero, zero, True)
 
 
 # --- launch geometry --------------------------------------------------------------------------------
@@ -198,9 +198,9 @@ def direct_geometry(x, layout: list[str], batch: int):
     return src_seq, stride_b, stride_s, x.shape[a] * x.shape[b], x.shape[b], x.stride(a), x.stride(b)
 
 
-def launch(src0, ring, ctrl, meta, counters, *, site_index: int, meta_records: int, fence_idx: int, K: int,
+def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,
            src_seq: int, geometry, mode: int, row_bytes0: int, src1=None, row_bytes1: int = 0,
-           c_arg: int = -1, n_arg: int = -1, cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1) -> None:
+           cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1) -> None:
     """Launch :func:`capture_kernel` for one site. ``geometry``: DIRECT: (stride_b, stride_s, F, F2,
     stride_f1, stride_f2) of ``src0``; IDENTITY: (row stride, F) of ``src0`` [rows, F] and (row
     stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``."""
@@ -215,13 +215,15 @@ def launch(src0, ring, ctrl, meta, counters, *, site_index: int, meta_records: i
         stride_s, F2, sf1, sf2 = 0, F0, 0, 1
     BR, BF = blocks(max(F0, F1))
     nout = 2 if src1 is not None else 1
+    contig = F2 == F0 and sf2 == 1
     grid = (max(1, math.ceil(K / BR)), max(1, math.ceil(max(F0, F1) / BF)), nout)
-    capture_kernel[grid](src0, src1 if src1 is not None else src0, ring, ctrl, meta, counters,
+    capture_kernel[grid](src0, src1 if src1 is not None else src0, ring, ctrl, meta,
                          drow if drow is not None else ctrl, cnt,
-                         hdr, site_index & 0xFFFFFFFF, c_arg, n_arg, cnt_idx, K, src_seq, seq_arg,
+                         hdr, site_index & 0xFFFFFFFF, cnt_idx, K, src_seq, seq_arg,
                          stride_b, stride_s, F0, F2, sf1, sf2, F1, sr1,
-                         row_bytes0, row_bytes1, meta_records, site_index, fence_idx,
-                         MODE=mode, HAS_DROW=drow is not None, NOUT=nout, BLOCK_R=BR, BLOCK_F=BF, num_warps=4)
+                         row_bytes0, row_bytes1, meta_records,
+                         MODE=mode, HAS_DROW=drow is not None, NOUT=nout, CONTIG=contig, BLOCK_R=BR, BLOCK_F=BF,
+                         num_warps=4)
 
 
 def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int) -> None:

@@ -30,6 +30,7 @@ from . import capture as K
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 CTRL_BUFFERS = 4              # pinned control buffers in flight
+ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied as one span
 
 
 def cudart():
@@ -66,6 +67,14 @@ class DevicePointer:
         return self.ptr
 
 
+class _CudaBytes:
+    """Device memory as a uint8 array torch can wrap without a copy (``torch.as_tensor``)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False),
+                                         "version": 3}
+
+
 def _host_array(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
     return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
 
@@ -94,8 +103,8 @@ class KernelRing(Ring):
         self.site_words = K.G_WORDS + K.S_WORDS * n_sites
         self.ctrl_words = self.site_words + (n_filters + 1) * self.max_rows
         self.ctrl = torch.zeros(self.ctrl_words, dtype=torch.int64, device=dev)
-        self.counters = torch.zeros(n_sites + 2, dtype=torch.int32, device=dev)
-        self.fence_idx = n_sites + 1
+        self.counters = torch.zeros(1, dtype=torch.int32, device=dev)    # the end kernel's fence word
+        self.fence_idx = 0
         self.arange = torch.arange(self.max_rows, dtype=torch.int64, device=dev)
         self._host_ctrl = [torch.zeros(self.ctrl_words, dtype=torch.int64, pin_memory=self.is_cuda)
                            for _ in range(CTRL_BUFFERS)]
@@ -117,40 +126,55 @@ class KernelRing(Ring):
         tok = ctrl.tokens
         batch, seq = tok.batch, tok.seq
         self.geometry = (batch, seq)
-        sw = self.site_words
-        hs = self._host_sites[k]
-        hs[:, K.S_ENABLED] = 0
-        pos = sw
-        pad = np.asarray(ctrl.pad, np.int64)
+        pad_start = pos = self.site_words
+        pad = ctrl.pad
         if pos + len(pad) > self.ctrl_words:
             raise PolicyError(f"batch of {len(pad)} rows exceeds the CUDA ring's control buffer "
                               f"(policy.max_step_tokens={self.max_rows}). Fix: raise policy.max_step_tokens")
         h[pos:pos + len(pad)] = pad
-        pad_start = pos
         pos += len(pad)
-        starts: dict[int, int] = {}
-        ctrl.dev_rows_start = rows_start = {}
-        fields = []
-        for site, slot in ctrl.slots.items():
-            key = id(slot.sel)                 # sites with one token filter share its selection
-            start = starts.get(key)
-            n = len(slot.rows)
-            if start is None:
-                if n > self.max_rows or pos + n > self.ctrl_words:
-                    raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, more than "
-                                      f"policy.max_step_tokens={self.max_rows}. Fix: raise policy.max_step_tokens")
-                h[pos:pos + n] = slot.rows
-                start = starts[key] = pos
-                pos += n
-            rows_start[site] = start
-            fields.append((site, slot.offset, slot.seq, n, start, 1))
-        if fields:
-            f = np.array(fields, np.int64)
-            hs[f[:, 0]] = f[:, 1:]
-        h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, 0, 0)
+        laid = ctrl.layout.cache.get("ctrl") if ctrl.layout is not None else None
+        if laid is not None:                   # a reused layout: its words shifted to this step's block
+            rows_at, fields, rows_start, pos = laid
+            for at, rows in rows_at:
+                h[at:at + len(rows)] = rows
+            f = fields + (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0)
+        else:
+            f, rows_start, pos = self._site_words(ctrl, h, pos)
+        hs = self._host_sites[k]
+        hs[:, K.S_ENABLED] = 0
+        hs[f[:, 0]] = f[:, 1:]
+        ctrl.dev_rows_start = rows_start
         ctrl.dev_pad_start = pad_start
+        h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, 0, 0)
         self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
         self._ctrl_events[k].record()
+
+    def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
+        """Per site: (site, offset, seq, rows, rows_start, enabled) words, the rows written at
+        ``pos`` on (sites sharing a token filter share its rows); remembered for a reused layout."""
+        n = len(ctrl.slots)
+        fields = np.empty((n, K.S_WORDS + 1), np.int64)
+        starts: dict[int, int] = {}
+        for i, slot in enumerate(ctrl.slots.values()):
+            rows = slot.rows
+            start = starts.get(id(rows))
+            if start is None:
+                if len(rows) > self.max_rows or pos + len(rows) > self.ctrl_words:
+                    raise PolicyError(f"step {ctrl.step} selects {len(rows)} rows for {self.plan.sites[slot.site].name}, "
+                                      f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
+                                      f"policy.max_step_tokens")
+                h[pos:pos + len(rows)] = rows
+                start = starts[id(rows)] = pos
+                pos += len(rows)
+            fields[i] = (slot.site, slot.offset, slot.seq, len(rows), start, 1)
+        rows_start = dict(zip(ctrl.slots, fields[:, 1 + K.S_ROWS_START].tolist()))
+        if ctrl.layout is not None:
+            rows_at = [(at, ctrl.slots[site].rows) for at, site in
+                       sorted({v: k for k, v in rows_start.items()}.items())]
+            rel = fields - (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0)
+            ctrl.layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
+        return fields, rows_start, pos
 
     def device_end(self) -> None:
         K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
@@ -169,12 +193,8 @@ class KernelRing(Ring):
     def capture(self, site, x: torch.Tensor) -> None:
         cur = self.current if self.current is not None and not self.current.ended else None
         capturing = self.graph_mode or (self.is_cuda and torch.cuda.is_current_stream_capturing())
-        if not capturing:
-            if cur is None:
-                if not self.null:
-                    return
-            elif site.index not in cur.slots:
-                return                         # nothing selected (or dropped): no launch in eager mode
+        if not capturing and (cur is None or site.index not in cur.slots):
+            return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
         self.sites[site.index].launch(self, x.detach(), eager)     # detached: no autograd graph
 
@@ -208,56 +228,80 @@ class CudaRing(KernelRing):
         self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
         self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
+        self.payload_t = torch.as_tensor(_CudaBytes(self._payload_ptr, capacity), device=self.torch_device)
         self.meta_dev = DevicePointer(self._meta_dev, torch.int64)
         self.device_bytes = capacity
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
 
     def _use_device(self) -> None:
+        """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
+        CUDA graph capture in global mode (torch.cuda.graph's default) on the model's thread would
+        fail this thread's copies and event waits, though they never touch the captured stream."""
         if not getattr(self._thread_device, "set", False):
-            _ok(self._rt.cudaSetDevice(self.torch_device.index))
+            rt = self._rt
+            _ok(rt.cudaSetDevice(self.torch_device.index))
+            _ok(rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed))
             self._thread_device.set = True
 
     # --- drain ----------------------------------------------------------------------------------------
     def meta_view(self) -> np.ndarray:
         return self.meta
 
-    def fetch(self, ctrl: StepControl, recs: list[np.void]) -> list[np.ndarray]:
-        if not recs:
-            return []
+    def fetch(self, ctrl: StepControl, recs: np.ndarray) -> list[np.ndarray]:
+        return self.fetch_steps([ctrl], [recs])[0]
+
+    def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """Copy several steps' records to host staging: one ``cudaMemcpyAsync`` per run of steps
+        that are adjacent in the payload ring (up to a quarter of staging), one event wait for all."""
         self._use_device()
-        lo = min(int(r["offset"]) for r in recs)
-        hi = max(int(r["offset"]) + int(r["nbytes"]) for r in recs)
-        span = hi - lo
-        if span > self._stage.capacity:
-            buf = np.empty(span, np.uint8)       # larger than all of host staging: a pageable copy
-            base = 0
-            dst = buf.ctypes.data
-        else:
-            with self._stage_cond:
-                while True:
-                    got = self._stage.try_reserve(span)
-                    if got is not None:
-                        break
-                    if self.error is not None:
-                        raise CaptureError("drain stopped") from self.error
-                    self._stage_cond.wait(0.05)
-            base, end = got
-            self._stage_ends[id(ctrl)] = end
-            buf = self._staging
-            dst = self._staging_ptr + base
-        if span:
-            rt = self._rt
-            _ok(rt.cudaMemcpyAsync(dst, self._payload_ptr + lo, span, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                                   self._stream))
+        spans = [(int(r["offset"].min()), int((r["offset"] + r["nbytes"]).max())) if len(r) else None for r in recs]
+        groups: list[list[int]] = []           # indices of steps copied together
+        lo = hi = 0
+        for i, span in enumerate(spans):
+            if span is None:
+                continue
+            if groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4:
+                groups[-1].append(i)
+                hi = span[1]
+            else:
+                groups.append([i])
+                lo, hi = span
+        bases: dict[int, tuple[np.ndarray, int]] = {}     # step index -> (buffer, buffer index of ring offset 0)
+        rt = self._rt
+        for group in groups:
+            lo, hi = spans[group[0]][0], spans[group[-1]][1]
+            buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
+            _ok(rt.cudaMemcpyAsync(buf.ctypes.data + dst, self._payload_ptr + lo, hi - lo,
+                                   rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+            for i in group:
+                bases[i] = (buf, dst - lo)
+        if groups:
             _ok(rt.cudaEventRecord(self._event, self._stream))
             _ok(rt.cudaEventSynchronize(self._event))
         out = []
-        for r in recs:
-            a = base + int(r["offset"]) - lo
-            out.append(buf[a:a + int(r["nbytes"])])
-            self.stats.bytes_captured += int(r["nbytes"])
+        for i, r in enumerate(recs):
+            if i not in bases:
+                out.append([])
+                continue
+            buf, shift = bases[i]
+            self.stats.bytes_captured += int(r["nbytes"].sum())
+            out.append([buf[a:a + n] for a, n in zip((r["offset"] + shift).tolist(), r["nbytes"].tolist())])
         return out
+
+    def _stage_for(self, ctrl: StepControl, span: int) -> tuple[np.ndarray, int]:
+        """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
+        with ``ctrl`` (the last step of the copy), or pageable memory for a span larger than it."""
+        if span > self._stage.capacity:
+            return np.empty(span, np.uint8), 0
+        with self._stage_cond:
+            while (got := self._stage.try_reserve(span)) is None:
+                if self.error is not None:
+                    raise CaptureError("drain stopped") from self.error
+                self._stage_cond.wait(0.05)
+        base, end = got
+        self._stage_ends[id(ctrl)] = end
+        return self._staging, base
 
     def release_host(self, ctrl: StepControl) -> None:
         end = self._stage_ends.pop(id(ctrl), None)
@@ -295,11 +339,10 @@ class _SiteLaunch:
         self.heads = torch.tensor(site.heads, device=device) if site.heads is not None else None
         self.row_bytes = [o.row_elems * o.itemsize(self.itemsize) for o in site.outputs]
 
-    def _batch(self, x, ring, eager):
+    def _batch(self, x, ring):
+        """The batch size of a graph launch: from x, or for flat token layouts the latest step's."""
         if self.layout[0] != "token":
             return x.shape[self.layout.index("batch")]
-        if eager is not None:
-            return eager.tokens.batch
         if ring.geometry is None:
             if ring.null:
                 return 1                       # null mode: the kernel exits on the device flag
@@ -308,36 +351,24 @@ class _SiteLaunch:
         return ring.geometry[0]
 
     def launch(self, ring: CudaRing, x: torch.Tensor, eager: StepControl | None) -> None:
-        site = self.site
-        batch = self._batch(x, ring, eager)
         if eager is not None:
-            step_seq = eager.tokens.seq
-        else:
-            step_seq = ring.geometry[1] if ring.geometry is not None else None
-        common = dict(site_index=site.index, meta_records=ring.meta_records, fence_idx=ring.fence_idx)
-        geo = direct_geo = None
+            self._eager(ring, x, eager)
+            return
+        site = self.site
+        batch = self._batch(x, ring)
+        step_seq = ring.geometry[1] if ring.geometry is not None else None
+        common = dict(site_index=site.index, meta_records=ring.meta_records)
+        direct_geo = None
         if self.plain and x.dtype == self.dtype:
             direct_geo = K.direct_geometry(x, self.layout, batch)
         if direct_geo is not None:
             src_seq, *geo = direct_geo
             seq = step_seq if step_seq is not None else src_seq
-            if eager is not None:
-                slot = eager.slots[site.index]
-                c = len(slot.rows)
-                drow, n = None, c
-                if src_seq < seq:             # the tensor holds only the last src_seq positions
-                    held = slot.rows % seq >= seq - src_seq
-                    n = int(held.sum())
-                    drow = _upload(np.where(held, np.cumsum(held) - 1, -1).astype(np.int64), x.device)
-                K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, ring.counters, K=c, src_seq=src_seq, geometry=geo,
-                         mode=K.DIRECT, row_bytes0=self.row_bytes[0], c_arg=c, n_arg=n, drow=drow, seq_arg=seq,
-                         **common)
-                return
             k_rows = min(ring.max_rows, batch * seq)
             drow, cnt = None, None
             if src_seq < seq:
                 drow, cnt, _ = _device_compaction(ring, site, k_rows, seq, src_seq)
-            K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, ring.counters, K=k_rows, src_seq=src_seq, geometry=geo,
+            K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, K=k_rows, src_seq=src_seq, geometry=geo,
                      mode=K.DIRECT, row_bytes0=self.row_bytes[0], drow=drow, cnt=cnt, cnt_idx=0 if cnt is not None else -1,
                      seq_arg=seq, **common)
             return
@@ -345,26 +376,6 @@ class _SiteLaunch:
         flat, src_seq = token_major(x, self.layout, batch)
         seq = step_seq if step_seq is not None else src_seq
         hdr = K.G_WORDS + K.S_WORDS * site.index
-        if eager is not None:
-            slot = eager.slots[site.index]
-            rows_np = slot.rows
-            if src_seq < seq:
-                held = rows_np % seq >= seq - src_seq
-                rows_np = rows_np[held]
-                idx = _upload((rows_np // seq) * src_seq + rows_np % seq - (seq - src_seq), x.device)
-                b_of_row = _upload(rows_np // seq, x.device) if "key" in site.dims else None
-            else:
-                cand = ring.ctrl.narrow(0, eager.dev_rows_start[site.index], len(rows_np))
-                b_of_row = cand // seq
-                idx = b_of_row * src_seq + cand % seq
-            n = len(rows_np)
-            pad = ring.ctrl.narrow(0, eager.dev_pad_start, eager.tokens.batch) if "key" in site.dims else None
-            if "key" in site.dims and n:
-                check_max_keys(site, x.shape[self.layout.index("key")],
-                               int(np.asarray(eager.pad)[rows_np // seq].min()))
-            outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, heads=self.heads, check_keys=False)
-            self._copy(ring, outs, n, src_seq, c_arg=n, n_arg=n, **common)
-            return
         k_rows = min(ring.max_rows, batch * seq)
         ar = ring.arange[:k_rows]
         start = ring.ctrl.narrow(0, hdr + K.S_ROWS_START, 1)
@@ -383,11 +394,49 @@ class _SiteLaunch:
             drow, cnt, _ = _device_compaction(ring, site, k_rows, seq, src_seq)
         self._copy(ring, outs, k_rows, src_seq, drow=drow, cnt=cnt, cnt_idx=0 if cnt is not None else -1, **common)
 
+    def _eager(self, ring, x: torch.Tensor, st: StepControl) -> None:
+        """A step the host knows (eager forwards): torch ops copy the selected rows straight into
+        the payload ring (one index_select for a plain site, the reference's ops otherwise) and the
+        host writes the record, with no Triton launch (whose Python launcher costs more than the
+        copy). No fence is needed: the drain reads the record only after the step's end marker,
+        which the device publishes after these copies (stream order)."""
+        site = self.site
+        slot = st.slots[site.index]
+        batch, seq = st.tokens.batch, st.tokens.seq
+        flat, src_seq = token_major(x, self.layout, batch)
+        rows = slot.rows
+        if src_seq < seq:                      # x holds only the last src_seq positions
+            rows = rows[rows % seq >= seq - src_seq]
+            idx = _upload((rows // seq) * src_seq + rows % seq - (seq - src_seq), x.device)
+        else:
+            idx = ring.ctrl.narrow(0, st.dev_rows_start[site.index], len(rows))
+        n = len(rows)
+        if self.plain and x.dtype == self.dtype:      # one kernel: gather the rows into the ring
+            nb = n * self.row_bytes[0]
+            if n:
+                dst = ring.payload_t.narrow(0, slot.offset, nb).view(x.dtype).view(n, -1)
+                torch.index_select(flat.reshape(flat.shape[0], -1), 0, idx, out=dst)
+            ring.publish_record(slot.seq, st.step, site.index, slot.offset, nb, n, src_seq)
+            return
+        b_of_row = pad = None
+        if "key" in site.dims:
+            b_of_row = _upload(rows // seq, x.device) if src_seq < seq else idx // seq
+            pad = ring.ctrl.narrow(0, st.dev_pad_start, batch)
+            if n:
+                check_max_keys(site, x.shape[self.layout.index("key")], int(np.asarray(st.pad)[rows // seq].min()))
+        outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, heads=self.heads, check_keys=False)
+        offset = slot.offset
+        for o in outs:                         # laid out one after the other, as the kernel does
+            nb = o.numel() * o.element_size()
+            ring.payload_t.narrow(0, offset, nb).copy_(o.contiguous().view(-1).view(torch.uint8))
+            offset += nb
+        ring.publish_record(slot.seq, st.step, site.index, slot.offset, offset - slot.offset, n, src_seq)
+
     def _copy(self, ring, outs, k_rows, src_seq, **kw) -> None:
         w, wdt = K.word_dtype(*self.row_bytes)
         srcs = [o.contiguous().reshape(o.shape[0], -1).view(wdt) for o in outs]
         geometry = [(s.stride(0), s.shape[1]) for s in srcs]
-        K.launch(srcs[0], ring.payload, ring.ctrl, ring.meta_dev, ring.counters, K=k_rows, src_seq=src_seq,
+        K.launch(srcs[0], ring.payload, ring.ctrl, ring.meta_dev, K=k_rows, src_seq=src_seq,
                  geometry=geometry, mode=K.IDENTITY, row_bytes0=self.row_bytes[0],
                  src1=srcs[1] if len(srcs) > 1 else None, row_bytes1=self.row_bytes[1] if len(srcs) > 1 else 0, **kw)
 
@@ -399,7 +448,7 @@ class InterpretRing(KernelRing):
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
                  device=None, **_):
         super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu")
-        self.payload = torch.zeros(capacity, dtype=torch.uint8)
+        self.payload = self.payload_t = torch.zeros(capacity, dtype=torch.uint8)
         self.meta = np.zeros(meta_records, META_DTYPE)
         self.meta_dev = torch.from_numpy(self.meta.view(np.int64))
 

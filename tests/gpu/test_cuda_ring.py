@@ -278,7 +278,7 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(encoded, write_spec, 
     assert torch.equal(first.sequences, second.sequences)
 
 
-def test_null_mode_launches_but_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
+def test_null_mode_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
     monkeypatch.setenv("DMI_RING", "cuda")
     enc = _enc(encoded)
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")

@@ -127,7 +127,14 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
         mask = mask if isinstance(mask, torch.Tensor) else None
         torch.ops.dmi.step_begin(tokens, mask, position_ids, 0 if past_t is not None else past_len,
                                  past_t, ticket, run_id)
-        out = inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            out = inner(*args, **kwargs)
+        else:
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException:
+                run.abort_step()        # eager: end the step now, which frees the run for other threads
+                raise
         torch.ops.dmi.step_end(ticket, run_id)
         return out
 
@@ -149,8 +156,18 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     def get_compiled_call(*args, **kwargs):
         return run.stepped(compiled_call(*args, **kwargs), step_inputs)
 
+    # one generate() at a time per run: its steps share the run's request bookkeeping, so another
+    # thread's step meanwhile is refused (Run.exclusive)
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generate_(*args, **kwargs):
+        with run.exclusive("generate"):
+            return generate(*args, **kwargs)
+
     model.prepare_inputs_for_generation = prepare_inputs_for_generation
     model.get_compiled_call = get_compiled_call
+    model.generate = generate_
 
 
-_STEP_ATTRS = ("prepare_inputs_for_generation", "get_compiled_call")
+_STEP_ATTRS = ("prepare_inputs_for_generation", "get_compiled_call", "generate")

@@ -7,17 +7,20 @@ Reached from the worker process that owns the model:
 * the V1 model runner, wrapped on the *instance*: ``_prepare_inputs`` (the step's batch: request
   order in ``input_batch``, tokens scheduled per request, tokens already computed, prompt lengths),
   ``_model_forward`` (the padded token count the model runs on, CUDA-graph padding included),
-  ``execute_model`` (the step ends after ``compute_logits``), ``shutdown`` (closes the store);
+  ``execute_model`` (the step ends after ``compute_logits``), ``shutdown`` (closes the store),
+  ``_dummy_run`` (profiling, warm-up and CUDA-graph capture: no step is open);
   ``requests[id].sampling_params.extra_args`` (per-request options).
 
 Reached from the API server / ``LLM`` process:
 
-* ``InputProcessor._build_logits_processors_params_validator``: per-request refusals (HTTP 400);
+* ``InputProcessor._build_logits_processors_params_validator`` (0.32) or
+  ``InputProcessor._validate_params`` (0.25): per-request refusals (HTTP 400);
 * ``CoreEngineProcManager.shutdown``: a grace period so engine processes can close the store.
 
-Written and tested against vLLM 0.32.0 (CPU build, CI). The GPU machine's 0.25.1 is not verified
-here (docs/vllm.md lists what to check). The V2 model runner (``vllm/v1/worker/gpu/``, 0.32's GPU
-default) has another batch layout: dmi asks for the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+Written and tested against vLLM 0.32.0 (CPU build, CI); every seam was read in the 0.25.1 source
+(the GPU machine's release; tests/gpu/test_vllm_gpu.py runs them there). The V2 model runner
+(``vllm/v1/worker/gpu/``, the GPU default for dense models in 0.25.1 and 0.32) has another batch
+layout: dmi asks for the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
 """
 from __future__ import annotations
 
@@ -163,15 +166,18 @@ def request_extra_args(runner, req_id: str) -> dict | None:
     return getattr(params, "extra_args", None)
 
 
-def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown) -> callable:
+def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy_run=None) -> callable:
     """Instance-level wrappers on the runner's step methods; returns a function that removes them.
 
     on_batch(runner, batch): after _prepare_inputs; on_forward(num_tokens_padded): just before the
     model runs (once per real step; warm-up/dummy runs call the model directly and are not steps);
-    on_step_end(): when execute_model returns or raises; on_shutdown(): runner.shutdown().
+    on_step_end(): when execute_model returns or raises; on_shutdown(): runner.shutdown();
+    dummy_run(): a context manager around each ``_dummy_run`` (profiling, compile warm-up, and the
+    warm-up + capture of every CUDA graph: 0.25 - 0.32 capture in ``_dummy_run`` with no step open).
     """
     prepare, forward, execute, shutdown = (runner._prepare_inputs, runner._model_forward,
                                            runner.execute_model, runner.shutdown)
+    dummy = getattr(runner, "_dummy_run", None) if dummy_run is not None else None
 
     @functools.wraps(prepare)
     def _prepare_inputs(scheduler_output, *args, **kwargs):
@@ -200,23 +206,41 @@ def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown) -> ca
 
     runner._prepare_inputs, runner._model_forward = _prepare_inputs, _model_forward
     runner.execute_model, runner.shutdown = execute_model, _shutdown
+    if dummy is not None:
+        @functools.wraps(dummy)
+        def _dummy_run(*args, **kwargs):
+            with dummy_run():
+                return dummy(*args, **kwargs)
+        runner._dummy_run = _dummy_run
 
     def unwrap() -> None:
-        for name in ("_prepare_inputs", "_model_forward", "execute_model", "shutdown"):
+        for name in ("_prepare_inputs", "_model_forward", "execute_model", "shutdown", "_dummy_run"):
             runner.__dict__.pop(name, None)
     return unwrap
+
+
+def cuda_graphs_on(vllm_config) -> bool:
+    """Whether the engine replays CUDA graphs (0.25 - 0.32: ``compilation_config.cudagraph_mode``
+    is NONE under ``enforce_eager`` and on the CPU platform)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
 
 
 def wrap_request_validation(make_validator) -> None:
     """Chain dmi's per-request check into vLLM's request validation (API server / LLM process).
 
-    0.25 - 0.32: ``InputProcessor._build_logits_processors_params_validator`` returns the function
-    vLLM calls with each request's SamplingParams; its ValueError becomes HTTP 400 under serve.
+    0.32: ``InputProcessor._build_logits_processors_params_validator`` returns the function vLLM
+    calls with each request's SamplingParams. 0.25 has no such builder: there dmi wraps
+    ``InputProcessor._validate_params(params, supported_tasks)``, which vLLM calls for every request.
+    Either way a ValueError becomes HTTP 400 under serve.
     """
     def patch(mod) -> None:
         cls = getattr(mod, "InputProcessor", None)
         build = getattr(cls, "_build_logits_processors_params_validator", None)
-        if build is None or getattr(build, "__dmi_wrapped__", False):
+        if build is None:
+            _wrap_validate_params(cls, make_validator)
+            return
+        if getattr(build, "__dmi_wrapped__", False):
             return
 
         @functools.wraps(build)
@@ -238,6 +262,29 @@ def wrap_request_validation(make_validator) -> None:
         _build.__dmi_wrapped__ = True
         cls._build_logits_processors_params_validator = _build
     when_imported(INPUT_MODULE, patch)
+
+
+def _wrap_validate_params(cls, make_validator) -> None:
+    """0.25: ``InputProcessor._validate_params(params, supported_tasks)`` (the validator is built
+    once per InputProcessor, on its first request)."""
+    validate = getattr(cls, "_validate_params", None)
+    if validate is None or getattr(validate, "__dmi_wrapped__", False):
+        return
+
+    @functools.wraps(validate)
+    def _validate_params(self, params, *args, **kwargs):
+        check = self.__dict__.get("_dmi_check", False)
+        if check is False:
+            check = self.__dict__["_dmi_check"] = make_validator(self.vllm_config)
+        if check is not None and getattr(params, "extra_args", None):
+            try:
+                check(params)
+            except ValueError as e:
+                raise client_error(e) from None
+        return validate(self, params, *args, **kwargs)
+
+    _validate_params.__dmi_wrapped__ = True
+    cls._validate_params = _validate_params
 
 
 def client_error(e: ValueError) -> Exception:

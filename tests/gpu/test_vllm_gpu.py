@@ -1,0 +1,207 @@
+"""vLLM on the GPU with CUDA graphs on (``enforce_eager=False``): the CUDA ring inside vLLM's
+piecewise-compiled, graph-captured model, against HF Transformers on the same weights.
+
+What is pinned (issue #4, GPU part):
+
+* every captured site equals HF's row at the same (request, position), both engines on the GPU in
+  float32 (tolerance below), for a small Qwen3 and Llama-3.1;
+* greedy tokens are identical with and without dmi (the same engine configuration, CUDA graphs on);
+* CUDA-graph padding rows are never copied: vLLM pads steps to a captured size (the store records
+  how many rows it skipped), yet every (request, position) is stored exactly once;
+* steps that replay a captured graph (decode: FULL graphs; small mixed steps: PIECEWISE graphs)
+  produce their own, correct records: the only capture made from Python in those steps is the
+  eager ``logits`` site (``compute_logits`` runs outside the graph), every other site's rows come
+  from kernels the replay ran, and they equal HF's; steps larger than any graph capture every site
+  from Python (the compiled model without a graph);
+* what cannot work inside a graph replay is refused at load (``attn.pattern``, ``DMI_RING=cpu``).
+
+Engine: vLLM 0.25.1 (the H200 machine: ``source .vbundle/tools/env.sh``, docs/vllm.md), the V1
+model runner, float32 through the Triton attention backend (FlashAttention has no float32),
+CUDA graphs for 1..32 tokens; steps of 33..48 tokens run the compiled model without a graph, so
+the eager capture path runs in the same engine. Run: ``pytest -m gpu tests/gpu/test_vllm_gpu.py``.
+
+Tolerance (float32): atol 1e-4, rtol 1e-3. HF (SDPA, one unpadded forward per request) and vLLM
+(Triton paged attention, flat continuous batches, inductor-fused norms) sum in different orders;
+on the CPU build the same comparison stays below 1e-6. A row of another token or request differs
+by O(1) of the values' scale, so the tolerance still pins the row mapping.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (GPU machine: source .vbundle/tools/env.sh)")
+
+import dmi  # noqa: E402
+from dmi.adapters.vllm import save_builtin  # noqa: E402
+from dmi.adapters.vllm.compat import external_request_id, shutdown_llm  # noqa: E402
+from test_vllm import (all_sites, assert_accounting, assert_matches_hf, generate, hf_reference,  # noqa: E402
+                       positions_by_request)
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine (and the run) in this process
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")         # dmi reads the V1 runner: vanilla runs it too
+
+GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32]
+ENGINE = dict(kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5, dtype="float32", enforce_eager=False,
+              attention_backend="TRITON_ATTN",
+              max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_caching=False,
+              compilation_config={"cudagraph_capture_sizes": GRAPH_SIZES}, seed=0)
+ATOL, RTOL = 1e-4, 1e-3
+
+
+def workload():
+    """Prompts of several lengths (one longer than a step: chunked prefill) and output lengths, so
+    the decode batch shrinks 5 -> 1 (padded 5 -> 8, 3 -> 4) and prefill chunks mix with decodes."""
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, 300, size=n).tolist()} for n in (5, 11, 2, 70, 23)]
+    params = [vllm.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 9, 12, 7, 14)]
+    return prompts, params
+
+
+def tokens(llm, prompts, params) -> dict[str, list[int]]:
+    """Greedy tokens of a plain vllm.LLM, by request id."""
+    return {o.request_id: list(map(int, o.outputs[0].token_ids)) for o in llm.generate(prompts, params, use_tqdm=False)}
+
+
+def logits_rows(tree, seqs) -> dict[str, np.ndarray]:
+    """Each request's captured logits rows, one per generated token (the step that sampled it)."""
+    lg = tree["logits"].dataset
+    at = {(external_request_id(str(r)), int(p)): i for i, (r, p) in enumerate(zip(lg.request.values, lg.position.values))}
+    return {rid: lg.logits.values[[at[(rid, len(p) - 1 + k)] for k in range(len(o))]] for rid, (p, o) in seqs.items()}
+
+
+def _capture_recorder(monkeypatch):
+    """Record every capture made from Python (a replayed graph makes none): (capturing a graph?,
+    site, the open step or None)."""
+    from dmi.kernels.cuda_ring import KernelRing
+    events = []
+    inner = KernelRing.capture
+
+    def capture(self, site, x):
+        cur = self.current if self.current is not None and not self.current.ended else None
+        events.append((torch.cuda.is_current_stream_capturing(), site.index, cur.step if cur is not None else None))
+        return inner(self, site, x)
+    monkeypatch.setattr(KernelRing, "capture", capture)
+    return events
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3_1"])
+def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
+    path = save_builtin(f"tiny-{family}")
+    prompts, params = workload()
+    plain = vllm.LLM(path, **ENGINE)
+    try:
+        want = tokens(plain, prompts, params)
+    finally:
+        shutdown_llm(plain)
+        del plain
+
+    events = _capture_recorder(monkeypatch)
+    spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "32MiB"}}
+    run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    try:
+        assert type(run.run.ring).__name__ == "CudaRing"
+        n_setup = len(events)
+        seqs = generate(run, prompts, params)
+        serving = events[n_setup:]
+        plan = run.plan
+    finally:
+        run.shutdown()
+
+    # tokens: identical with and without dmi
+    assert {rid: out for rid, (_, out) in seqs.items()} == want
+
+    tree = dmi.open(tmp_path / "v.zarr")
+    assert tree.attrs["dmi_status"] == "closed"
+    # every site equals HF (both on the GPU, float32) at every stored (request, position)
+    ref = hf_reference(family, seqs, spec, tmp_path / "hf.zarr", device="cuda")
+    assert assert_matches_hf(tree, ref, atol=ATOL, rtol=RTOL) > 0
+    # rows stored == real tokens: each computed position exactly once, no padding row
+    expect = {rid: list(range(len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
+    assert positions_by_request(tree["layers/resid_post"].dataset) == expect
+    assert positions_by_request(tree["logits"].dataset) == {rid: list(range(len(p) - 1, len(p) + len(o) - 1))
+                                                             for rid, (p, o) in seqs.items()}
+    stats = tree.attrs["vllm"]
+    assert stats["padded_steps"] > 0 and stats["padding_rows_skipped"] > 0, stats    # graphs padded, never copied
+    assert_accounting(tree)
+    # the greedy token is the argmax of the captured logits row (the sampled row of each step)
+    for rid, rows in logits_rows(tree, seqs).items():
+        np.testing.assert_array_equal(rows.argmax(-1), seqs[rid][1], err_msg=rid)
+
+    # graphs: sites were captured into CUDA graphs at start-up, and replays wrote the decode steps
+    logits_site = next(s.index for s in plan.sites if s.canonical == "logits")
+    captured = {site for capturing, site, _ in events[:n_setup] if capturing}
+    assert captured >= {s.index for s in plan.sites if s.canonical != "logits"}, "sites missing from the graphs"
+    assert not any(capturing for capturing, _, _ in serving), "a graph was captured while serving"
+    eager = collections.defaultdict(set)             # step -> sites captured from Python (not by a replay)
+    for _, site, step in serving:
+        eager[step].add(site)
+    fin = tree["final_norm"].dataset
+    steps = collections.defaultdict(list)
+    for step, phase in zip(fin.step.values.tolist(), fin.phase.values.tolist()):
+        steps[step].append(phase)
+    decode = [s for s, ph in steps.items() if all(p == "decode" for p in ph)]
+    assert len(decode) >= 8
+    for s in decode:          # <= 5 rows: a graph replay; only compute_logits captured from Python
+        assert eager[s] <= {logits_site}, (s, sorted(eager[s]))
+    mixed = [s for s, ph in steps.items() if s not in decode and len(ph) <= GRAPH_SIZES[-1]]
+    assert mixed and all(eager[s] <= {logits_site} for s in mixed), [(s, len(eager[s])) for s in mixed]
+    big = [s for s, ph in steps.items() if len(ph) > GRAPH_SIZES[-1]]       # larger than any graph: eager
+    assert big and all(eager[s] == set(range(len(plan.sites))) for s in big), [(s, len(eager[s])) for s in big]
+
+
+def test_cuda_graphs_bfloat16_flash_attention(tmp_path, monkeypatch):
+    """The default GPU path (bfloat16, FlashAttention 3, CUDA graphs): tokens unchanged by dmi, every
+    captured logits row holds the greedy token at its maximum, final_norm close to HF in bfloat16."""
+    path = save_builtin("tiny-qwen3")
+    prompts, params = workload()
+    engine = dict(ENGINE, dtype="bfloat16", attention_backend=None)
+    spec = {"capture": [{"sites": ["resid_post", "final_norm", "logits"]}]}
+    run = dmi.load(path, hook_spec=spec, store=tmp_path / "b.zarr", backend="vllm", **engine)
+    try:
+        seqs = generate(run, prompts, params)
+    finally:
+        run.shutdown()
+    plain = vllm.LLM(path, **engine)
+    try:
+        want = tokens(plain, prompts, params)
+    finally:
+        shutdown_llm(plain)
+    assert {rid: out for rid, (_, out) in seqs.items()} == want
+    tree = dmi.open(tmp_path / "b.zarr")
+    assert tree.attrs["vllm"]["padding_rows_skipped"] > 0
+    for rid, rows in logits_rows(tree, seqs).items():
+        o = seqs[rid][1]
+        np.testing.assert_array_equal(rows[np.arange(len(o)), o], rows.max(-1), err_msg=rid)   # ties allowed
+    # bfloat16: one rounding of values of order 1 is 2^-8 relative; HF and vLLM round at different points
+    ref = hf_reference("qwen3", seqs, {"capture": [{"sites": ["final_norm"]}]}, tmp_path / "hf.zarr", device="cuda",
+                       dtype=torch.bfloat16)
+    mine, theirs = tree["final_norm"].dataset, ref["final_norm"].dataset
+    key = lambda ds: {(external_request_id(str(r)), int(p)): i for i, (r, p) in enumerate(zip(ds.request.values, ds.position.values))}
+    km, kt = key(mine), key(theirs)
+    assert set(km) == set(kt)
+    a = mine.final_norm.values[[km[k] for k in km]]
+    b = theirs.final_norm.values[[kt[k] for k in km]]
+    np.testing.assert_allclose(a, b, atol=0.1, rtol=0.05)
+    assert np.median(np.abs(a - b)) < 0.03
+
+
+def test_refused_with_cuda_graphs(tmp_path, monkeypatch):
+    """What a graph replay would silently skip is refused at load, naming the fix."""
+    path = save_builtin("tiny-qwen3")
+    engine = dict(ENGINE, max_model_len=64)
+    with pytest.raises(dmi.DmiError, match="enforce_eager=True"):
+        dmi.load(path, hook_spec={"capture": [{"sites": ["attn.pattern"], "layers": [0], "max_keys": 64}]},
+                 store=tmp_path / "p.zarr", backend="vllm", **engine)
+    monkeypatch.setenv("DMI_RING", "cpu")
+    with pytest.raises(dmi.DmiError, match="DMI_RING=cpu"):
+        dmi.load(path, hook_spec={"capture": [{"sites": ["resid_post"]}]}, store=tmp_path / "c.zarr", backend="vllm",
+                 **engine)
+    assert not (tmp_path / "p.zarr").exists() and not (tmp_path / "c.zarr").exists()
