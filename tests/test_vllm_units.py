@@ -197,7 +197,9 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     from dmi.adapters.vllm import compat
     from dmi.adapters.vllm.worker import Session
     seen = []
+    from dmi.kernels.cuda_ring import KernelRing
     ring = types.SimpleNamespace(null=False, graph_mode=False, geometry=(1, 37))   # a kernel ring after a step
+    ring.launching_without_step = types.MethodType(KernelRing.launching_without_step, ring)
     runner = types.SimpleNamespace(
         _prepare_inputs=lambda *a, **k: None, _model_forward=lambda **k: None, execute_model=lambda *a, **k: None,
         shutdown=lambda: None, _dummy_run=lambda n, **k: seen.append((n, ring.graph_mode, ring.geometry)) or "out")

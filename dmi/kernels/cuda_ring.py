@@ -16,6 +16,7 @@ drops, FIFO release) is the shared :class:`dmi.ring.Ring`'s.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -113,9 +114,22 @@ class KernelRing(Ring):
         self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
-        self.geometry: tuple[int, int] | None = None     # (batch, seq) of the latest step
+        self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
         self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8
+
+    @contextlib.contextmanager
+    def launching_without_step(self, batch: int = 1):
+        """Engines' warm-up and graph-capture runs, with no step open: launch as while capturing a
+        graph (kernels that read the disarmed control block and exit, so Triton compiles and loads
+        them outside any capture), for a flat batch whose token count is each tensor's own
+        (geometry ``(batch, None)``: every captured graph bakes its own padded size)."""
+        graph_mode = self.graph_mode
+        self.geometry, self.graph_mode = (batch, None), True
+        try:
+            yield
+        finally:
+            self.graph_mode = graph_mode
 
     # --- host: per step -----------------------------------------------------------------------------
     def publish_control(self, ctrl: StepControl) -> None:

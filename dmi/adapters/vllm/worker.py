@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import shards
 from ...errors import DmiError, PolicyError
 from ...plan import build_plan
 from ...run import Run
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
 from . import compat
-from .patch import attach, available_sites
+from .patch import attach, available_sites, resolve
 from .pattern import SESSIONS_BY_RUN, KeyStore
 from .policy import RequestGate, ServePolicy
 from .steps import StepBuilder
@@ -49,6 +50,7 @@ class Session:
         self.error: BaseException | None = None
         self.padded_steps = 0                   # steps run on a CUDA graph padded past their real tokens
         self.padding_rows = 0                   # those padding rows (never selected, never copied)
+        self.rank = 0                           # tensor parallel rank (0: no tensor parallelism)
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, batch) -> None:
@@ -85,16 +87,12 @@ class Session:
           step's batch size is unknown"). A replay reads the step's real row count from the control
           block, so padding rows are never copied.
         """
-        ring = self.run.ring
-        if self.closed or not hasattr(ring, "geometry"):
+        launching = getattr(self.run.ring, "launching_without_step", None)    # kernel rings only
+        if self.closed or launching is None:
             yield
             return
-        graph_mode = ring.graph_mode
-        ring.geometry, ring.graph_mode = (1, None), True
-        try:
+        with launching():
             yield
-        finally:
-            ring.graph_mode = graph_mode
 
     def on_step_end(self) -> None:
         if self.closed:
@@ -116,11 +114,12 @@ class Session:
         try:
             self.run.close()
         finally:
-            _note_engine_stats(self.run.store, {
-                "recomputed_rows_skipped": self.steps.recomputed_rows,
-                "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
-                "requests_capped": sorted(self.steps.capped),
-                "requests_refused": dict(self.gate.refused)})
+            if self.rank == 0:      # under tensor parallelism rank 0 finalizes the merged store
+                _note_engine_stats(self.run.store, {
+                    "recomputed_rows_skipped": self.steps.recomputed_rows,
+                    "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
+                    "requests_capped": sorted(self.steps.capped),
+                    "requests_refused": dict(self.gate.refused)})
 
     def close_quietly(self) -> None:
         """At engine shutdown / process exit: close, log instead of raising."""
@@ -138,7 +137,7 @@ def start(worker) -> Session | None:
     cfg = read_config(vllm_config)
     if cfg is None:
         return None
-    _check_engine(vllm_config)
+    world = _check_engine(vllm_config)
     warning = compat.check_version()
     if warning:
         log.warning(warning)
@@ -160,14 +159,22 @@ def start(worker) -> Session | None:
                        "or DMI_STORE / additional_config.dmi.store")
     attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
              "request_policy": policy.describe()}
-    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs)
+    plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
+    if tp is not None and not plan.sites:     # this rank holds nothing the store keeps (e.g. only replicated sites)
+        tp.barrier()                          # rank 0 has laid the store out
+        shards.ShardWriter(str(store), tp.plan, tp.layout, tp.rank).close({"sites": []})
+        log.info("dmi: tensor parallel rank %d captures no site", tp.rank)
+        return None
+    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp)
+    session_rank = tp.rank if tp is not None else 0
     try:
         _check_graphs(run, vllm_config)
         _check_step_tokens(run, vllm_config, hook)
         detach = attach(model, plan, arch, run)
     except BaseException:
         run.close()
-        shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
+        if session_rank == 0:
+            shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
         raise
     run._detach = detach
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
@@ -178,6 +185,7 @@ def start(worker) -> Session | None:
         extra["dmi"] = {"graph": _graph_key(plan, arch, run), "hook_spec": cfg["hook_spec"],
                         **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
     session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
+    session.rank = session_rank
     session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,
                                          on_step_end=session.on_step_end, on_shutdown=session.close_quietly,
                                          dummy_run=session.on_dummy_run)
@@ -189,17 +197,33 @@ def start(worker) -> Session | None:
     return session
 
 
-def _check_engine(vllm_config) -> None:
-    """Engine features the adapter does not map yet: refused at load, not mid-run."""
+def _check_engine(vllm_config) -> int:
+    """Engine features the adapter does not map yet: refused at load, not mid-run. Returns the tensor
+    parallel size (``dmi.shards.check_parallel`` refuses pipeline / data / expert / sequence parallelism)."""
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise DmiError("dmi: speculative decoding is not supported by the vLLM adapter yet (the logits rows are "
                        "not one per request and draft tokens are not real rows). Fix: run without "
                        "speculative_config while capturing")
-    world = getattr(vllm_config.parallel_config, "world_size", 1)
-    if world > 1:
-        raise DmiError(f"dmi: the vLLM adapter runs in one worker; this engine has {world} (tensor/pipeline "
-                       f"parallel: q/k/v and MLP sites are sharded across them). Fix: capture with "
-                       f"tensor_parallel_size=1 and pipeline_parallel_size=1")
+    return shards.check_parallel(vllm_config.parallel_config, getattr(vllm_config, "compilation_config", None))
+
+
+def _tensor_parallel(plan, arch, text_config, model, world: int):
+    """(the plan this rank captures, the :class:`dmi.shards.TPContext` or None). Under tensor
+    parallelism each rank captures its shard of the split sites (``TPLayout.local_plan``) and the
+    replicated sites only on rank 0; the store holds the unsharded ``plan``."""
+    if world <= 1:
+        return plan, None
+    pattern = [s.name for s in plan.sites if s.canonical == "attn.pattern"]
+    if pattern:
+        raise DmiError(f"dmi: {pattern[0]}: attn.pattern is not supported with tensor parallelism yet (its keys "
+                       f"are recomputed per rank and not verified). Fix: capture attn.q and attn.k_rot and compute "
+                       f"it offline, or capture with tensor_parallel_size=1")
+    rank = compat.tp_rank()
+    layout = shards.TPLayout.derive(arch, text_config, world)
+    layout.check_plan(plan)
+    local = layout.local_plan(plan, rank)
+    layout.verify_anchors(model, local, resolve)
+    return local, shards.TPContext(plan, layout, rank, compat.tp_barrier)
 
 
 def _check_step_tokens(run, vllm_config, hook) -> None:
@@ -268,7 +292,11 @@ def _note_engine_stats(store: str, stats: dict) -> None:
 def _graph_key(plan, arch, run) -> str:
     from . import patch
     src = Path(patch.__file__).read_bytes()
-    blob = json.dumps([plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id], sort_keys=True, default=str)
+    tp = getattr(run.exporter, "tp", None)
+    key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id]
+    if tp is not None:          # each rank compiles its own shard shapes
+        key.append([tp.rank, tp.layout.world, [(s.shape, s.heads) for s in plan.sites]])
+    blob = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode() + src).hexdigest()[:20]
 
 
