@@ -1,5 +1,6 @@
 """Where the cost of hidden-states capture goes, in one process on the GPU: each row removes one
-part of dmi's per-step work and reports the step time against vanilla.
+part of dmi's per-step work and reports the step time against vanilla (dmi runs on a twin of
+the model sharing its weights; every timed run follows a timed vanilla run, so drift cancels).
 
     python perf/ablate.py [--model qwen3-8b] [--batch 32] [--new 96] [--repeats 3]
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
 import dmi.run        # noqa: E402
-from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed   # noqa: E402
+from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
 
 class HostClock:
@@ -92,64 +93,75 @@ def main(argv=None) -> None:
     model = build(args.model)
     enc, lengths = prompts(args.batch, 16, 192, model.config.vocab_size)
     kw = gen_kwargs(args.mode, args.new)
-    rows = []
+    dmodel = twin(model)              # dmi patches this instance; `model` stays vanilla
 
     def gen():
         model.generate(**enc, **kw)
 
-    def report(label, times, extra=""):
+    def dgen():
+        dmodel.generate(**enc, **kw)
+
+    def paired(fn, before=lambda: None, after=lambda: None):
+        """Timed runs of fn, each right after a timed vanilla run (drift cancels in the ratio)."""
+        times, vtimes = [], []
+        for _ in range(args.repeats):
+            vtimes.append(timed(gen))
+            before()
+            times.append(timed(fn))
+            after()
+        return times, vtimes
+
+    def report(label, runs, extra=""):
+        times, vtimes = runs
         t = statistics.median(times)
-        base = rows[0][1] if rows else t
-        rows.append((label, t))
-        print(f"{label:34s} {t * 1e3 / args.new:7.3f} ms/step  ratio {base / t:.3f}  runs {[round(x, 3) for x in times]} "
-              f"{extra}", flush=True)
+        v = statistics.median(vtimes) if vtimes else t
+        print(f"{label:34s} {t * 1e3 / args.new:7.3f} ms/step  ratio {v / t:.3f} (paired vanilla {v * 1e3 / args.new:.3f})"
+              f"  runs {[round(x, 3) for x in times]} {extra}", flush=True)
 
     with torch.no_grad():
         gen(), gen()
-        report("vanilla", [timed(gen) for _ in range(args.repeats)])
+        report("vanilla", paired(gen))
         if torch.cuda.is_available():
             print(f"vanilla: {profiled(gen, args.new)}", flush=True)
         sd = store_dir()
-        torch._dynamo.reset()
-        run = dmi.load(model, hook_spec=hidden_spec(8 * GiB, 8 * GiB), store=sd / "a.zarr", overwrite=True)
+        run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB), store=sd / "a.zarr", overwrite=True)
         try:
             with Skip(run):
                 run.set_enabled(False)
-                gen(), gen()
-                report("dmi null", [timed(gen) for _ in range(args.repeats)])
+                dgen(), dgen()
+                report("dmi null", paired(dgen))
                 run.set_enabled(True)
 
                 def flushed():
-                    gen()
+                    dgen()
                     run.flush()
 
                 sites, run._site_info = run._site_info, []
                 flushed(), flushed()
-                report("dmi no sites (steps only)", [timed(flushed) for _ in range(args.repeats)])
+                report("dmi no sites (steps only)", paired(flushed))
                 run._site_info = sites
 
-                def gated():
-                    ready = run.ring.drain_ready
+                ready = run.ring.drain_ready
+
+                def hold():
                     run.ring.drain_ready = lambda *a: []
-                    try:
-                        t = timed(gen)
-                    finally:
-                        run.ring.drain_ready = ready
+
+                def release():
+                    run.ring.drain_ready = ready
                     run.flush()
-                    return t
                 flushed(), flushed()
-                report("dmi hidden, drain gated", [gated() for _ in range(args.repeats)])
+                report("dmi hidden, drain gated", paired(dgen, hold, release))
                 with HostClock(run) as hc:
-                    times = [timed(flushed) for _ in range(args.repeats)]
+                    runs = paired(flushed)
                 steps = args.repeats * args.new
                 st = run.stats()
-                report("dmi hidden (full)", times,
+                report("dmi hidden (full)", runs,
                        f"host {hc.seconds / steps * 1e6:.0f} us/step in step begin/end, slow-path steps {hc.slow}/{steps}, "
                        f"stall {st['stall_seconds']:.3f}s")
                 if torch.cuda.is_available():
-                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(gen, args.new)}", flush=True)
+                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
                     run.set_enabled(False)
-                    print(f"dmi null: {profiled(gen, args.new)}", flush=True)
+                    print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
         finally:
             run.close()
 
