@@ -568,26 +568,32 @@ class ZarrExporter:
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
         cols = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
                 "phase": _PHASES[tokens.phase[sel]]}
+        srcs: dict[str, list] = {o.name: [None] * len(g.sites) for o in g.sites[0].outputs}
+        for li, arrays in self._records(g, n, got, entry):    # a dropped layer's rows stay NaN / -1
+            for name, a in arrays.items():
+                srcs[name][li] = a
+        entry.reqs[g.name] = req
+        self._append(g, n, cols, srcs)
+
+    def _records(self, g: GroupBuffer, n: int, got, entry: "_Entry"):
+        """(layer index in the group, {output name: [n, *shape] view}) of each record of a group's
+        step (dropped or not computed captures skipped), counted as stored."""
         outputs = g.sites[0].outputs
-        srcs: dict[str, list] = {o.name: [] for o in outputs}
-        for s, item in zip(g.sites, got):
-            if item is None:         # this layer's capture was dropped: its rows stay NaN / -1
-                for o in outputs:
-                    srcs[o.name].append(None)
+        for li, (s, item) in enumerate(zip(g.sites, got)):
+            if item is None:
                 continue
             _, rec, data = item
             if int(rec["rows"]) != n:
                 raise StoreError(f"site {s.name}: record has {int(rec['rows'])} rows, expected {n}")
-            offset = 0
+            arrays, offset = {}, 0
             for o in outputs:
                 src = self.capture_dtype if o.kind == "float" else o.kind
                 nb = n * o.row_elems * ITEMSIZE[src]
-                srcs[o.name].append(_view(data[offset:offset + nb], src).reshape(n, *o.shape))
+                arrays[o.name] = _view(data[offset:offset + nb], src).reshape(n, *o.shape)
                 offset += nb
             entry.stored[s.index] += n
             entry.bytes[s.index] += len(data)
-        entry.reqs[g.name] = req
-        self._append(g, n, cols, srcs)
+            yield li, arrays
 
     def _append(self, g: GroupBuffer, n: int, cols: dict, srcs: dict | None = None) -> None:
         """Copy n rows into the open chunk(s) of a group; a chunk that fills goes to the writers."""

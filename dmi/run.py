@@ -28,7 +28,7 @@ class Run:
     """Returned by :func:`dmi.load`. Use ``run.model`` as usual; ``run.close()`` (or ``with``) flushes."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
-                 attrs: dict | None = None, ring: Ring | None = None, resume: bool = False):
+                 attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -38,8 +38,14 @@ class Run:
         device = next(model.parameters()).device
         self.ring = ring or make_ring(plan.policy, device)
         self.ring.setup(plan, self.dtype, device)
-        self.exporter = ZarrExporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                     _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+        if tp is None:
+            self.exporter = ZarrExporter(store, plan, str(self.dtype).removeprefix("torch."),
+                                         _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+        else:      # tensor parallelism (dmi.shards.TPContext): plan = this rank's part; the store holds tp.plan
+            from .shards import ShardedExporter
+            self.exporter = ShardedExporter(store, plan, str(self.dtype).removeprefix("torch."),
+                                            _run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,
+                                            resume=resume, tp=tp)
         self.store = str(self.exporter.path)
         self.id = register_run(self)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)

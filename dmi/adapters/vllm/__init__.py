@@ -88,6 +88,7 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
         raise SpecError("no store given", file=hook.file, key="store.path",
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
     check_writable(store, overwrite)
+    check_parallel_kwargs(llm_kwargs)                 # refused here, not as "WorkerProc initialization failed"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here
     compat.prefer_v1_runner()
     plugin.register()
@@ -102,6 +103,48 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     llm = LLM(model=_model_path(model), additional_config=extra, **llm_kwargs)
     session = SESSIONS.get(token)
     return VllmRun(llm, token, str(Path(store).resolve()), session)
+
+
+def check_parallel_kwargs(llm_kwargs: dict) -> int:
+    """Refuse, before the engine starts, a parallel layout dmi cannot merge (``dmi.shards.check_parallel``:
+    pipeline / data / decode-context / expert parallelism, sequence parallelism) and, on vLLM's CPU
+    backend, a tensor parallel engine vLLM cannot bind (fewer NUMA nodes than ranks and no
+    ``VLLM_CPU_OMP_THREADS_BIND``). Returns the tensor parallel size. The workers check the engine's
+    resolved config again (``worker.start``)."""
+    from types import SimpleNamespace
+
+    from ... import shards
+    from . import compat
+    bad = {k: llm_kwargs[k] for k in compat.PARALLEL_KEYS if k in llm_kwargs and k != "enable_expert_parallel"
+           and not (isinstance(llm_kwargs[k], int) and not isinstance(llm_kwargs[k], bool) and llm_kwargs[k] >= 1)}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise DmiError(f"dmi.load(backend='vllm'): {k}={v!r}: expected an integer >= 1. Fix: pass {k}=1 (or leave it out)")
+    comp = llm_kwargs.get("compilation_config")
+    if isinstance(comp, dict):
+        passes = comp.get("pass_config")
+        comp = SimpleNamespace(pass_config=SimpleNamespace(**passes) if isinstance(passes, dict) else passes)
+    try:
+        world = shards.check_parallel(SimpleNamespace(**{k: llm_kwargs.get(k) for k in compat.PARALLEL_KEYS}), comp)
+    except DmiError as e:
+        keys = [k for k in compat.PARALLEL_KEYS[1:] if llm_kwargs.get(k) is True or
+                (type(llm_kwargs.get(k)) is int and llm_kwargs[k] > 1)]
+        fix = ", ".join(f"{k}={'False' if k == 'enable_expert_parallel' else 1}" for k in keys) or \
+            "compilation_config without the sequence-parallelism pass"
+        raise DmiError(f"dmi.load(backend='vllm'): {e.args[0].split('. Fix:')[0]}. Fix: pass {fix} "
+                       f"(tensor_parallel_size > 1 is supported)") from None
+    if world > 1 and compat.is_cpu_platform():
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        nodes = compat.cpu_numa_nodes()
+        if bind in ("", "auto") and nodes < world:
+            cores = os.cpu_count() or world
+            per = max(1, cores // world)
+            example = "|".join(f"{r * per}" if per == 1 else f"{r * per}-{(r + 1) * per - 1}" for r in range(world))
+            raise DmiError(f"dmi.load(backend='vllm'): tensor_parallel_size={world} on vLLM's CPU backend binds each "
+                           f"rank to its own NUMA node, and this machine has {nodes}: vLLM's workers would fail to "
+                           f"start. Fix: set VLLM_CPU_OMP_THREADS_BIND to one core list per rank, e.g. "
+                           f"VLLM_CPU_OMP_THREADS_BIND={example!r}, or pass tensor_parallel_size=1")
+    return world
 
 
 def _model_path(model) -> str:

