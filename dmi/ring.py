@@ -292,8 +292,7 @@ class Ring:
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)          # the previous forward raised before it ended
-        a = ALIGN
-        sizes = [-(-w[3] // a) * a for w in wanted]        # align_up, inlined: a hot loop
+        sizes = [align_up(w[3]) for w in wanted]
         total = sum(sizes)
         if total > self.bytes.capacity:
             if self.mode == "full":

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from .errors import DmiError, StoreError
-from .exporter import _write_atomic   # temp file + os.replace: no reader sees a torn file
+from .exporter import (COMMIT_S, DROP_CHUNK, DROP_COLUMNS, _PHASES, ArrayFile, ZarrExporter, _copy_rows, _Entry,
+                       _jsonable, _write_atomic, _writer, check_writable, storage_dtype)
 
 SPLIT_DIMS = ("head", "kv_head", "mlp")       # canonical dims vLLM's parallel linears split
 COORDS = ("request", "position", "step", "phase")
@@ -336,7 +338,6 @@ def create_store(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, 
     import shutil
 
     import zarr
-    from .exporter import DROP_CHUNK, DROP_COLUMNS, _jsonable, check_writable, storage_dtype
     layout.check_plan(plan)
     path = check_writable(path, overwrite)
     if path.exists():
@@ -430,7 +431,6 @@ class ShardWriter:
     grows the extents over rows every writer has on disk (``checkpoint`` records them)."""
 
     def __init__(self, path, plan, layout: TPLayout, rank: int):
-        from .exporter import ArrayFile
         self.path, self.layout, self.rank = Path(path), layout, rank
         self.groups: dict[str, _Group] = {}
         self.chunks_written: dict[str, set[tuple[int, ...]]] = {}
@@ -532,7 +532,6 @@ class ShardWriter:
                                 **(notes or {})})
 
     def _note(self, fields: dict) -> dict:
-        from .exporter import _jsonable
         meta_path = self.path / "tp" / f"rank{self.rank}" / "zarr.json"
         meta = json.loads(meta_path.read_text())
         meta.setdefault("attributes", {}).update(_jsonable(fields))
@@ -552,7 +551,6 @@ def commit(path) -> dict[str, int]:
     every rank writing the group has on disk (the minimum of their notes), so a reader — or a store
     left by a killed run — only ever sees rows all ranks wrote. Only rank 0 writes ``zarr.json``
     of the arrays. Returns rows per group."""
-    from .exporter import ArrayFile
     path = Path(path)
     notes = rank_notes(path)
     rows: dict[str, int] = {}
@@ -576,7 +574,6 @@ def finalize(path, summary: dict | None = None, clean: bool = True) -> dict[str,
     ``dmi_status`` in the root, consolidated metadata. The ranks writing a group must agree on its
     rows and every rank must have closed; otherwise the store is marked failed and this raises."""
     import zarr
-    from .exporter import _jsonable
     notes = rank_notes(path)
     seen: dict[str, int] = {}
     mismatch: dict[str, dict] = {}
@@ -615,7 +612,6 @@ def wait_closed(path, timeout_s: float, poll_s: float = 0.05) -> list[int]:
     ranks still open after ``timeout_s`` (:func:`finalize` then marks the store failed). A file
     poll, not a collective: close runs from ``LLM.collective_rpc``, engine shutdown or process
     exit, and a rank that never closes must not hang the others."""
-    import time
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -627,12 +623,7 @@ def wait_closed(path, timeout_s: float, poll_s: float = 0.05) -> list[int]:
         time.sleep(poll_s)
 
 
-def _exporter_base():
-    from .exporter import ZarrExporter
-    return ZarrExporter
-
-
-class ShardedExporter(_exporter_base()):
+class ShardedExporter(ZarrExporter):
     """:class:`dmi.exporter.ZarrExporter` for one tensor parallel rank: ``plan`` is the rank's local
     plan (:meth:`TPLayout.local_plan`), ``tp.plan`` the store's. Rank 0 lays the store out
     (:func:`create_store`), every rank waits at ``tp.barrier``, then writes its rows through a
@@ -659,7 +650,6 @@ class ShardedExporter(_exporter_base()):
 
     # --- layout -----------------------------------------------------------------------------------
     def _create(self, path, attrs: dict, overwrite: bool) -> None:
-        from .exporter import _writer
         tp = self.tp
         self.path = Path(path)
         if tp.rank == 0:
@@ -674,9 +664,6 @@ class ShardedExporter(_exporter_base()):
 
     # --- writing ------------------------------------------------------------------------------------
     def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
-        import time
-
-        from .exporter import _Entry
         if self.error is not None:
             self.drop_step(ctrl, records, request_ids, ring_drops)
             self._on_failure()
@@ -704,11 +691,10 @@ class ShardedExporter(_exporter_base()):
             self._on_failure()
             return
         self._log.append(entry)
-        if time.monotonic() - self._last_commit >= 1.0:
+        if time.monotonic() - self._last_commit >= COMMIT_S:
             self.checkpoint()
 
     def _ingest(self, g, ctrl, sel, n: int, got, request_ids, entry) -> None:
-        from .exporter import _copy_rows, _PHASES
         tokens = ctrl.tokens
         req = tokens.request[sel]
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
@@ -734,7 +720,6 @@ class ShardedExporter(_exporter_base()):
 
     # --- commit -------------------------------------------------------------------------------------
     def checkpoint(self, wait_all: bool = False) -> None:
-        import time
         self._last_commit = time.monotonic()
         if self.error is not None:
             self._on_failure()

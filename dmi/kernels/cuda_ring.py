@@ -262,9 +262,6 @@ class CudaRing(KernelRing):
     def meta_view(self) -> np.ndarray:
         return self.meta
 
-    def fetch(self, ctrl: StepControl, recs: np.ndarray) -> list[np.ndarray]:
-        return self.fetch_steps([ctrl], [recs])[0]
-
     def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
         """Copy several steps' records to host staging: one ``cudaMemcpyAsync`` per run of steps
         that are adjacent in the payload ring (up to a quarter of staging), one event wait for all."""
