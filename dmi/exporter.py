@@ -345,6 +345,7 @@ class ZarrExporter:
         self.on_error = sink_policy(plan)                # 'raise' | 'drop'
         self.error: StoreError | None = None             # the store's first failure
         self.drops: list[Drop] = []                      # captures lost because the store failed (reason sink)
+        self._request_ids: list[str] = []                # the run's request ids by index (its live list)
         self._failed = self._raised = False
         self._lock = threading.Lock()
         self._workers = workers = os.cpu_count() or 1
@@ -400,8 +401,9 @@ class ZarrExporter:
             grp = self.root.require_group("drops")
             for name, dt in DROP_COLUMNS.items():
                 grp.create_array(name, shape=(0,), chunks=(DROP_CHUNK,), dtype=dt, dimension_names=["drop"])
-            grp.attrs["description"] = ("every dropped capture: (step, site, requests, rows, bytes, reason); reason: "
-                                        "what the policy dropped (ring_full, bandwidth) or sink (the store failed)")
+            grp.attrs["description"] = ("every dropped capture: (step, site, requests, rows, bytes, reason); requests: "
+                                        "the capture's request ids (as the request coordinate), space-separated; "
+                                        "reason: what the policy dropped (ring_full, bandwidth) or sink (the store failed)")
             self._open_files(self.drops_group)
             self.root.attrs["dmi_committed"] = self._marker()
         except OSError as e:
@@ -504,6 +506,7 @@ class ZarrExporter:
     def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
         """records: (slot, meta record, bytes) of one drained step; ring_drops: the ring's list of
         drops (those of this step and earlier ones are recorded with it)."""
+        self._request_ids = request_ids
         if self.error is not None:
             self.drop_step(ctrl, records, request_ids, ring_drops)
             self._on_failure()
@@ -531,6 +534,7 @@ class ZarrExporter:
 
     def drop_step(self, ctrl, records, request_ids, ring_drops=(), reason: str = "sink") -> None:
         """A step the store will not get: every capture of it is accounted as dropped."""
+        self._request_ids = request_ids
         entry = _Entry(ctrl.step, len(self.plan.sites))
         self._take_ring_drops(ring_drops, ctrl.step, entry)
         for g, sel, n, got in self._rows(ctrl, records, entry):
@@ -826,12 +830,18 @@ class ZarrExporter:
         names = [s.name for s in self.plan.sites]
         cols = {"step": np.array([d.step for d in drops], np.int64),
                 "site": np.array([names[d.site] for d in drops], object),
-                "requests": np.array([" ".join(map(str, d.requests)) for d in drops], object),
+                "requests": np.array([self.request_names(d) for d in drops], object),
                 "rows": np.array([d.rows for d in drops], np.int64),
                 "bytes": np.array([d.bytes for d in drops], np.int64),
                 "reason": np.array([d.reason for d in drops], object)}
         self._append(self.drops_group, len(drops), cols)
         self._flush_jobs()
+
+    def request_names(self, d: Drop) -> str:
+        """The dropped capture's requests as the store names them (its ``request`` coordinate's ids),
+        space-separated."""
+        ids = self._request_ids
+        return " ".join(ids[i] if i < len(ids) else str(i) for i in d.requests)
 
     def _drop(self, d: Drop, entry: _Entry) -> None:
         self.drops.append(d)

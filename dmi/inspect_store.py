@@ -172,6 +172,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "drops": drops | {"dropped_captures_attr": attrs.get("dropped_captures"),
                           "dropped_bytes_attr": attrs.get("dropped_bytes")},
         "stall_seconds": attrs.get("stall_seconds"),
+        "stall_bandwidth_seconds": attrs.get("stall_bandwidth_seconds"),
         "versions": attrs.get("versions", {}),
     }
 
@@ -249,7 +250,7 @@ def format_summary(info: dict) -> str:
         f"drops     {drops['count']} captures, {human_bytes(drops['bytes'])}"
         + (" (" + ", ".join(f"{r}: {c}, {human_bytes(by_reason.get(r))}" for r, c in drops["by_reason"].items())
            + ")" if drops["by_reason"] else ""),
-        f"stall     {stall:.6f} s" if isinstance(stall, (int, float)) else "stall     -",
+        _stall_line(stall, info.get("stall_bandwidth_seconds")),
         f"sites     {len(info['sites'])} groups",
     ]
     if info["sites"]:
@@ -260,3 +261,12 @@ def format_summary(info: dict) -> str:
             arrays = "; ".join(f"{a['name']} {_shape(a)} {a['dtype']}" for a in s["arrays"])
             lines.append(f"  {s['group']:<{w}}  {s['tokens']:>7}  {layers:<8}  {human_bytes(s['bytes']):>10}  {arrays}")
     return "\n".join(lines)
+
+
+def _stall_line(stall, bandwidth) -> str:
+    """Time steps were held back (policy full), and how much of it the bandwidth cap caused."""
+    if not isinstance(stall, (int, float)):
+        return "stall     -"
+    if isinstance(bandwidth, (int, float)) and bandwidth > 0:
+        return f"stall     {stall:.6f} s ({bandwidth:.6f} s waiting for the D2H bandwidth cap, the rest for ring space)"
+    return f"stall     {stall:.6f} s"

@@ -169,7 +169,8 @@ class Stats:
     records: int = 0
     bytes_captured: int = 0
     bytes_drained: int = 0
-    stall_seconds: float = 0.0
+    stall_seconds: float = 0.0               # steps held back (full): ring/meta space or the bandwidth cap
+    stall_bandwidth_seconds: float = 0.0     # of which waiting for policy.d2h_bytes_per_s
     not_run: int = 0
     drops: list[Drop] = field(default_factory=list)
 
@@ -238,6 +239,13 @@ class Ring:
         rate = getattr(plan.policy, "d2h_bytes_per_s", None)
         self.bucket = TokenBucket(rate) if rate else None
 
+    def set_limits(self, mode: str, d2h_bytes_per_s: int | None) -> None:
+        """Change the policy's mode and D2H cap between steps (a fresh bucket, starting full)."""
+        with self.cond:
+            self.mode = mode
+            self.bucket = TokenBucket(d2h_bytes_per_s) if d2h_bytes_per_s else None
+            self.cond.notify_all()             # a step waiting for space re-checks under the new mode
+
     def meta_view(self) -> np.ndarray:
         raise NotImplementedError
 
@@ -269,9 +277,15 @@ class Ring:
         raise NotImplementedError
 
     def fetch(self, ctrl: StepControl, recs: np.ndarray) -> list[np.ndarray]:
-        """Bytes of each published record of one step (``recs``: META_DTYPE array; default: one
-        ``copy_out`` each)."""
-        return [self.copy_out(o, n) for o, n in zip(recs["offset"].tolist(), recs["nbytes"].tolist())]
+        """Bytes of each published record of one step (``recs``: META_DTYPE array): views of one
+        ``copy_out`` of the step's block (a step's block is contiguous in the ring), not one copy
+        per record."""
+        if not len(recs):
+            return []
+        offsets, sizes = recs["offset"].astype(np.int64), recs["nbytes"].astype(np.int64)
+        lo = int(offsets.min())
+        span = self.copy_out(lo, int((offsets + sizes).max()) - lo)
+        return [span[o:o + n] for o, n in zip((offsets - lo).tolist(), sizes.tolist())]
 
     def release_host(self, ctrl: StepControl) -> None:
         """The exporter is done with the arrays ``fetch`` returned for ``ctrl`` (staging reuse)."""
@@ -304,7 +318,7 @@ class Ring:
         if self.bucket is not None:              # policy.d2h_bytes_per_s: wait (full) or drop (best_effort)
             keep = self._within_bandwidth(step, tokens, wanted, sizes, keep)
         with self.cond:
-            t0 = time.perf_counter()
+            t0 = None                                # set when the step first waits for space (full)
             while True:
                 self.raise_if_failed()
                 need = sum(sizes[i] for i in keep)
@@ -324,13 +338,13 @@ class Ring:
                     self.urgent.set()
                     victim = min(keep, key=lambda i: (wanted[i][4], -i))
                     keep.remove(victim)
-                    site, sel, rows, nbytes, _ = wanted[victim]
-                    self.stats.drops.append(Drop(step, site, tuple(np.unique(tokens.request[sel]).tolist()),
-                                                 len(sel), nbytes, "ring_full"))
+                    self._record_drop(step, tokens, wanted[victim], "ring_full")
                     continue
+                t0 = t0 or time.perf_counter()
                 self.urgent.set()
                 self.cond.wait(0.05)
-            self.stats.stall_seconds += time.perf_counter() - t0 if self.mode == "full" else 0.0
+            if t0 is not None:
+                self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
                 self.bucket.spend(need)
             base, block_end = block
@@ -399,7 +413,9 @@ class Ring:
             while (wait := self.bucket.wait_for(need)) > 0:
                 self.raise_if_failed()
                 time.sleep(min(wait, 0.05))
-            self.stats.stall_seconds += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.stats.stall_seconds += waited
+            self.stats.stall_bandwidth_seconds += waited
             return keep
         while keep and self.bucket.wait_for(need) > 0:
             victim = min(keep, key=lambda i: (wanted[i][4], -i))

@@ -11,9 +11,10 @@ from importlib import metadata
 import numpy as np
 import torch
 
-from .errors import CaptureError, StoreError
+from .errors import CaptureError, PolicyError, StoreError
 from .exporter import TICK_S, ZarrExporter
 from .plan import Plan, check_policy_fits
+from .spec import parse_bytes
 from .ring import Ring, StepLayout, make_ring
 from .siteop import register_run, unregister_run
 from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
@@ -58,6 +59,7 @@ class Run:
         self.rows_selected = [0] * len(plan.sites)    # accounting: stored + dropped == selected
         self._not_computed = [0] * len(plan.sites)    # selected rows an engine tensor does not hold (held=)
         self.enabled = True          # False: null mode (sites stay patched, the device flag stays off)
+        self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
         self._external = False       # the open step was begun outside the forward (graphs, engines)
         self._gen_mask = None        # 2D attention mask generate() prepared for the next forward
         self._mirror: _Mirror | None = None
@@ -151,6 +153,34 @@ class Run:
         """The 2D attention mask generate() made for the next forward (it passes the model a 4D mask
         with static caches): the token bookkeeping reads padding and positions from it."""
         self._gen_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+
+    def set_limits(self, *, mode: str | None = None, d2h_bytes_per_s: int | str | None = "keep") -> None:
+        """Change ``policy.mode`` and ``policy.d2h_bytes_per_s`` of a live run, from the next step
+        on (an operator throttling capture without reloading the model; a benchmark sweeping caps
+        on one compiled graph). ``d2h_bytes_per_s``: bytes per second (int or a size such as
+        ``"2GiB"``), None for uncapped; left out, it stays. Budgets that size memory (ring, host
+        staging, meta records) are fixed at load. Each change is listed in the store's
+        ``policy_changes`` attribute (step, mode, d2h_bytes_per_s); ``policy.on_store_error`` keeps
+        what it was at load."""
+        policy = self.plan.policy
+        mode = policy.mode if mode is None else mode
+        if mode not in ("full", "best_effort"):
+            raise PolicyError(f"set_limits: mode {mode!r} is not a policy mode", key="policy.mode",
+                              fix="use 'full' or 'best_effort'")
+        rate = policy.d2h_bytes_per_s if d2h_bytes_per_s == "keep" else d2h_bytes_per_s
+        if rate is not None:
+            try:
+                rate = parse_bytes(rate)
+            except ValueError as e:
+                raise PolicyError(f"set_limits: {e}", key="policy.d2h_bytes_per_s",
+                                  fix="give a rate such as 2GiB, or None for uncapped") from None
+            if rate < 1:
+                raise PolicyError(f"set_limits: policy.d2h_bytes_per_s is {rate} bytes/s: nothing could ever be "
+                                  f"copied to the host", key="policy.d2h_bytes_per_s",
+                                  fix="give a rate such as 2GiB, or None for uncapped")
+        self.ring.set_limits(mode, rate)
+        policy.mode, policy.d2h_bytes_per_s = mode, rate
+        self.policy_changes.append({"step": self._step, "mode": mode, "d2h_bytes_per_s": rate})
 
     def set_enabled(self, enabled: bool) -> None:
         """``False``: null mode. Sites stay patched and the site ops still run, but no step is
@@ -398,6 +428,7 @@ class Run:
             by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
         return {"steps": st.steps, "records": st.records, "bytes_captured": st.bytes_captured,
                 "bytes_drained": st.bytes_drained, "stall_seconds": round(st.stall_seconds, 6),
+                "stall_bandwidth_seconds": round(st.stall_bandwidth_seconds, 6),
                 "not_run": st.not_run, "dropped_captures": len(drops),
                 "dropped_bytes": sum(d.bytes for d in drops), "drops_by_reason": by_reason,
                 "requests": len(self.requests.ids), "committed_step": exp.committed_step,
@@ -438,6 +469,8 @@ class Run:
                                   "rows_selected": dict(zip(names, (acc["selected"] + self.rows_selected).tolist())),
                                   "rows_stored": dict(zip(names, acc["stored"].tolist())),
                                   "rows_not_computed": dict(zip(names, (acc["not_computed"] + self._not_computed).tolist()))}
+        if self.policy_changes:
+            summary["policy_changes"] = self.policy_changes
         self.exporter.close(summary, clean=clean)
         self.ring.raise_if_failed()
 

@@ -664,6 +664,7 @@ class ShardedExporter(ZarrExporter):
 
     # --- writing ------------------------------------------------------------------------------------
     def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
+        self._request_ids = request_ids
         if self.error is not None:
             self.drop_step(ctrl, records, request_ids, ring_drops)
             self._on_failure()
@@ -760,7 +761,8 @@ class ShardedExporter(ZarrExporter):
         names = [s.name for s in self.plan.sites]
         notes = {"rows_stored": summary.get("rows_stored"), "rows_dropped": summary.get("rows_dropped"),
                  "sites": names, "store_error": None if self.error is None else str(self.error),
-                 "drops": [{"step": d.step, "site": names[d.site], "rows": d.rows, "reason": d.reason}
+                 "drops": [{"step": d.step, "site": names[d.site], "requests": self.request_names(d), "rows": d.rows,
+                            "reason": d.reason}
                            for d in self.rank_drops + self.drops]}
         if self.error is None:
             self.writer.close(notes)

@@ -6,7 +6,11 @@ smoothly (stalling, losing nothing). One process on the GPU, ratios against vani
 
 ``--caps`` are fractions of the uncapped run's measured capture rate (bytes per second of
 generate). Store writes are skipped (as perf/offline.py's "-> host" rows): the cap is on the
-copies to the host.
+copies to the host. One run, one compiled graph: the policy changes between configurations with
+``Run.set_limits`` (no reload, no recompile). Every timed run follows a timed vanilla run of the
+unpatched twin (ratio = median vanilla / median configuration); each configuration is also
+profiled once for its GPU busy time per step (GPU ratio), which the host-bound wall time of
+compiled generate does not show reliably (perf/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi      # noqa: E402
-from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
+from gpuclock import gpu_profile   # noqa: E402
+from offline import DEV, GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -37,49 +42,55 @@ def main(argv=None) -> None:
     dmodel = twin(model)          # dmi patches this instance; `model` stays vanilla
     enc, _ = prompts(args.batch, 16, 192, model.config.vocab_size)
     kw = gen_kwargs(args.mode, args.new)
+    profile = DEV == "cuda"
 
     def gen():
         model.generate(**enc, **kw)
 
-    def dgen():
-        dmodel.generate(**enc, **kw)
-
     with torch.no_grad():
         gen(), gen()
-        vanilla = statistics.median(timed(gen) for _ in range(args.repeats))
-        print(f"vanilla: {vanilla:.3f} s ({args.batch * args.new / vanilla:.0f} tok/s)", flush=True)
+        v_busy = gpu_profile(gen, args.new)["busy_ms"] if profile else None
+        print(f"vanilla: {statistics.median(timed(gen) for _ in range(args.repeats)):.3f} s"
+              + (f", GPU {v_busy:.2f} ms/step" if profile else ""), flush=True)
         sd = store_dir()
+        spec = hidden_spec(2 * GiB, 4 * GiB)
+        run = dmi.load(dmodel, hook_spec=spec, store=sd / "budget.zarr", overwrite=True)
+        print("| policy | cap GB/s | ratio | GPU ratio | s (median) | stall s/run | captured GB/run | dropped GB/run "
+              "| drop fraction |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
+                                                      for m in ("best_effort", "full")]
         rate = None
-        print("| policy | cap GB/s | ratio | s (median) | stall s/run | captured GB/run | dropped GB/run | drop fraction |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        configs = [("full", None)] + [(m, c) for c in map(float, args.caps.split(",")) for m in ("best_effort", "full")]
-        for mode, cap in configs:
-            spec = hidden_spec(2 * GiB, 4 * GiB)
-            spec["policy"]["mode"] = mode
-            if cap is not None:
-                spec["policy"]["d2h_bytes_per_s"] = int(cap * rate)
-            run = dmi.load(dmodel, hook_spec=spec, store=sd / f"{mode}-{cap}.zarr", overwrite=True)
-            try:
-                with Skip(run):
-                    def go():
-                        dgen()
-                        run.flush()
-                    go(), go()
+        try:
+            with Skip(run):
+                def go():
+                    dmodel.generate(**enc, **kw)
+                    run.flush()
+                for mode, cap in configs:
+                    run.set_enabled(mode != "null")
+                    if mode != "null":
+                        run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else int(cap * rate))
+                    go(), go()            # the first compiles and records the graph; then warm
                     before = run.stats()
-                    t = statistics.median(timed(go) for _ in range(args.repeats))
+                    times, vtimes = [], []
+                    for _ in range(args.repeats):
+                        vtimes.append(timed(gen))
+                        times.append(timed(go))
                     after = run.stats()
-            finally:
-                run.close()
-            n = args.repeats
-            got = (after["bytes_drained"] - before["bytes_drained"]) / n
-            dropped = (after["dropped_bytes"] - before["dropped_bytes"]) / n
-            stall = (after["stall_seconds"] - before["stall_seconds"]) / n
-            if rate is None:
-                rate = got / t          # the uncapped capture rate the caps are fractions of
-            label = "uncapped" if cap is None else f"{cap:.2f} x rate"
-            print(f"| {mode} ({label}) | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {vanilla / t:.3f} | {t:.3f} | "
-                  f"{stall:.3f} | {got / 1e9:.2f} | {dropped / 1e9:.2f} | {dropped / max(got + dropped, 1):.3f} |",
-                  flush=True)
+                    busy = gpu_profile(go, args.new)["busy_ms"] if profile else None
+                    t, v, n = statistics.median(times), statistics.median(vtimes), args.repeats
+                    got = (after["bytes_drained"] - before["bytes_drained"]) / n
+                    dropped = (after["dropped_bytes"] - before["dropped_bytes"]) / n
+                    stall = (after["stall_seconds"] - before["stall_seconds"]) / n
+                    if rate is None and mode == "full":
+                        rate = got / t          # the uncapped capture rate the caps are fractions of
+                    label = "uncapped" if cap is None else f"{cap:.2f} x rate"
+                    gpu = f"{v_busy / busy:.3f}" if profile else ""
+                    print(f"| {mode} ({label}) | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {v / t:.3f} | {gpu} | "
+                          f"{t:.3f} | {stall:.3f} | {got / 1e9:.2f} | {dropped / 1e9:.2f} | "
+                          f"{dropped / max(got + dropped, 1):.3f} |", flush=True)
+        finally:
+            run.close()
 
 
 if __name__ == "__main__":

@@ -40,14 +40,18 @@ case "$part" in
     TAIL=200 step diag 300 python3 perf/diagnose.py "$@"
     TAIL=30 step tests2 200 python3 -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider -k "fullgraph or null"
     ;;
+  nullgap)   # where null mode's cost goes (perf/nullgap.py), then the ring's GPU tests
+    TAIL=40 step nullgap 330 python3 perf/nullgap.py "$@"
+    TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+    ;;
   probe)
     TAIL=30 step tests 300 python3 -m pytest -m gpu tests/gpu -q -ra --durations=6 -p no:cacheprovider
     TAIL=20 step ablate 270 python3 perf/ablate.py "$@"
     ;;
   final)   # GPU tests, the compiled Qwen3-8B rows, then the bandwidth-cap benchmark
     TAIL=25 step tests 120 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
-    TAIL=16 step perf 240 python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals --no-zarr --repeats 3 --results "$OUT/RESULTS.md"
-    TAIL=12 step budget 110 python3 perf/budget.py --model qwen3-0.6b --caps 0.5 --repeats 2
+    TAIL=16 step perf 270 python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals --no-zarr --repeats 5 --results "$OUT/RESULTS.md"
+    TAIL=12 step budget 150 python3 perf/budget.py --model qwen3-0.6b --caps 0.5 --repeats 3
     ;;
   perf)
     TAIL=40 step perf "${PERF_LIMIT:-540}" python3 perf/offline.py --results "$OUT/RESULTS.md" "$@"

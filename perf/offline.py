@@ -19,9 +19,14 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
 dmi runs on a twin of the model sharing its weights, and every timed run of a configuration
 follows a timed vanilla run of the unpatched model: ratio = median vanilla time of those pairs /
-median time of the configuration, so slow drift of the machine (clocks, temperature) cancels. Also printed: dmi's GPU memory (ring + control tensors), bytes
-captured per run, achieved D2H rate, drops, µs per enabled site per step ((t - t_vanilla) /
-(forward steps x sites)).
+median time of the configuration, so slow drift of the machine (clocks, temperature) cancels.
+Compiled generate on these models is host-bound (Qwen3-8B, batch 32: ~12.4 ms of GPU work in a
+16-17 ms step; the same compiled graph ran 16.0 to 17.4 ms per step in different runs), so wall
+ratios move by several percent with no change on the device. Each configuration is therefore also
+profiled once (``--no-gpu-busy`` skips it): "GPU ms/step" is the union of its kernels' and copies'
+intervals per step, "GPU ratio" vanilla's over it, which is what dmi costs the device. Also
+printed: dmi's GPU memory (ring + control tensors), bytes captured per run, achieved D2H rate,
+drops, µs per enabled site per step ((t - t_vanilla) / (forward steps x sites)).
 
     python perf/offline.py                      # Qwen3-8B, batch 32, eager + compiled, baselines, one Zarr run
     python perf/offline.py --quick              # small smoke run (Qwen3-0.6B, batch 16, 32 tokens)
@@ -29,7 +34,7 @@ captured per run, achieved D2H rate, drops, µs per enabled site per step ((t - 
 
 On the H200, ``--models qwen3-8b --batches 32 --modes compiled,eager --no-baselines --zarr-modes
 none`` took 397 s (three inductor compiles of about a minute each). The Zarr row is slow: the
-exporter writes about 0.1 GB/s (see RESULTS.md). Results are printed and written to RESULTS.md.
+exporter writes about 0.1 GB/s (see RESULTS.md). Results are printed (``--results FILE``: also as markdown).
 """
 from __future__ import annotations
 
@@ -48,8 +53,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
+from gpuclock import gpu_profile   # noqa: E402
 
 MODELS = {
     "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -95,7 +102,12 @@ def twin(model):
     instances, so the twin carries dmi while ``model`` stays vanilla, and the two can be timed
     alternately in one process (no drift between a vanilla phase and a dmi phase)."""
     import copy
-    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+    t = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+    # generate()'s compiled forward is cached on the instance and deepcopy keeps a function as is: a
+    # twin made after the model compiled would replay the model's own graph, never its patched one
+    for attr in ("_compiled_call", "_last_compile_config"):
+        t.__dict__.pop(attr, None)
+    return t
 
 
 def prompts(batch: int, lo: int, hi: int, vocab: int, seed: int = 0):
@@ -193,10 +205,14 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     rows = {}
 
     def record(label, timed_runs, run=None, sites=0, note=""):
-        times, before, vtimes = timed_runs
+        times, before, vtimes, busy = timed_runs
         t = statistics.median(times)
         row = {"model": name, "batch": batch, "mode": mode, "config": label, "seconds": t, "runs": [round(x, 3) for x in times],
                "tok_s": batch * new / t, "note": note}
+        if busy is not None:
+            row["gpu_ms_step"] = busy
+            if "vanilla" in rows and "gpu_ms_step" in rows["vanilla"]:
+                row["gpu_ratio"] = rows["vanilla"]["gpu_ms_step"] / busy
         if run is not None:
             st = run.stats()
             n = len(times)
@@ -232,7 +248,8 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             if paired:
                 vtimes.append(timed(vanilla))
             times.append(timed(fn))
-        return times, before, vtimes
+        busy = gpu_profile(fn, new)["busy_ms"] if args.gpu_busy and DEV == "cuda" else None
+        return times, before, vtimes, busy
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
@@ -311,13 +328,14 @@ def _hooked(model, enc, kw):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GB/run | D2H GB/s | drops | ring GiB | "
-            "dmi GPU MiB | µs/site/step |")
-    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GPU ms/step | GPU ratio | GB/run | D2H GB/s | "
+            "drops | ring GiB | dmi GPU MiB | µs/site/step |")
+    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         dm = r.get("bytes") is not None
         cells = [r["model"], str(r["batch"]), r["mode"], r["config"], "%.0f" % r["tok_s"], "%.3f" % r["ratio"],
-                 "%.3f" % r["seconds"],
+                 "%.3f" % r["seconds"], "%.2f" % r["gpu_ms_step"] if "gpu_ms_step" in r else "",
+                 "%.3f" % r["gpu_ratio"] if "gpu_ratio" in r else "",
                  "%.2f" % (r["bytes"] / 1e9) if dm else "", "%.1f" % r["d2h_gbs"] if dm else "",
                  str(r["drops"]) if dm else "", "%.2f" % (r["ring"] / GiB) if dm else "",
                  "%.0f" % (r["gpu_bytes"] / 2**20) if dm else "",
@@ -342,8 +360,10 @@ def main(argv=None):
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--no-gpu-busy", dest="gpu_busy", action="store_false",
+                    help="skip the profiled run per configuration (GPU busy ms per step, GPU ratio)")
     ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, batch 16, 32 new tokens, 1 repeat")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=None, help="write the table here (markdown)")
     ap.add_argument("--json", default=os.environ.get("DMI_PERF_JSON"))
     args = ap.parse_args(argv)
     if args.quick:

@@ -261,6 +261,7 @@ def test_full_bandwidth_waits_and_counts_stall_time():
     _step(ring, 1, [(0, sel, sel, 100_000, 0)])          # waits for the debt and its own 0.1 s
     waited = time.perf_counter() - t0
     assert 0.25 < ring.stats.stall_seconds <= waited and not ring.stats.drops
+    assert ring.stats.stall_bandwidth_seconds == ring.stats.stall_seconds     # all of it the cap's
 
 
 CAP_SPEC = """
@@ -290,6 +291,7 @@ def test_full_under_a_bandwidth_cap_is_lossless_and_bit_identical(encoded, write
     assert torch.equal(out_free, out_cap)
     stats = run.stats()
     assert stats["dropped_captures"] == 0 and stats["stall_seconds"] > 0
+    assert 0 < stats["stall_bandwidth_seconds"] <= stats["stall_seconds"]
     assert assert_stores_equal(tmp_path / "free.zarr", tmp_path / "capped.zarr") > 0
     tree = dmi.open(tmp_path / "capped.zarr")
     check_accounting(tree)
@@ -325,6 +327,38 @@ def test_best_effort_under_a_bandwidth_cap_drops_with_reason_bandwidth(encoded, 
     admitted = sum(tree.attrs["rows_stored"].values()) * 256
     prefill = int(encoded["attention_mask"].sum()) * 256 * 6
     assert admitted <= rate + rate * elapsed + max(0, prefill - rate)
+
+
+def test_set_limits_changes_mode_and_cap_of_a_live_run(encoded, write_spec, tmp_path):
+    """An operator throttles a running capture: uncapped full, then best_effort under a cap (drops
+    with reason bandwidth, from that step on only), then full and uncapped again (no drops); the
+    model's outputs never change and the store lists each change."""
+    model, ref = model_pair("qwen3")
+    spec = write_spec(CAP_SPEC.format(mode="full", cap=""))
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = ref.generate(**encoded, **gen)
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        assert torch.equal(run.model.generate(**encoded, **gen), want)
+        first = run.stats()["steps"]
+        run.set_limits(mode="best_effort", d2h_bytes_per_s="16KiB")
+        assert torch.equal(run.model.generate(**encoded, **gen), want)
+        capped_until = run.stats()["steps"]
+        run.set_limits(mode="full", d2h_bytes_per_s=None)
+        assert torch.equal(run.model.generate(**encoded, **gen), want)
+        with pytest.raises(PolicyError, match=r"policy.mode.*Fix: use 'full' or 'best_effort'"):
+            run.set_limits(mode="lossy")
+        with pytest.raises(PolicyError, match=r"policy.d2h_bytes_per_s.*Fix"):
+            run.set_limits(d2h_bytes_per_s="fast")
+        with pytest.raises(PolicyError, match=r"nothing could ever be copied"):
+            run.set_limits(d2h_bytes_per_s=0)
+    tree = dmi.open(tmp_path / "o.zarr")
+    drops = tree["drops"].dataset
+    assert drops.sizes["drop"] > 0 and set(drops.reason.values) == {"bandwidth"}
+    assert first <= drops.step.values.min() and drops.step.values.max() < capped_until
+    assert tree.attrs["policy_changes"] == [
+        {"step": first, "mode": "best_effort", "d2h_bytes_per_s": 16 * KiB},
+        {"step": capped_until, "mode": "full", "d2h_bytes_per_s": None}]
+    check_accounting(tree)
 
 
 # --- 2. sampling: filters against expectations from the prompts --------------------------------

@@ -43,7 +43,9 @@ def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, writ
     assert torch.equal(out_big, out_small)
     assert run_small.ring.bytes.head > 2 * run_small.ring.bytes.capacity      # wrapped around twice
     assert run_small.ring.next_seq > 2 * 32                                       # meta ring wrapped too
-    assert run_small.stats()["dropped_captures"] == 0
+    stats = run_small.stats()
+    assert stats["dropped_captures"] == 0
+    assert stats["stall_bandwidth_seconds"] == 0          # no cap: any wait was for ring space
     a, b = dmi.open(tmp_path / "big.zarr"), dmi.open(tmp_path / "small.zarr")
     for group, var in (("layers/resid_post", "resid_post"), ("layers/mlp/out", "out"), ("final_norm", "final_norm")):
         np.testing.assert_array_equal(a[group].dataset[var].values, b[group].dataset[var].values)
@@ -75,6 +77,7 @@ def test_best_effort_drops_low_priority_first_and_accounts_every_row(encoded, wr
         policy: {{mode: best_effort, ring_bytes: {3 * per_site + per_site // 2}}}
     """)
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.set_request_ids(["req-a", "req-b", "req-c"])
         out = run.model(**encoded)
     torch.testing.assert_close(out.logits, ref(**encoded).logits, rtol=0, atol=0)
     tree = dmi.open(tmp_path / "o.zarr")
@@ -82,7 +85,9 @@ def test_best_effort_drops_low_priority_first_and_accounts_every_row(encoded, wr
     assert sorted(drops.site.values) == [f"layers.{i}.mlp.out" for i in range(3)]
     assert set(drops.reason.values) == {"ring_full"}
     assert drops.rows.values.tolist() == [n_tokens] * 3
-    assert drops.requests.values.tolist() == ["0 1 2"] * 3
+    # the drops table names requests as the store's request coordinate does
+    assert drops.requests.values.tolist() == ["req-a req-b req-c"] * 3
+    assert set(tree["layers/resid_post"].dataset.request.values) == {"req-a", "req-b", "req-c"}
     assert tree["layers/resid_post"].dataset.sizes["token"] == n_tokens
     assert "layers/mlp/out" not in tree or tree["layers/mlp/out"].dataset.sizes["token"] == 0
     _check_accounting(tree)

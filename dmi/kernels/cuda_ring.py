@@ -467,9 +467,11 @@ class InterpretRing(KernelRing):
         return self.meta
 
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
-        data = self.payload[offset:offset + nbytes].numpy().copy()
-        self.stats.bytes_captured += nbytes
-        return data
+        return self.payload[offset:offset + nbytes].numpy().copy()
+
+    def fetch(self, ctrl, recs: np.ndarray) -> list[np.ndarray]:
+        self.stats.bytes_captured += int(recs["nbytes"].sum())     # the kernels wrote these
+        return super().fetch(ctrl, recs)
 
 
 class _NoEvent:

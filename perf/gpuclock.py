@@ -1,0 +1,35 @@
+"""GPU busy time per step from one profiled run: a stable measure of what a configuration costs on
+the device, where wall time of HF's compiled generate is host-bound and jitters by several percent
+between identical runs (perf/RESULTS.md, 2026-11-29 third session)."""
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+
+def gpu_profile(fn, steps: int) -> dict:
+    """One run of ``fn`` under torch.profiler: wall ms, GPU busy ms (union of kernel and copy
+    intervals, all streams) and device events per step, and device time per step by kernel name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t
+    events = [e for e in p.events() if e.device_type == DeviceType.CUDA]
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):   # union of intervals (us)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name = collections.defaultdict(float)
+    for e in events:
+        by_name[e.name[:90]] += e.time_range.end - e.time_range.start
+    return {"wall_ms": wall * 1e3 / steps, "busy_ms": busy / 1e3 / steps, "kernels": len(events) / steps,
+            "by_name": {k: v / steps for k, v in by_name.items()}}

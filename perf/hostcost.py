@@ -1,0 +1,104 @@
+"""dmi's host work per decode step, without the model: what a CUDA-graph replay waits for.
+
+    python perf/hostcost.py [--layers 36] [--batch 32] [--calls 5000]
+
+A model with ``--layers`` layers (tiny widths: the host work depends on the number of sites, not
+their size) captures every layer's ``resid_post``, ``final_norm`` and last-token ``logits`` (the
+hidden+logits spec of perf/offline.py) through a few decode steps; then the last decode step's
+host calls are repeated in a loop: the control block (``publish_control``: control words + one
+async H2D) and the whole step begin of a decode step (``Ring.begin_step`` on the reused layout,
+which reserves, opens and publishes; each step is ended and drained as the run would). CPU: the
+interpret ring (``DMI_RING=interpret``, the same control-block code as the CUDA ring); GPU: the
+CUDA ring.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DMI_RING", "interpret")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch   # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dmi   # noqa: E402
+from offline import DEV, Skip, hidden_spec, prompts   # noqa: E402
+
+
+def per_call_us(fn, n: int) -> float:
+    for _ in range(min(n, 100)):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--calls", type=int, default=5000)
+    args = ap.parse_args(argv)
+    import transformers as tf
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    enc, _ = prompts(args.batch, 16, 64, cfg.vocab_size)
+    run = dmi.load(model, hook_spec=hidden_spec(256 << 20, 256 << 20), store=Path(tempfile.mkdtemp()) / "h.zarr",
+                   overwrite=True)
+    ring = run.ring
+    steps = []
+    publish = ring.publish_control
+    ring.publish_control = lambda ctrl: (steps.append(ctrl), publish(ctrl))[1]
+    try:
+        with Skip(run), torch.no_grad():
+            model.generate(**enc, max_new_tokens=8, do_sample=False)
+            run.flush()
+            last = steps[-1]
+            assert last.layout is not None, "the decode steps did not take the laid-out path"
+            ring.publish_control = publish
+            pub = per_call_us(lambda: publish(last), args.calls)
+
+            spent = {"begin": 0.0, "end": 0.0}
+
+            def decode_step():   # one decode step's host side, as the run does it around a graph replay
+                run._owner.claim("a step")
+                t = time.perf_counter()
+                ring.begin_step(run._step, last.tokens, last.pad, last.layout)
+                spent["begin"] += time.perf_counter() - t
+                run._step += 1
+                t = time.perf_counter()
+                if DEV == "cuda":
+                    ring.device_end()            # in a compiled forward this kernel is inside the graph
+                else:
+                    ring.publish_end(ring.current)
+                ring.end_step(device=True)
+                spent["end"] += time.perf_counter() - t
+                run._owner.release_step()
+            n = max(args.calls // 10, 100)
+            per_call_us(decode_step, n)
+            begin, end = (spent[k] / (n + min(n, 100)) * 1e6 for k in ("begin", "end"))
+            run.flush()
+    finally:
+        run.close()
+    print(f"{DEV}: {len(run.plan.sites)} sites, batch {args.batch}: publish_control {pub:.1f} us/call; decode step: "
+          f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
