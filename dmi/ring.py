@@ -40,6 +40,7 @@ from .plan import RING_ALIGN
 ALIGN = RING_ALIGN       # the plan's budget checks round each site's block the same way
 META_DTYPE = np.dtype([("seq", "<u8"), ("step", "<i8"), ("site", "<i4"), ("flags", "<i4"),
                        ("offset", "<i8"), ("nbytes", "<i8"), ("rows", "<i8"), ("src_seq", "<i8")])
+META_WORDS = META_DTYPE.itemsize // 8      # a record as int64 words: seq, step, site|flags<<32, offset, ...
 END_MARKER = -1
 FLAG_ABORTED = 1
 
@@ -258,11 +259,12 @@ class Ring:
 
     def publish_record(self, seq: int, step: int, site: int, offset: int, nbytes: int, rows: int,
                        src_seq: int, flags: int = 0) -> None:
-        """The host writes one meta record (host-side captures, end markers), ``seq`` last."""
-        rec = self.meta_view()[seq % self.meta_records]
-        rec["step"], rec["site"], rec["flags"] = step, site, flags
-        rec["offset"], rec["nbytes"], rec["rows"], rec["src_seq"] = offset, nbytes, rows, src_seq
-        rec["seq"] = seq       # written last: the record is published
+        """The host writes one meta record (host-side captures, end markers), ``seq`` last. As the
+        kernels do: through the ring's int64 words (one vector write, not eight field writes)."""
+        words = self.meta_view().view(np.int64)
+        i = (seq % self.meta_records) * META_WORDS
+        words[i + 1:i + META_WORDS] = (step, (site & 0xFFFFFFFF) | (flags << 32), offset, nbytes, rows, src_seq)
+        words[i] = seq         # written last: the record is published
 
     def device_end(self) -> None:
         """Called by the ``dmi::step_end`` op (also while a CUDA graph is being captured): the

@@ -44,11 +44,12 @@ import math
 import triton
 import triton.language as tl
 
+from ..ring import META_WORDS   # noqa: F401  (_publish writes records as these 7 int64 words)
+
 G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START = range(6)
 G_WORDS = 8
 S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED = range(5)
 S_WORDS = 5
-META_WORDS = 7          # dmi.ring.META_DTYPE as int64 words: seq, step, site|flags<<32, offset, nbytes, rows, src_seq
 END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0
 
 DIRECT, IDENTITY = 0, 1
