@@ -513,24 +513,32 @@ class ZarrExporter:
             return
         entry = _Entry(ctrl.step, len(self.plan.sites))
         try:
-            self._take_ring_drops(ring_drops, ctrl.step, entry)
-            for g, sel, n, got in self._rows(ctrl, records, entry):
-                self._ingest(g, ctrl, sel, n, got, request_ids, entry)
-            self._flush_jobs()
-        except Exception as e:     # noqa: BLE001 - a step half appended: the store takes nothing more
+            self._write_rows(ctrl, records, request_ids, ring_drops, entry)
+        except Exception as e:     # noqa: BLE001 - a step half written: the store takes nothing more
             with self._lock:
                 if self.error is None:
                     self.error = e if isinstance(e, StoreError) else StoreError(
-                        f"{self.path}: exporting step {ctrl.step} failed: {type(e).__name__}: {e}")
+                        f"{self._label()}: exporting step {ctrl.step} failed: {type(e).__name__}: {e}")
             self._jobs.clear()
             self._flush_jobs()        # the drops table's chunks still go out; the site groups' do not
             self._sink_drops(entry)
             self._on_failure()
             return
-        entry.cum = np.array([g.rows for g in self._all], np.int64)
         self._log.append(entry)
         if time.monotonic() - self._last_commit >= COMMIT_S:
             self.checkpoint()
+
+    def _label(self) -> str:
+        """How errors name this writer."""
+        return str(self.path)
+
+    def _write_rows(self, ctrl, records, request_ids, ring_drops, entry: _Entry) -> None:
+        """A drained step's rows into the groups' open chunks (and its ring drops into the table)."""
+        self._take_ring_drops(ring_drops, ctrl.step, entry)
+        for g, sel, n, got in self._rows(ctrl, records, entry):
+            self._ingest(g, ctrl, sel, n, got, request_ids, entry)
+        self._flush_jobs()
+        entry.cum = np.array([g.rows for g in self._all], np.int64)
 
     def drop_step(self, ctrl, records, request_ids, ring_drops=(), reason: str = "sink") -> None:
         """A step the store will not get: every capture of it is accounted as dropped."""

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DmiError, StoreError
-from .exporter import (COMMIT_S, DROP_CHUNK, DROP_COLUMNS, _PHASES, ArrayFile, ZarrExporter, _copy_rows, _Entry,
+from .exporter import (DROP_CHUNK, DROP_COLUMNS, _PHASES, ArrayFile, ZarrExporter, _copy_rows,
                        _jsonable, _write_atomic, _writer, check_writable, storage_dtype)
 
 SPLIT_DIMS = ("head", "kv_head", "mlp")       # canonical dims vLLM's parallel linears split
@@ -663,37 +663,24 @@ class ShardedExporter(ZarrExporter):
         self.writer = ShardWriter(self.path, tp.plan, tp.layout, tp.rank)
 
     # --- writing ------------------------------------------------------------------------------------
-    def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
-        self._request_ids = request_ids
-        if self.error is not None:
-            self.drop_step(ctrl, records, request_ids, ring_drops)
-            self._on_failure()
-            return
-        entry = _Entry(ctrl.step, len(self.plan.sites))
-        try:
-            dropped = {d.site for d in ring_drops[self._ring_pos:] if d.step == ctrl.step}
-            self._take_ring_drops(ring_drops, ctrl.step, entry)
-            seen = set()
-            for g, sel, n, got in self._rows(ctrl, records, entry):
-                seen.add(g.name)
-                self._ingest(g, ctrl, sel, n, got, request_ids, entry)
-            for g in self.groups.values():
-                if g.name in seen or not any(s.index in dropped for s in g.sites):
-                    continue
-                slot = next((ctrl.slots[s.index] for s in g.sites if s.index in ctrl.slots), None)
-                if slot is not None and len(slot.sel):      # dropped by the ring: NaN rows keep ranks aligned
-                    self._ingest(g, ctrl, slot.sel, len(slot.sel), [None] * len(g.sites), request_ids, entry)
-        except Exception as e:     # noqa: BLE001 - a step half written: the store takes nothing more
-            with self._lock:
-                if self.error is None:
-                    self.error = e if isinstance(e, StoreError) else StoreError(
-                        f"{self.path}: rank {self.tp.rank}: exporting step {ctrl.step} failed: {type(e).__name__}: {e}")
-            self._sink_drops(entry)
-            self._on_failure()
-            return
-        self._log.append(entry)
-        if time.monotonic() - self._last_commit >= COMMIT_S:
-            self.checkpoint()
+    def _label(self) -> str:
+        return f"{self.path}: rank {self.tp.rank}"
+
+    def _write_rows(self, ctrl, records, request_ids, ring_drops, entry) -> None:
+        """Each rank writes its rows straight to its shard (ShardWriter), and a group the ring
+        dropped on this rank gets NaN rows, so every rank holds the same rows of the step."""
+        dropped = {d.site for d in ring_drops[self._ring_pos:] if d.step == ctrl.step}
+        self._take_ring_drops(ring_drops, ctrl.step, entry)
+        seen = set()
+        for g, sel, n, got in self._rows(ctrl, records, entry):
+            seen.add(g.name)
+            self._ingest(g, ctrl, sel, n, got, request_ids, entry)
+        for g in self.groups.values():
+            if g.name in seen or not any(s.index in dropped for s in g.sites):
+                continue
+            slot = next((ctrl.slots[s.index] for s in g.sites if s.index in ctrl.slots), None)
+            if slot is not None and len(slot.sel):      # dropped by the ring: NaN rows keep ranks aligned
+                self._ingest(g, ctrl, slot.sel, len(slot.sel), [None] * len(g.sites), request_ids, entry)
 
     def _ingest(self, g, ctrl, sel, n: int, got, request_ids, entry) -> None:
         tokens = ctrl.tokens
@@ -732,7 +719,7 @@ class ShardedExporter(ZarrExporter):
         except OSError as e:
             with self._lock:
                 if self.error is None:
-                    self.error = StoreError(f"{self.path}: rank {self.tp.rank}: checkpoint failed: {e}")
+                    self.error = StoreError(f"{self._label()}: checkpoint failed: {e}")
             self._on_failure()
             return
         last = None

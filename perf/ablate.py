@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,15 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
 import dmi.run        # noqa: E402
+from gpuclock import Stopwatch   # noqa: E402
 from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
 
-class HostClock:
+class HostClock(Stopwatch):
     """Wall time spent in the run's step begin (token bookkeeping, reservation, control block)
     and the ring's step end."""
 
     def __init__(self, run):
-        self.run, self.seconds, self.calls = run, 0.0, 0
+        super().__init__()
+        self.run = run
         self.saved = run._begin, run.ring.end_step
         self.slow = 0
         self.saved_st = dmi.run.step_tokens
@@ -46,22 +47,12 @@ class HostClock:
     def __enter__(self):
         begin, end = self.saved
 
-        def timed_call(fn):
-            def call(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    self.seconds += time.perf_counter() - t
-            return call
-
         def counting_step_tokens(*a, **k):
             self.slow += 1
             return self.saved_st(*a, **k)
 
-        self.run._begin, self.run.ring.end_step = timed_call(begin), timed_call(end)
+        self.run._begin, self.run.ring.end_step = self.wrap(begin), self.wrap(end)
         dmi.run.step_tokens = counting_step_tokens
-        self.calls = 0
         return self
 
     def __exit__(self, *exc):

@@ -1,12 +1,36 @@
-"""GPU busy time per step from one profiled run: a stable measure of what a configuration costs on
-the device, where wall time of HF's compiled generate is host-bound and jitters by several percent
-between identical runs (perf/RESULTS.md, 2026-11-29 third session)."""
+"""Clocks for perf/: GPU busy time per step from one profiled run (a stable measure of what a
+configuration costs on the device, where wall time of HF's compiled generate is host-bound and
+jitters by several percent between identical runs: perf/RESULTS.md, 2026-11-29 third session),
+and a stopwatch for host calls."""
 from __future__ import annotations
 
 import collections
 import time
 
 import torch
+
+
+class Stopwatch:
+    """Wall time and number of the calls made through :meth:`wrap` (no device sync)."""
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def wrap(self, fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+        return call
+
+    def per_call_us(self) -> float:
+        """Mean µs per call so far; starts over."""
+        us = self.seconds / max(self.calls, 1) * 1e6
+        self.seconds, self.calls = 0.0, 0
+        return us
 
 
 def gpu_profile(fn, steps: int) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,34 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
 import dmi.siteop     # noqa: E402
-from gpuclock import gpu_profile   # noqa: E402
+from gpuclock import Stopwatch, gpu_profile   # noqa: E402
 from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
 
-class CallClock:
+class CallClock(Stopwatch):
     """Host time inside generate's compiled per-step call (no sync: launch cost only)."""
 
     def __init__(self, model):
-        self.seconds, self.calls = 0.0, 0
+        super().__init__()
         inner = model.get_compiled_call
-
-        def get_compiled_call(*a, **k):
-            fn = inner(*a, **k)
-
-            def call(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - t
-                    self.calls += 1
-            return call
-        model.get_compiled_call = get_compiled_call
-
-    def per_call_us(self) -> float:
-        us = self.seconds / max(self.calls, 1) * 1e6
-        self.seconds, self.calls = 0.0, 0
-        return us
+        model.get_compiled_call = lambda *a, **k: self.wrap(inner(*a, **k))
 
 
 def main(argv=None) -> None:

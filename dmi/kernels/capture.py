@@ -44,8 +44,6 @@ import math
 import triton
 import triton.language as tl
 
-from ..ring import META_WORDS   # noqa: F401  (_publish writes records as these 7 int64 words)
-
 G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START = range(6)
 G_WORDS = 8
 S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED = range(5)
@@ -64,7 +62,7 @@ _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.const
 def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq, FENCE: tl.constexpr):
     """Write one meta record, ``seq`` last; with FENCE, a system-scope fence (acq_rel atomic on
     device memory) before it, so everything the step wrote reaches the host first."""
-    base = meta + (seq % meta_records) * 7
+    base = meta + (seq % meta_records) * 7      # dmi.ring.META_WORDS int64 words per record
     tl.store(base + 1, step)
     tl.store(base + 2, site_word)
     tl.store(base + 3, offset)
