@@ -108,6 +108,9 @@ class StepControl:
     first_seq: int
     ended: bool = False
     layout: "StepLayout | None" = None    # set when the step reused a layout (fast path)
+    base: int = 0             # the step's block in the payload ring: offset and reserved bytes
+    nbytes: int = 0
+    copied: object = None     # backends that copy a step out early mark it here (CudaRing)
 
 
 class StepLayout:
@@ -300,6 +303,7 @@ class Ring:
                    wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout") -> StepControl:
         """wanted: (site, sel, rows, bytes, priority) for every site with rows this step, or a
         :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it)."""
+        self._before_step()
         if isinstance(wanted, StepLayout):
             ctrl = self._begin_laid_out(step, tokens, pad, wanted)
             if ctrl is not None:
@@ -356,11 +360,16 @@ class Ring:
                 slots[site] = SiteSlot(site, off, sizes[i], sel, rows, self.next_seq)
                 off += sizes[i]
                 self.next_seq += 1
-            ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep))
+            ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep),
+                               base=base, nbytes=need)
             self.next_seq += 1
             self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl
+
+    def _before_step(self) -> None:
+        """Host hook at the start of each step, before it reserves: the previous step's forward
+        has been issued by now (CudaRing copies it out from here)."""
 
     def _open(self, ctrl: StepControl) -> None:
         """Under ``cond``: ``ctrl`` becomes the open step; the drain is woken early once the ring
@@ -400,7 +409,7 @@ class Ring:
             first = self.next_seq
             self.next_seq += n + 1
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
-                               layout=layout)
+                               layout=layout, base=base, nbytes=layout.total)
             self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl

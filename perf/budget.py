@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--caps", default="0.25,0.5,1.0")
+    ap.add_argument("--copy-at-step", action="store_true", help="the CUDA ring copies each step out as the next "
+                    "begins (DMI_COPY_AT_STEP=1)")
     args = ap.parse_args(argv)
     model = build(args.model)
     dmodel = twin(model)          # dmi patches this instance; `model` stays vanilla
@@ -49,15 +51,17 @@ def main(argv=None) -> None:
 
     with torch.no_grad():
         gen(), gen()
-        v_busy = gpu_profile(gen, args.new)["busy_ms"] if profile else None
+        v_prof = gpu_profile(gen, args.new) if profile else None
         print(f"vanilla: {statistics.median(timed(gen) for _ in range(args.repeats)):.3f} s"
-              + (f", GPU {v_busy:.2f} ms/step" if profile else ""), flush=True)
+              + (f", GPU {v_prof['busy_ms']:.2f} ms/step" if profile else ""), flush=True)
         sd = store_dir()
         spec = hidden_spec(2 * GiB, 4 * GiB)
         run = dmi.load(dmodel, hook_spec=spec, store=sd / "budget.zarr", overwrite=True)
-        print("| policy | cap GB/s | ratio | GPU ratio | s (median) | stall s/run | captured GB/run | dropped GB/run "
-              "| drop fraction |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        if hasattr(run.ring, "copy_at_step"):
+            run.ring.copy_at_step = args.copy_at_step
+        print("| policy | cap GB/s | ratio | GPU ratio | compute ratio | s (median) | stall s/run | captured GB/run "
+              "| dropped GB/run | drop fraction |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
                                                       for m in ("best_effort", "full")]
         rate = None
@@ -77,7 +81,7 @@ def main(argv=None) -> None:
                         vtimes.append(timed(gen))
                         times.append(timed(go))
                     after = run.stats()
-                    busy = gpu_profile(go, args.new)["busy_ms"] if profile else None
+                    prof = gpu_profile(go, args.new) if profile else None
                     t, v, n = statistics.median(times), statistics.median(vtimes), args.repeats
                     got = (after["bytes_drained"] - before["bytes_drained"]) / n
                     dropped = (after["dropped_bytes"] - before["dropped_bytes"]) / n
@@ -85,7 +89,8 @@ def main(argv=None) -> None:
                     if rate is None and mode == "full":
                         rate = got / t          # the uncapped capture rate the caps are fractions of
                     label = "uncapped" if cap is None else f"{cap:.2f} x rate"
-                    gpu = f"{v_busy / busy:.3f}" if profile else ""
+                    gpu = (f"{v_prof['busy_ms'] / prof['busy_ms']:.3f} | {v_prof['compute_ms'] / prof['compute_ms']:.3f}"
+                           if profile else " | ")
                     print(f"| {mode} ({label}) | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {v / t:.3f} | {gpu} | "
                           f"{t:.3f} | {stall:.3f} | {got / 1e9:.2f} | {dropped / 1e9:.2f} | "
                           f"{dropped / max(got + dropped, 1):.3f} |", flush=True)

@@ -9,7 +9,13 @@ once. The ring is far smaller than the data moved, so the producer is throttled 
 plain pinned ``cudaMemcpyAsync`` D2H of the same size (the PCIe ceiling) and the capture kernel's
 device-to-device copy.
 
-    python perf/drain_bench.py [--gib 8] [--ring-mib 1024] [--repeats 3]
+``--hol`` also measures what a drain copy does to the engine's own small D2H copies (a sampled
+token, a stop check) on another stream: their latency while a large D2H copy is in flight, issued
+whole or in 8 MiB pieces queued back to back (head-of-line blocking on the copy engine; on the
+H200 both held a 4-byte copy back ~19 ms: the engine serves queued copies in order, so splitting
+a copy that is queued at once does not help, only not queueing it ahead of the engine's does).
+
+    python perf/drain_bench.py [--gib 8] [--ring-mib 1024] [--repeats 3] [--hol]
 """
 from __future__ import annotations
 
@@ -147,6 +153,36 @@ def kernel_copy_gbs(rows: int = 8192, hidden: int = 4096, repeats: int = 20) -> 
     return 2 * rows * hidden * 2 / statistics.median(times[2:]) / 1e9
 
 
+def small_copy_latency(big_bytes: int, chunk: int | None, probes: int = 200) -> dict:
+    """µs of a 4-byte D2H copy + sync on the current stream, issued back to back while the drain
+    stream copies ``big_bytes`` to pinned memory (``chunk`` None: no big copy; 0: one copy)."""
+    rt = cudart()
+    big = torch.empty(max(big_bytes, 1), dtype=torch.uint8, device="cuda")
+    dst = _ok(rt.cudaHostAlloc(max(big_bytes, 1), rt.cudaHostAllocPortable))
+    stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+    flag = torch.ones(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    torch.cuda.synchronize()
+    if chunk is not None:
+        step = chunk or big_bytes
+        for at in range(0, big_bytes, step):
+            _ok(rt.cudaMemcpyAsync(dst + at, big.data_ptr() + at, min(step, big_bytes - at),
+                                   rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
+    lat = []
+    t_end = time.perf_counter() + big_bytes / 40e9     # probe while the big copy runs (~40+ GB/s)
+    for _ in range(probes):
+        t = time.perf_counter()
+        out.copy_(flag, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        lat.append((time.perf_counter() - t) * 1e6)
+        if chunk is not None and time.perf_counter() > t_end:
+            break
+    _ok(rt.cudaStreamSynchronize(stream))
+    rt.cudaFreeHost(dst)
+    rt.cudaStreamDestroy(stream)
+    return {"median_us": statistics.median(lat), "max_us": max(lat), "probes": len(lat)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=8.0, help="GiB drained per measurement")
@@ -154,10 +190,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--staging-mib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps-mib", default="16,64,256")
+    ap.add_argument("--hol", action="store_true", help="only the head-of-line latency table")
     args = ap.parse_args(argv)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     ceiling = pinned_copy_gbs(256 << 20)
     print(f"pinned cudaMemcpyAsync D2H, 256 MiB: {ceiling:.1f} GB/s (ceiling)")
+    if args.hol:
+        big = 1 << 30
+        print(f"\n4-byte D2H copy + sync on the compute stream while the drain stream copies 1 GiB to pinned memory:\n")
+        print("| drain copy | probe µs (median) | probe µs (max) | probes |")
+        print("| --- | ---: | ---: | ---: |")
+        for label, chunk in (("none", None), ("1 GiB in one copy", 0), ("8 MiB pieces", 8 << 20)):
+            r = small_copy_latency(big, chunk)
+            print(f"| {label} | {r['median_us']:.0f} | {r['max_us']:.0f} | {r['probes']} |")
+        return {}
     kern = kernel_copy_gbs()
     print(f"capture kernel D2D copy (8192 x 4096 bf16 rows): {kern:.0f} GB/s read+write")
     rows = []

@@ -6,6 +6,10 @@
 #   bash perf/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
 #   bash perf/gpu_vllm.sh tests            tests only
 #   bash perf/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
+#   bash perf/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table (perf/drain_bench.py --hol), the
+#                                          bandwidth-cap benchmark (perf/budget.py, <= $T_BUDGET s), then
+#                                          perf/online.py ARGS in what is left: one call for what needs no vLLM
+#                                          test and what does
 #
 # Carry: [".vbundle/tools", ".whl"]. Environment: OUT, DEADLINE_S (default 585: the call's 600 s
 # less the margin for copying $OUT back), T_TESTS (default 260), ONLINE_ARGS (for `all`).
@@ -86,6 +90,15 @@ case "$part" in
       echo "== vllm-online: skipped, only $l s left"
     fi
     ;;
-  *) echo "usage: gpu_vllm.sh [all|tests|online [perf/online.py args]]"; exit 2 ;;
+  bench)
+    step ringtest 90 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k wraparound -q -p no:cacheprovider
+    tail -n 3 "$OUT/ringtest.log"
+    step drain 90 python3 perf/drain_bench.py --hol
+    grep -E "^\|" "$OUT/drain.log"
+    step budget "${T_BUDGET:-170}" python3 perf/budget.py ${BUDGET_ARGS:---model qwen3-8b --caps 0.5 --repeats 3}
+    grep -E "^\||^vanilla" "$OUT/budget.log"
+    [ $# -gt 0 ] || set -- --model qwen3-8b
+    online "$(left)" "$@" ;;
+  *) echo "usage: gpu_vllm.sh [all|tests|online|bench [perf/online.py args]]"; exit 2 ;;
 esac
 echo "== total $((SECONDS - START)) s"

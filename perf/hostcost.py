@@ -10,6 +10,12 @@ async H2D) and the whole step begin of a decode step (``Ring.begin_step`` on the
 which reserves, opens and publishes; each step is ended and drained as the run would). CPU: the
 interpret ring (``DMI_RING=interpret``, the same control-block code as the CUDA ring); GPU: the
 CUDA ring.
+
+``--engine vllm``: the host work of one vLLM engine step instead (``Session.on_forward`` and
+``on_step_end`` without the engine): a continuous batch of ``--batch`` requests, ``--prefill`` of
+them in a chunk of their prompt, the rest decoding, turned into the step's rows
+(``StepBuilder.build``), begun (token filters, per-site selection, ring reservation, control
+block) and ended; no reuse across steps, as in a serving engine whose batch changes every step.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
-from offline import DEV, Skip, hidden_spec, prompts   # noqa: E402
+from offline import DEV, Skip, hidden_spec, internals_spec, prompts   # noqa: E402
 
 
 def per_call_us(fn, n: int) -> float:
@@ -49,6 +55,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--prefill", type=int, default=4, help="vllm: requests of the batch in a prefill chunk")
+    ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
+    ap.add_argument("--internals", action="store_true", help="capture the internals spec (7 sites per layer)")
     args = ap.parse_args(argv)
     import transformers as tf
     cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
@@ -59,8 +69,10 @@ def main(argv=None) -> None:
         model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     enc, _ = prompts(args.batch, 16, 64, cfg.vocab_size)
-    run = dmi.load(model, hook_spec=hidden_spec(256 << 20, 256 << 20), store=Path(tempfile.mkdtemp()) / "h.zarr",
-                   overwrite=True)
+    spec = (internals_spec if args.internals else hidden_spec)(256 << 20, 256 << 20)
+    run = dmi.load(model, hook_spec=spec, store=Path(tempfile.mkdtemp()) / "h.zarr", overwrite=True)
+    if args.engine == "vllm":
+        return vllm_steps(run, args)
     ring = run.ring
     steps = []
     publish = ring.publish_control
@@ -98,6 +110,53 @@ def main(argv=None) -> None:
         run.close()
     print(f"{DEV}: {len(run.plan.sites)} sites, batch {args.batch}: publish_control {pub:.1f} us/call; decode step: "
           f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us")
+
+
+def vllm_steps(run, args) -> None:
+    """Host µs of a vLLM engine step: rows from the scheduler's batch, begin, end (see the module doc)."""
+    import numpy as np
+    from dmi.adapters.vllm.compat import Batch
+    from dmi.adapters.vllm.policy import Want
+    from dmi.adapters.vllm.steps import StepBuilder
+    ring, builder, every = run.ring, StepBuilder(run.requests), Want(None, None)
+    n, k = args.batch, min(args.prefill, args.batch)
+    ids = [f"req-{i}" for i in range(n)]
+    sched = np.array([args.chunk] * k + [1] * (n - k), np.int64)
+    computed = np.array([0] * k + [200] * (n - k), np.int64)
+    prompt = np.full(n, 200 + args.chunk, np.int64)
+    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0}
+
+    def step():
+        computed[:] += sched       # the next step's positions (requests never finish: no re-admission)
+        batch = Batch(ids, sched, computed.copy(), prompt, set(), False)
+        padded = int(sched.sum())
+        t = time.perf_counter()
+        st, keep, held = builder.build(batch, padded, lambda rid: every, len(run.plan.sites))
+        spent["rows"] += time.perf_counter() - t
+        run._owner.claim("a step")
+        t = time.perf_counter()
+        run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+        spent["begin"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if DEV == "cuda":
+            ring.device_end()
+        else:
+            ring.publish_end(ring.current)
+        run.end_step()
+        spent["end"] += time.perf_counter() - t
+
+    calls = max(args.calls // 10, 100)
+    try:
+        with Skip(run), torch.no_grad():
+            per_call_us(step, calls)
+            run.flush()
+    finally:
+        run.close()
+    total = calls + min(calls, 100)
+    rows, begin, end = (spent[key] / total * 1e6 for key in ("rows", "begin", "end"))
+    print(f"{DEV} vllm step: {len(run.plan.sites)} sites, {n} requests ({k} prefill chunks of {args.chunk}, "
+          f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us, "
+          f"total {rows + begin + end:.1f} us")
 
 
 if __name__ == "__main__":

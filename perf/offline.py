@@ -12,6 +12,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   "-> zarr": written to a Zarr store (timed until the last row is in the store);
   "-> host": the same capture drained to pinned host memory with the store writes skipped
   (timed until the last row is on the host): the capture path without the exporter;
+* "-> host, copy at step": the same with ``DMI_COPY_AT_STEP`` on (the CUDA ring copies each step
+  out from the model's thread as the next step begins, instead of in batches from the drain
+  thread; dmi/kernels/cuda_ring.py says why);
 * dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
@@ -24,7 +27,9 @@ Compiled generate on these models is host-bound (Qwen3-8B, batch 32: ~12.4 ms of
 16-17 ms step; the same compiled graph ran 16.0 to 17.4 ms per step in different runs), so wall
 ratios move by several percent with no change on the device. Each configuration is therefore also
 profiled once (``--no-gpu-busy`` skips it): "GPU ms/step" is the union of its kernels' and copies'
-intervals per step, "GPU ratio" vanilla's over it, which is what dmi costs the device. Also
+intervals per step, "GPU ratio" vanilla's over it, which is what dmi costs the device;
+"compute ratio" the same without the copies (the drain's D2H runs on the copy engine beside the
+kernels and counts in GPU ms only where it fills a gap the host left). Also
 printed: dmi's GPU memory (ring + control tensors), bytes captured per run, achieved D2H rate,
 drops, µs per enabled site per step ((t - t_vanilla) / (forward steps x sites)).
 
@@ -205,16 +210,18 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     rows = {}
 
     def record(label, timed_runs, run=None, sites=0, note=""):
-        times, before, vtimes, busy = timed_runs
+        times, before, vtimes, busy, after = timed_runs
         t = statistics.median(times)
         row = {"model": name, "batch": batch, "mode": mode, "config": label, "seconds": t, "runs": [round(x, 3) for x in times],
                "tok_s": batch * new / t, "note": note}
+        row["vanilla_runs"] = [round(x, 3) for x in vtimes]
         if busy is not None:
-            row["gpu_ms_step"] = busy
+            row["gpu_ms_step"], row["compute_ms_step"] = busy["busy_ms"], busy["compute_ms"]
             if "vanilla" in rows and "gpu_ms_step" in rows["vanilla"]:
-                row["gpu_ratio"] = rows["vanilla"]["gpu_ms_step"] / busy
+                row["gpu_ratio"] = rows["vanilla"]["gpu_ms_step"] / busy["busy_ms"]
+                row["compute_ratio"] = rows["vanilla"]["compute_ms_step"] / busy["compute_ms"]
         if run is not None:
-            st = run.stats()
+            st = after            # before the profiled run: bytes and drops of the timed runs only
             n = len(times)
             row.update(bytes=(st["bytes_drained"] - before["bytes_drained"]) / max(n, 1),
                        drops=st["dropped_captures"] - before["dropped_captures"],
@@ -248,8 +255,9 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             if paired:
                 vtimes.append(timed(vanilla))
             times.append(timed(fn))
-        busy = gpu_profile(fn, new)["busy_ms"] if args.gpu_busy and DEV == "cuda" else None
-        return times, before, vtimes, busy
+        after = run.stats() if run is not None else None
+        busy = gpu_profile(fn, new) if args.gpu_busy and DEV == "cuda" else None
+        return times, before, vtimes, busy, after
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
@@ -281,6 +289,11 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                 return skip
             record("dmi hidden+logits -> host", reps_of(stepped(False), run=run), run, sites=n_hidden,
                    note=f"ring {ring / GiB:.2f} GiB")
+            if hasattr(run.ring, "copy_at_step") and not run.ring.copy_at_step:
+                run.ring.copy_at_step = True       # each step copied out as the next begins (cuda_ring doc)
+                record("dmi hidden+logits -> host, copy at step", reps_of(stepped(False), run=run), run,
+                       sites=n_hidden, note=f"{run.ring.steps_copied_at_step} steps copied at step")
+                run.ring.copy_at_step = False
             if not args.no_zarr and mode in args.zarr_modes.split(","):
                 record("dmi hidden+logits -> zarr", reps_of(stepped(True), max(1, min(reps, args.zarr_repeats)), run=run,
                                                             warm=False), run, sites=n_hidden, note=f"store {sd}")
@@ -328,14 +341,15 @@ def _hooked(model, enc, kw):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GPU ms/step | GPU ratio | GB/run | D2H GB/s | "
-            "drops | ring GiB | dmi GPU MiB | µs/site/step |")
-    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GPU ms/step | GPU ratio | compute ratio | GB/run | "
+            "D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step |")
+    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         dm = r.get("bytes") is not None
         cells = [r["model"], str(r["batch"]), r["mode"], r["config"], "%.0f" % r["tok_s"], "%.3f" % r["ratio"],
                  "%.3f" % r["seconds"], "%.2f" % r["gpu_ms_step"] if "gpu_ms_step" in r else "",
                  "%.3f" % r["gpu_ratio"] if "gpu_ratio" in r else "",
+                 "%.3f" % r["compute_ratio"] if "compute_ratio" in r else "",
                  "%.2f" % (r["bytes"] / 1e9) if dm else "", "%.1f" % r["d2h_gbs"] if dm else "",
                  str(r["drops"]) if dm else "", "%.2f" % (r["ring"] / GiB) if dm else "",
                  "%.0f" % (r["gpu_bytes"] / 2**20) if dm else "",

@@ -6,7 +6,8 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
 
 * ``vanilla``: vLLM as configured below (torch.compile + CUDA graphs), the denominator;
 * ``dmi-hidden``: dmi through its vLLM plugin (``DMI_HOOK_SPEC``): every layer's ``resid_post``,
-  ``final_norm`` and the last-token ``logits`` of each request and step;
+  ``final_norm`` and the last-token ``logits`` of each request and step; ``dmi-hidden-step``: the
+  same with ``DMI_COPY_AT_STEP=1`` (each step copied out as the next begins);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -364,6 +365,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
     return {
         "vanilla": ({}, [], False, None),
         "dmi-hidden": dmi("dmi-hidden", hidden, args.ring_gib),
+        # the same, each step copied out as the next begins (dmi/kernels/cuda_ring.py: the copy engine)
+        "dmi-hidden-step": _with(dmi("dmi-hidden-step", hidden, args.ring_gib), DMI_COPY_AT_STEP="1"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),
@@ -371,6 +374,11 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # every site of both sets patched in, every request opted out: kernels launch and exit
         "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
     }
+
+
+def _with(cfg: tuple, **env) -> tuple:
+    """A configuration with more environment for its server."""
+    return ({**cfg[0], **env},) + cfg[1:]
 
 
 def table(rows: list[dict], base: dict) -> str:

@@ -143,11 +143,11 @@ def _assert_no_torn_chunk(store: Path) -> int:
 
 
 def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, capsys):
-    texts = [f"Prompt number {i} says hello to the wide world" for i in range(12)]
+    texts = [f"Prompt number {i} says hello to the wide world" for i in range(48)]
     spec = tmp_path / "hooks.yaml"
     spec.write_text(HOOKS)
     store = tmp_path / "s.zarr"
-    batch, new = 3, 60                      # 4 batches x 60 steps: the kill lands mid-run
+    batch, new = 3, 60                      # 16 batches x 60 steps: the kill lands mid-run, even on a fast machine
     cmd = [sys.executable, "-m", "dmi.cli", "capture", "--spec", str(spec), "--out", str(store), "-q",
            "--batch-size", str(batch), "--max-new-tokens", str(new)]
     proc = subprocess.Popen(cmd + ["--prompts", str(_prompts(tmp_path / "p.jsonl", texts))], env=_cli_env(),

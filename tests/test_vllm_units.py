@@ -79,6 +79,68 @@ def test_opt_out_site_sets_and_row_caps():
     assert [int(p) for p, r in zip(st.position, st.request) if table.ids[r] == "d"] == [0, 1]   # capped at 2
 
 
+def reference_rows(state, b, want):
+    """One request at a time, as the rules read: rows (request id, position, flat row, phase, is the
+    request's logits row, sites or None). ``state``: {id: [captured up to, rows taken]}."""
+    for rid in b.finished:
+        state.pop(rid, None)
+    out, start = [], 0
+    for j, rid in enumerate(b.req_ids):
+        n, first = int(b.num_scheduled[j]), int(b.num_computed[j])
+        w = want(rid)
+        if n and not (w.sites is not None and not w.sites):
+            upto, taken = state.get(rid, [0, 0])
+            fresh = [p for p in range(first, first + n) if p >= upto]
+            if w.max_rows is not None:
+                fresh = fresh[:max(w.max_rows - taken, 0)]
+                taken += len(fresh)
+            state[rid] = [max(upto, first + n), taken]
+            out += [(rid, p, start + p - first, int(p >= b.num_prompt[j]), p == first + n - 1, w.sites) for p in fresh]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_rows_match_a_per_request_reference(seed):
+    """Continuous batching with joins, finishes, preemptions, opt-outs, site sets and row caps: the
+    step builder's whole-step array version keeps exactly the rows the per-request rules keep."""
+    rng = np.random.default_rng(seed)
+    table, state = RequestTable(), {}
+    sb = StepBuilder(table)
+    wants = {}
+    live: dict[str, list[int]] = {}          # id -> [computed, prompt]
+    for step in range(40):
+        finished = [r for r in live if rng.random() < 0.1]
+        for r in finished:
+            del live[r]
+        for _ in range(rng.integers(0, 4)):
+            rid = f"s{seed}-{step}-{len(live)}"
+            live[rid] = [int(rng.integers(0, 3)) * 8, int(rng.integers(1, 40))]   # a prefix-cache hit now and then
+            wants[rid] = [ALL, Want(frozenset(), None), Want(frozenset({1}), None), Want(None, int(rng.integers(0, 9))),
+                          Want(frozenset({0, 2}), 5)][rng.integers(0, 5)]
+        for r, v in live.items():
+            if rng.random() < 0.05:
+                v[0] = 0                      # preempted: recomputed from the start
+        ids = list(live)
+        sched = [0 if rng.random() < 0.1 else (min(int(rng.integers(1, 17)), max(live[r][1] - live[r][0], 1))
+                                                if live[r][0] < live[r][1] else 1) for r in ids]
+        b = batch(ids, sched, [live[r][0] for r in ids], [live[r][1] for r in ids], finished)
+        want = wants.__getitem__
+        expected = reference_rows(state, b, want)
+        st, keep, held = sb.build(b, int(sum(sched)) + 3, want, 3)
+        got = [(table.ids[r], int(p), int(row), int(ph)) for r, p, row, ph in zip(st.request, st.position, st.rows, st.phase)]
+        assert got == [e[:4] for e in expected]
+        index, n = held["sampled"]
+        assert n == len(ids)
+        assert [int(i) >= 0 for i in index] == [e[4] for e in expected]
+        assert [ids[i] for i in index if i >= 0] == [e[0] for e in expected if e[4]]
+        for site in range(3):
+            mask = np.ones(len(expected), bool) if keep is None else keep[site]
+            assert list(mask) == [e[5] is None or site in e[5] for e in expected]
+        for r, k in zip(ids, sched):
+            live[r][0] += k
+
+
 # --- per-request policy: every refusal -------------------------------------------------------------
 DEFAULT = {"layers.0.resid_post", "logits"}
 EXTRA = {"layers.1.attn.q"}

@@ -7,6 +7,17 @@
   copies into and the exporter frees in order;
 * the drain's own non-blocking stream and a blocking-sync event.
 
+Copy-out timing. The engine's own small D2H copies (HF's stop check, vLLM's sampled tokens) share
+the device-to-host copy engine with the drain, which serves queued copies in order: a drain batch
+of ~100 ms of steps (hundreds of MB) queued just before such a copy holds the model's step back for
+the whole batch (`perf/drain_bench.py --hol`: a 4-byte copy waited ~19 ms behind 1 GiB, also when
+that GiB was queued as 8 MiB pieces). With ``copy_at_step`` (``DMI_COPY_AT_STEP=1``; not yet the
+default: it has not run on a GPU) the model's thread instead queues each step's copy when the next
+step begins, on the drain stream behind an event recorded where the step ended: by then the
+engine's copy of that step is already queued, and the step's copy (one step's data) runs beside
+the next forward. The drain thread then only waits for it; steps it could not copy that way
+(staging full, a graph capture in progress) take the batched path, in order.
+
 Per step, ``publish_control`` writes the step's control words (armed flag, offsets, sequence
 numbers, row counts, row indices, padding) into one of a few pinned buffers and copies them with
 one async H2D on the current stream, ahead of the forward's kernels. The site ops launch the
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import time
 
@@ -247,6 +259,12 @@ class CudaRing(KernelRing):
         self.device_bytes = capacity
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
+        # copy each step out from the model's thread when the next one begins (module doc)
+        self.copy_at_step = os.environ.get("DMI_COPY_AT_STEP", "0") == "1"
+        self._copy_lock = threading.Lock()     # who copies a step: the model's thread or the drain
+        self._gap_seq = -1                     # end seq of the latest step left to the drain
+        self._step_done = self._drain_stream = None    # made at the first step copied this way
+        self.steps_copied_at_step = 0
 
     def _use_device(self) -> None:
         """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
@@ -262,32 +280,87 @@ class CudaRing(KernelRing):
     def meta_view(self) -> np.ndarray:
         return self.meta
 
+    # --- copy-out at the next step (model's thread) ----------------------------------------------
+    def end_step(self, aborted: bool = False, device: bool = False) -> None:
+        ctrl = self.current
+        super().end_step(aborted, device)
+        if (self.copy_at_step and ctrl is not None and not aborted and ctrl.nbytes
+                and not torch.cuda.is_current_stream_capturing()):
+            if self._step_done is None:        # recorded where the latest step's forward ended
+                self._step_done = torch.cuda.Event()
+                self._drain_stream = torch.cuda.ExternalStream(int(self._stream), device=self.torch_device)
+            self._step_done.record(torch.cuda.current_stream(self.torch_device))
+            ctrl.copied = "marked"             # _step_done now follows this step's forward
+
+    def _before_step(self) -> None:
+        ctrl = self.current
+        if ctrl is None or not self.copy_at_step or not ctrl.nbytes or (ctrl.copied not in (None, "marked")):
+            return                             # nothing to copy, or the drain has it already
+        if not self._copy_out(ctrl):
+            self._gap_seq = ctrl.end_seq       # left to the drain: later steps wait until it is drained
+
+    def _copy_out(self, ctrl: StepControl) -> bool:
+        """Queue ``ctrl``'s block to staging on the drain stream behind ``_step_done``; never waits.
+        Staging is reserved in step order (the exporter frees it in order): not while an older step
+        left to the drain is still pending."""
+        if (ctrl.copied != "marked" or ctrl.nbytes > self._stage.capacity // 4 or self._gap_seq >= self.freed_seq
+                or torch.cuda.is_current_stream_capturing() or torch.cuda.current_device() != self.torch_device.index):
+            return False
+        if not self._copy_lock.acquire(blocking=False):
+            return False                       # the drain is claiming steps right now
+        try:
+            if ctrl.copied != "marked":
+                return True                    # the drain took it meanwhile: reserved in order
+            with self._stage_cond:
+                got = self._stage.try_reserve(ctrl.nbytes)
+            if got is None:
+                return False
+            dst, end = got
+            self._stage_ends[id(ctrl)] = end
+            self._drain_stream.wait_event(self._step_done)
+            _ok(self._rt.cudaMemcpyAsync(self._staging.ctypes.data + dst, self._payload_ptr + ctrl.base, ctrl.nbytes,
+                                         self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+            ctrl.copied = (self._staging, dst - ctrl.base)
+            self.steps_copied_at_step += 1
+            return True
+        finally:
+            self._copy_lock.release()
+
+    # --- drain ----------------------------------------------------------------------------------
     def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
         """Copy several steps' records to host staging: one ``cudaMemcpyAsync`` per run of steps
-        that are adjacent in the payload ring (up to a quarter of staging), one event wait for all."""
+        that are adjacent in the payload ring (up to a quarter of staging), one event wait for all
+        (which also covers steps the model's thread copied out already: same stream, queued earlier)."""
         self._use_device()
-        spans = [(int(r["offset"].min()), int((r["offset"] + r["nbytes"]).max())) if len(r) else None for r in recs]
-        groups: list[list[int]] = []           # indices of steps copied together
-        lo = hi = 0
-        for i, span in enumerate(spans):
-            if span is None:
-                continue
-            if groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4:
-                groups[-1].append(i)
-                hi = span[1]
-            else:
-                groups.append([i])
-                lo, hi = span
         bases: dict[int, tuple[np.ndarray, int]] = {}     # step index -> (buffer, buffer index of ring offset 0)
         rt = self._rt
-        for group in groups:
-            lo, hi = spans[group[0]][0], spans[group[-1]][1]
-            buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
-            _ok(rt.cudaMemcpyAsync(buf.ctypes.data + dst, self._payload_ptr + lo, hi - lo,
-                                   rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
-            for i in group:
-                bases[i] = (buf, dst - lo)
-        if groups:
+        with self._copy_lock:                  # claim the steps not copied out yet, reserving in order
+            for i, ctrl in enumerate(ctrls):
+                if isinstance(ctrl.copied, tuple):
+                    bases[i] = ctrl.copied
+                else:
+                    ctrl.copied = "drain"
+            spans = [(int(r["offset"].min()), int((r["offset"] + r["nbytes"]).max())) if len(r) and i not in bases
+                     else None for i, r in enumerate(recs)]
+            groups: list[list[int]] = []           # indices of steps copied together
+            lo = hi = 0
+            for i, span in enumerate(spans):
+                if span is None:
+                    continue
+                if groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4:
+                    groups[-1].append(i)
+                    hi = span[1]
+                else:
+                    groups.append([i])
+                    lo, hi = span
+            for group in groups:
+                lo, hi = spans[group[0]][0], spans[group[-1]][1]
+                buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
+                _ok(rt.cudaMemcpyAsync(buf.ctypes.data + dst, self._payload_ptr + lo, hi - lo,
+                                       rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+                for i in group:
+                    bases[i] = (buf, dst - lo)
+        if bases:
             _ok(rt.cudaEventRecord(self._event, self._stream))
             _ok(rt.cudaEventSynchronize(self._event))
         out = []

@@ -101,8 +101,10 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
     np.testing.assert_array_equal(tree["logits"].dataset.logits.values, torch.cat(want.logits).float().cpu().numpy())
 
 
-def test_gpu_wraparound_and_backpressure_lossless(encoded, write_spec, tmp_path, monkeypatch):
-    enc = _enc(encoded)
+@pytest.mark.parametrize("copy_at_step", ["0", "1"])
+def test_gpu_wraparound_and_backpressure_lossless(copy_at_step, encoded, write_spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("DMI_COPY_AT_STEP", copy_at_step)   # 1: the model's thread copies steps out (and the drain,
+    enc = _enc(encoded)                                     # where staging is full: the small ring's 1 MiB)
     sites = "capture: [{sites: [resid_post, mlp.out, final_norm]}]\n"
     big = write_spec(sites + "policy: {ring_bytes: 64MiB}\n", "big.yaml")
     small = write_spec(sites + "policy: {ring_bytes: 112KiB, meta_records: 32, host_bytes: 1MiB}\n", "small.yaml")
@@ -122,6 +124,8 @@ def test_gpu_wraparound_and_backpressure_lossless(encoded, write_spec, tmp_path,
     assert torch.equal(outs["ref"], outs["small"]) and torch.equal(outs["ref"], outs["big"])
     assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "small.zarr")
     assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "big.zarr")
+    if copy_at_step == "1":
+        assert runs["big"].ring.steps_copied_at_step > 0
 
     # best effort with a ring smaller than the prefill: drops are accounted row for row
     monkeypatch.setenv("DMI_RING", "cuda")
@@ -239,10 +243,12 @@ def test_compile_fullgraph_inductor_no_graph_break(encoded, write_spec, tmp_path
         np.testing.assert_array_equal(top.topk_indices.values[top.step.values == k], want.indices.int().cpu().numpy())
 
 
-def test_generate_static_cache_reduce_overhead_cuda_graphs(encoded, write_spec, tmp_path, monkeypatch):
+@pytest.mark.parametrize("copy_at_step", ["0", "1"])
+def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded, write_spec, tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
     monkeypatch.setenv("DMI_RING", "cuda")
+    monkeypatch.setenv("DMI_COPY_AT_STEP", copy_at_step)
     enc = _enc(encoded)
     new = 12
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n"
@@ -256,10 +262,12 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(encoded, write_spec, 
         first = run.model.generate(**enc, **kw)             # compiles; cudagraph warm-up and recording
         second = run.model.generate(**enc, **kw)            # replays
         stats = run.stats()
+        copied_at_step = run.ring.steps_copied_at_step
     skips = counters["inductor"]["cudagraph_skips"]
     torch._dynamo.reset()
     assert skips == 0, dict(counters["inductor"])
     assert stats["steps"] == 2 * new and stats["dropped_captures"] == 0 and stats["not_run"] == 0
+    assert (copied_at_step > 0) == (copy_at_step == "1")
     tree = dmi.open(tmp_path / "s.zarr")
     lg = tree["logits"].dataset
     want = torch.cat([torch.cat(first.logits), torch.cat(second.logits)]).float().cpu().numpy()

@@ -38,63 +38,79 @@ class StepBuilder:
 
         wants(req_id) -> a ``policy.Want``: the site indices this request captures (None: every
         default site; empty: none, its rows are left out of the step) and its row cap.
+
+        One pass over the requests for what only Python knows (their wants, how far each was
+        captured), then whole-step array operations over the rows: an engine step carries up to
+        hundreds of requests, and this runs on the host between two steps.
         """
         for rid in batch.finished:
             self.captured_upto.pop(rid, None)
             self.rows_taken.pop(rid, None)
-        n_sched = batch.num_scheduled
-        starts = np.concatenate([[0], np.cumsum(n_sched)[:-1]]).astype(np.int64)
-        sampled_row = starts + n_sched - 1                  # flat row of each request's logits row
-        req_index = self.requests.intern(batch.req_ids)
-        rows, req, pos, phase, logit, sets = [], [], [], [], [], []
+        n_req = len(batch.req_ids)
+        n_sched = np.asarray(batch.num_scheduled, np.int64)
+        computed = np.asarray(batch.num_computed, np.int64)
+        starts = np.cumsum(n_sched) - n_sched                # each request's first flat row
+        req_index = np.asarray(self.requests.intern(batch.req_ids), np.int64)
+        upto = np.zeros(n_req, np.int64)                     # first position not yet captured
+        active = n_sched > 0
+        want_of = [None] * n_req
+        caps: list[tuple[int, int]] = []                     # (request, row cap)
+        upto_get = self.captured_upto.get
         for j, rid in enumerate(batch.req_ids):
-            if n_sched[j] == 0:
+            if not active[j]:
                 continue
             w = wants(rid)
-            want = w.sites
-            if want is not None and not want:
+            if w.sites is not None and not w.sites:
+                active[j] = False                            # opted out: its rows are not rows of the step
                 continue
-            p = batch.num_computed[j] + np.arange(n_sched[j], dtype=np.int64)
-            fresh = p >= self.captured_upto.get(rid, 0)     # recomputed after a preemption: stored already
-            self.recomputed_rows += int((~fresh).sum())
-            self.captured_upto[rid] = max(self.captured_upto.get(rid, 0), int(p[-1]) + 1)
-            if w.max_rows is not None:                      # the request's row cap: later rows are not captured
-                room = max(w.max_rows - self.rows_taken.get(rid, 0), 0)
-                if int(fresh.sum()) > room:
-                    fresh &= np.cumsum(fresh) <= room
-                    self.capped.add(rid)
-                self.rows_taken[rid] = self.rows_taken.get(rid, 0) + int(fresh.sum())
-            r = (starts[j] + np.arange(n_sched[j], dtype=np.int64))[fresh]
-            rows.append(r)
-            pos.append(p[fresh])
-            req.append(np.full(len(r), req_index[j], np.int64))
-            phase.append(np.where(p[fresh] < batch.num_prompt[j], PREFILL, DECODE).astype(np.int8))
-            logit.append(np.where(r == sampled_row[j], j, -1).astype(np.int64))
-            sets.append((len(r), want))
-        flat, logit_at = _cat(rows, np.int64), _cat(logit, np.int64)
-        n_logits = len(batch.req_ids)
+            want_of[j] = w.sites
+            upto[j] = upto_get(rid, 0)
+            if w.max_rows is not None:
+                caps.append((j, w.max_rows))
+        js = np.flatnonzero(active)
+        counts = n_sched[js]
+        j_of = np.repeat(js, counts)                         # request of each scheduled row
+        within = np.arange(len(j_of), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        pos = computed[j_of] + within
+        fresh = pos >= upto[j_of]                            # recomputed after a preemption: stored already
+        self.recomputed_rows += int(len(fresh) - np.count_nonzero(fresh))
+        ends = computed[js] + counts
+        for j, end in zip(js.tolist(), ends.tolist()):
+            if end > upto[j]:
+                self.captured_upto[batch.req_ids[j]] = end
+        for j, cap in caps:                                  # row caps: later rows are not captured
+            rid = batch.req_ids[j]
+            mine = np.flatnonzero(j_of == j)
+            room = max(cap - self.rows_taken.get(rid, 0), 0)
+            f = fresh[mine]
+            if int(f.sum()) > room:
+                f &= np.cumsum(f) <= room
+                fresh[mine] = f
+                self.capped.add(rid)
+            self.rows_taken[rid] = self.rows_taken.get(rid, 0) + int(f.sum())
+        j_of, pos = j_of[fresh], pos[fresh]
+        flat = starts[j_of] + within[fresh]
+        logit_at = np.where(within[fresh] == n_sched[j_of] - 1, j_of, -1)   # the request's last scheduled row
+        phase = np.where(pos < np.asarray(batch.num_prompt, np.int64)[j_of], PREFILL, DECODE).astype(np.int8)
         seq = int(num_tokens_padded)
         # a held row's local index: its place in a tensor presented as the step's last n rows (Run.begin_tokens)
-        local = np.where(logit_at >= 0, seq - n_logits + logit_at, flat)
-        st = StepTokens(step=0, batch=1, seq=seq, rows=flat, request=_cat(req, np.int64), position=_cat(pos, np.int64),
-                        phase=_cat(phase, np.int8), local=local)
-        return st, _site_masks(sets, len(st), n_sites), {"sampled": (logit_at, n_logits)}
+        local = np.where(logit_at >= 0, seq - n_req + logit_at, flat)
+        st = StepTokens(step=0, batch=1, seq=seq, rows=flat, request=req_index[j_of], position=pos, phase=phase,
+                        local=local)
+        keep = None
+        if any(want_of[j] is not None for j in js.tolist()):
+            keep = _site_masks(j_of, want_of, n_sites)
+        return st, keep, {"sampled": (logit_at, n_req)}
 
 
-def _cat(parts, dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-
-
-def _site_masks(sets, n: int, n_sites: int) -> dict | None:
+def _site_masks(j_of: np.ndarray, want_of: list, n_sites: int) -> dict:
     """{site index: bool mask over the step's rows} when some request picked a site set."""
-    if all(want is None for _, want in sets):
-        return None
+    picked = {}
+    for j in np.unique(j_of).tolist():
+        if want_of[j] is not None:
+            picked[j] = want_of[j]
     masks = {}
     for s in range(n_sites):
-        m = np.zeros(n, bool)
-        at = 0
-        for count, want in sets:
-            m[at:at + count] = want is None or s in want
-            at += count
-        masks[s] = m
+        off = [j for j, sites in picked.items() if s not in sites]
+        masks[s] = ~np.isin(j_of, off) if off else np.ones(len(j_of), bool)
     return masks
