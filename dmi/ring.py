@@ -118,14 +118,18 @@ class StepLayout:
     exactly the same captures (decode steps of one batch): the per-step host work is then one
     reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
     GPU waits for it between decode steps)."""
-    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "cache")
+    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "site_ids", "cache")
 
     def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
         self.wanted = wanted
-        self.sizes = [align_up(w[3]) for w in wanted]
-        self.rel = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64) if wanted else np.zeros(0, np.int64)
-        self.total = sum(self.sizes)
-        self.sites = frozenset(w[0] for w in wanted)
+        n = len(wanted)
+        nbytes = np.fromiter((w[3] for w in wanted), np.int64, n)
+        sizes = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        self.sizes = sizes.tolist()
+        self.rel = np.cumsum(sizes) - sizes
+        self.total = int(sizes.sum())
+        self.site_ids = np.fromiter((w[0] for w in wanted), np.int64, n)
+        self.sites = frozenset(self.site_ids.tolist())
         self.cache: dict = {}                  # backends keep what they derive from the layout here
 
 

@@ -70,7 +70,9 @@ class Run:
         # position windows): decode steps then reuse one StepLayout
         self._stateless_filters = all(f.every_n_steps <= 1 and f.max_per_request is None and f.positions is None
                                       for f in filters)
-        self._site_info = [(s, s.row_bytes(self.itemsize), filters.index(s.tokens)) for s in plan.sites]
+        # per site: index, bytes per row, token filter (and its index), priority, held rows it reads (or None)
+        self._site_info = [(s.index, s.row_bytes(self.itemsize), s.tokens, filters.index(s.tokens), s.priority,
+                            s.anchor.get("rows")) for s in plan.sites]
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._exported = 0                   # steps the exporter thread is done with
@@ -284,7 +286,9 @@ class Run:
                       held: dict | None = None) -> None:
         st.step = self._step
         wanted, counts = self._wanted(st, keep, held)
-        self.ring.begin_step(self._step, st, pad, wanted)
+        # laid out as a whole (array operations, slot objects built later by the drain); the ring
+        # falls back to its per-capture path where it must drop or wait for the bandwidth cap
+        self.ring.begin_step(self._step, st, pad, StepLayout(wanted))
         self._count(counts)
         self._step += 1
 
@@ -302,25 +306,30 @@ class Run:
         accounting for :meth:`_count`."""
         selections: list = [None] * self._n_filters
         wanted, counts = [], []
-        for s, row_bytes, f in self._site_info:      # per site: (plan, bytes per row, token filter index)
+        for site, row_bytes, tokens, f, priority, held_rows in self._site_info:
             base = selections[f]
-            if base is None:
-                state = self._filters.setdefault(s.tokens, FilterState())
-                sel = select(st, s.tokens, state)
-                base = selections[f] = (sel, st.rows[sel])
-            sel, rows = base
-            if keep is not None and s.index in keep:
-                sel = sel[keep[s.index][sel]]
+            if base is None:                  # one selection per token filter and step
+                sel = select(st, tokens, self._filters.setdefault(tokens, FilterState()))
+                base = selections[f] = (sel, st.rows[sel], len(sel))
+            if (keep is None or site not in keep) and (held is None or held_rows not in held):
+                sel, rows, n = base           # the common case: the filter's rows as they are
+                counts.append((site, n, 0))
+                if n:
+                    wanted.append((site, sel, rows, n * row_bytes, priority))
+                continue
+            sel, rows = base[0], base[1]
+            if keep is not None and site in keep:
+                sel = sel[keep[site][sel]]
                 rows = st.rows[sel]
             missing = 0
-            if held is not None and s.anchor.get("rows") in held:
-                index, n = held[s.anchor["rows"]]
+            if held is not None and held_rows in held:
+                index, n = held[held_rows]
                 at = index[sel]
                 missing = int((at < 0).sum())
                 sel, rows = sel[at >= 0], st.seq - n + at[at >= 0]
-            counts.append((s.index, len(sel) + missing, missing))
+            counts.append((site, len(sel) + missing, missing))
             if len(sel):
-                wanted.append((s.index, sel, rows, len(sel) * row_bytes, s.priority))
+                wanted.append((site, sel, rows, len(sel) * row_bytes, priority))
         return wanted, counts
 
     def capture(self, site_index: int, x: torch.Tensor) -> None:

@@ -11,9 +11,10 @@ device-to-device copy.
 
 ``--hol`` also measures what a drain copy does to the engine's own small D2H copies (a sampled
 token, a stop check) on another stream: their latency while a large D2H copy is in flight, issued
-whole or in 8 MiB pieces queued back to back (head-of-line blocking on the copy engine; on the
-H200 both held a 4-byte copy back ~19 ms: the engine serves queued copies in order, so splitting
-a copy that is queued at once does not help, only not queueing it ahead of the engine's does).
+whole, in 8 MiB pieces queued back to back, or in 64 MiB pieces each queued once the one before
+it is done (head-of-line blocking on the copy engine; on the H200 the first two held a 4-byte copy
+back ~19 ms: the engine serves queued copies in order, so splitting a copy that is queued at once
+does not help; the paced row had not run there yet).
 
     python perf/drain_bench.py [--gib 8] [--ring-mib 1024] [--repeats 3] [--hol]
 """
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmi.kernels.cuda_ring import CudaRing, _ok, cudart   # noqa: E402
+from dmi.kernels.cuda_ring import PACED_PIECE, CudaRing, _ok, cudart   # noqa: E402
 from dmi.plan import Output, Plan, Policy, SitePlan, TokenFilter   # noqa: E402
 from dmi.tokens import StepTokens   # noqa: E402
 
@@ -153,34 +154,52 @@ def kernel_copy_gbs(rows: int = 8192, hidden: int = 4096, repeats: int = 20) -> 
     return 2 * rows * hidden * 2 / statistics.median(times[2:]) / 1e9
 
 
-def small_copy_latency(big_bytes: int, chunk: int | None, probes: int = 200) -> dict:
+def small_copy_latency(big_bytes: int, chunk: int | None, probes: int = 200, paced: bool = False) -> dict:
     """µs of a 4-byte D2H copy + sync on the current stream, issued back to back while the drain
-    stream copies ``big_bytes`` to pinned memory (``chunk`` None: no big copy; 0: one copy)."""
+    stream copies ``big_bytes`` to pinned memory (``chunk`` None: no big copy; 0: one copy; else
+    pieces of ``chunk`` bytes, all queued at once, or with ``paced`` each queued by another thread
+    once the one before it is done, as the CUDA ring's drain does with ``copy_at_step``)."""
     rt = cudart()
     big = torch.empty(max(big_bytes, 1), dtype=torch.uint8, device="cuda")
     dst = _ok(rt.cudaHostAlloc(max(big_bytes, 1), rt.cudaHostAllocPortable))
     stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+    event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
     flag = torch.ones(1, dtype=torch.int32, device="cuda")
     out = torch.empty(1, dtype=torch.int32, pin_memory=True)
     torch.cuda.synchronize()
-    if chunk is not None:
+    spent = {}
+
+    def copy():
+        t = time.perf_counter()
         step = chunk or big_bytes
         for at in range(0, big_bytes, step):
+            if paced and at:
+                _ok(rt.cudaEventRecord(event, stream))
+                _ok(rt.cudaEventSynchronize(event))
             _ok(rt.cudaMemcpyAsync(dst + at, big.data_ptr() + at, min(step, big_bytes - at),
                                    rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
+        _ok(rt.cudaStreamSynchronize(stream))
+        spent["s"] = time.perf_counter() - t
+
+    mover = threading.Thread(target=copy) if chunk is not None else None
+    if mover is not None:
+        mover.start()
+        time.sleep(0.001)                  # the first piece is under way
     lat = []
-    t_end = time.perf_counter() + big_bytes / 40e9     # probe while the big copy runs (~40+ GB/s)
-    for _ in range(probes):
+    while True:                            # probe until the big copy is done (or `probes` times alone)
         t = time.perf_counter()
         out.copy_(flag, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         lat.append((time.perf_counter() - t) * 1e6)
-        if chunk is not None and time.perf_counter() > t_end:
+        if (len(lat) >= probes) if mover is None else not mover.is_alive():
             break
-    _ok(rt.cudaStreamSynchronize(stream))
+    if mover is not None:
+        mover.join()
     rt.cudaFreeHost(dst)
+    rt.cudaEventDestroy(event)
     rt.cudaStreamDestroy(stream)
-    return {"median_us": statistics.median(lat), "max_us": max(lat), "probes": len(lat)}
+    gbs = big_bytes / spent["s"] / 1e9 if "s" in spent else None
+    return {"median_us": statistics.median(lat), "max_us": max(lat), "probes": len(lat), "copy_gbs": gbs}
 
 
 def main(argv=None) -> dict:
@@ -198,11 +217,14 @@ def main(argv=None) -> dict:
     if args.hol:
         big = 1 << 30
         print(f"\n4-byte D2H copy + sync on the compute stream while the drain stream copies 1 GiB to pinned memory:\n")
-        print("| drain copy | probe µs (median) | probe µs (max) | probes |")
-        print("| --- | ---: | ---: | ---: |")
-        for label, chunk in (("none", None), ("1 GiB in one copy", 0), ("8 MiB pieces", 8 << 20)):
-            r = small_copy_latency(big, chunk)
-            print(f"| {label} | {r['median_us']:.0f} | {r['max_us']:.0f} | {r['probes']} |")
+        print("| drain copy | probe µs (median) | probe µs (max) | probes | drain copy GB/s |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for label, chunk, paced in (("none", None, False), ("1 GiB in one copy", 0, False),
+                                    ("8 MiB pieces, queued at once", 8 << 20, False),
+                                    ("64 MiB pieces, one at a time (copy_at_step's drain)", PACED_PIECE, True)):
+            r = small_copy_latency(big, chunk, paced=paced)
+            gbs = f"{r['copy_gbs']:.1f}" if r["copy_gbs"] else ""
+            print(f"| {label} | {r['median_us']:.0f} | {r['max_us']:.0f} | {r['probes']} | {gbs} |")
         return {}
     kern = kernel_copy_gbs()
     print(f"capture kernel D2D copy (8192 x 4096 bf16 rows): {kern:.0f} GB/s read+write")

@@ -48,10 +48,11 @@ case "$part" in
     TAIL=30 step tests 300 python3 -m pytest -m gpu tests/gpu -q -ra --durations=6 -p no:cacheprovider
     TAIL=20 step ablate 270 python3 perf/ablate.py "$@"
     ;;
-  final)   # GPU tests, then the compiled Qwen3-8B rows (null, -> host, -> zarr) paired with vanilla
-    TAIL=25 step tests 120 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
-    TAIL=20 step perf "${PERF_LIMIT:-400}" python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals \
-      --repeats 5 --zarr-repeats 3 --results "$OUT/RESULTS.md" --json "$OUT/offline.json"
+  final)   # GPU tests (copy_at_step both ways), head-of-line table, compiled Qwen3-8B rows paired with vanilla
+    TAIL=25 step tests 150 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+    TAIL=10 step drain 40 python3 perf/drain_bench.py --hol
+    TAIL=20 step perf "${PERF_LIMIT:-330}" python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals \
+      --repeats 5 ${ZARR:---no-zarr} --results "$OUT/RESULTS.md" --json "$OUT/offline.json"
     ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)
     TAIL=14 step budget "${PERF_LIMIT:-300}" python3 perf/budget.py "$@"

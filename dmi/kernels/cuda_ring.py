@@ -16,7 +16,8 @@ default: it has not run on a GPU) the model's thread instead queues each step's 
 step begins, on the drain stream behind an event recorded where the step ended: by then the
 engine's copy of that step is already queued, and the step's copy (one step's data) runs beside
 the next forward. The drain thread then only waits for it; steps it could not copy that way
-(staging full, a graph capture in progress) take the batched path, in order.
+(staging full, a graph capture in progress, a step over ``PACED_PIECE``) take the batched path,
+in order, whose copies then go out one ``PACED_PIECE`` at a time.
 
 Per step, ``publish_control`` writes the step's control words (armed flag, offsets, sequence
 numbers, row counts, row indices, padding) into one of a few pinned buffers and copies them with
@@ -44,6 +45,7 @@ from . import capture as K
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied as one span
+PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
 
 
 def cudart():
@@ -179,28 +181,53 @@ class KernelRing(Ring):
     def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """Per site: (site, offset, seq, rows, rows_start, enabled) words, the rows written at
         ``pos`` on (sites sharing a token filter share its rows); remembered for a reused layout."""
-        n = len(ctrl.slots)
-        fields = np.empty((n, K.S_WORDS + 1), np.int64)
+        if ctrl.layout is not None:
+            return self._layout_words(ctrl, h, pos)
+        slots = list(ctrl.slots.values())
+        start_of, _, pos = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
+        fields = np.empty((len(slots), K.S_WORDS + 1), np.int64)
+        fields[:, 0] = [slot.site for slot in slots]
+        fields[:, 1] = [slot.offset for slot in slots]
+        fields[:, 2] = [slot.seq for slot in slots]
+        fields[:, 3] = [len(slot.rows) for slot in slots]
+        fields[:, 4] = start_of
+        fields[:, 5] = 1
+        return fields, dict(zip(fields[:, 0].tolist(), start_of)), pos
+
+    def _layout_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
+        """:meth:`_site_words` of a laid-out step, as whole-array operations over its sites (an
+        engine step lays out a fresh layout each step, with up to hundreds of sites)."""
+        layout = ctrl.layout
+        start_of, rows_at, pos = self._place_rows(ctrl, h, pos, [(w[0], w[2]) for w in layout.wanted])
+        rel = np.empty((len(layout.wanted), K.S_WORDS + 1), np.int64)   # less the block's base and first seq
+        rel[:, 0] = layout.site_ids
+        rel[:, 1] = layout.rel
+        rel[:, 2] = np.arange(len(layout.wanted))
+        rel[:, 3] = [len(w[2]) for w in layout.wanted]
+        rel[:, 4] = start_of
+        rel[:, 5] = 1
+        rows_start = dict(zip(layout.site_ids.tolist(), start_of))
+        layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
+        return rel + (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0), rows_start, pos
+
+    def _place_rows(self, ctrl: StepControl, h: np.ndarray, pos: int, site_rows: list):
+        """Each capture's row indices into the control words at ``pos`` on, once per rows array
+        (sites of one token filter share it): (start of each capture's rows, [(start, rows)], next pos)."""
         starts: dict[int, int] = {}
-        for i, slot in enumerate(ctrl.slots.values()):
-            rows = slot.rows
+        start_of, rows_at = [], []
+        for site, rows in site_rows:
             start = starts.get(id(rows))
             if start is None:
                 if len(rows) > self.max_rows or pos + len(rows) > self.ctrl_words:
-                    raise PolicyError(f"step {ctrl.step} selects {len(rows)} rows for {self.plan.sites[slot.site].name}, "
+                    raise PolicyError(f"step {ctrl.step} selects {len(rows)} rows for {self.plan.sites[site].name}, "
                                       f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
                                       f"policy.max_step_tokens")
                 h[pos:pos + len(rows)] = rows
                 start = starts[id(rows)] = pos
+                rows_at.append((pos, rows))
                 pos += len(rows)
-            fields[i] = (slot.site, slot.offset, slot.seq, len(rows), start, 1)
-        rows_start = dict(zip(ctrl.slots, fields[:, 1 + K.S_ROWS_START].tolist()))
-        if ctrl.layout is not None:
-            rows_at = [(at, ctrl.slots[site].rows) for at, site in
-                       sorted({v: k for k, v in rows_start.items()}.items())]
-            rel = fields - (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0)
-            ctrl.layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
-        return fields, rows_start, pos
+            start_of.append(start)
+        return start_of, rows_at, pos
 
     def device_end(self) -> None:
         K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
@@ -303,7 +330,8 @@ class CudaRing(KernelRing):
         """Queue ``ctrl``'s block to staging on the drain stream behind ``_step_done``; never waits.
         Staging is reserved in step order (the exporter frees it in order): not while an older step
         left to the drain is still pending."""
-        if (ctrl.copied != "marked" or ctrl.nbytes > self._stage.capacity // 4 or self._gap_seq >= self.freed_seq
+        if (ctrl.copied != "marked" or ctrl.nbytes > min(self._stage.capacity // 4, PACED_PIECE)
+                or self._gap_seq >= self.freed_seq
                 or torch.cuda.is_current_stream_capturing() or torch.cuda.current_device() != self.torch_device.index):
             return False
         if not self._copy_lock.acquire(blocking=False):
@@ -353,13 +381,15 @@ class CudaRing(KernelRing):
                 else:
                     groups.append([i])
                     lo, hi = span
+            copies = []
             for group in groups:
                 lo, hi = spans[group[0]][0], spans[group[-1]][1]
                 buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
-                _ok(rt.cudaMemcpyAsync(buf.ctypes.data + dst, self._payload_ptr + lo, hi - lo,
-                                       rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+                copies.append((buf.ctypes.data + dst, lo, hi - lo))
                 for i in group:
                     bases[i] = (buf, dst - lo)
+        for host, lo, nbytes in copies:        # outside the lock: the model's thread may copy its next step meanwhile
+            self._copy(host, lo, nbytes)
         if bases:
             _ok(rt.cudaEventRecord(self._event, self._stream))
             _ok(rt.cudaEventSynchronize(self._event))
@@ -372,6 +402,19 @@ class CudaRing(KernelRing):
             self.stats.bytes_captured += int(r["nbytes"].sum())
             out.append([buf[a:a + n] for a, n in zip((r["offset"] + shift).tolist(), r["nbytes"].tolist())])
         return out
+
+    def _copy(self, host: int, lo: int, nbytes: int) -> None:
+        """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream. With ``copy_at_step`` in
+        pieces of ``PACED_PIECE``, each queued once the one before it is done: the copy engine
+        serves queued copies in order, so the engine's own small D2H waits for one piece at most,
+        not for the whole span (pieces queued at once did not help: module doc)."""
+        rt, d2h = self._rt, self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        piece = PACED_PIECE if self.copy_at_step else nbytes
+        for at in range(0, nbytes, piece):
+            if at:
+                _ok(rt.cudaEventRecord(self._event, self._stream))
+                _ok(rt.cudaEventSynchronize(self._event))
+            _ok(rt.cudaMemcpyAsync(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), d2h, self._stream))
 
     def _stage_for(self, ctrl: StepControl, span: int) -> tuple[np.ndarray, int]:
         """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
