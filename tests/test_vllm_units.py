@@ -252,15 +252,16 @@ def test_run_held_rows_and_site_masks(tmp_path):
 # --- seams added for vLLM 0.25.1 on the GPU (tests/gpu/test_vllm_gpu.py runs them for real) ---------
 def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     """vLLM warms up and captures its CUDA graphs in _dummy_run with no dmi step open: the graph
-    launches must happen there (Triton loads its kernels before the capture), and each graph bakes
-    its own token count as row bound."""
+    launches must happen there (Triton loads its kernels before the capture), each graph bakes
+    its own token count as row bound, and the end-marker kernel is compiled there too."""
     import types
 
     from dmi.adapters.vllm import compat
     from dmi.adapters.vllm.worker import Session
     seen = []
     from dmi.kernels.cuda_ring import KernelRing
-    ring = types.SimpleNamespace(null=False, graph_mode=False, geometry=(1, 37))   # a kernel ring after a step
+    ring = types.SimpleNamespace(null=False, graph_mode=False, geometry=(1, 37), is_cuda=False, end_warm=False,
+                                 device_end=lambda: seen.append("end kernel"))   # a kernel ring after a step
     ring.launching_without_step = types.MethodType(KernelRing.launching_without_step, ring)
     runner = types.SimpleNamespace(
         _prepare_inputs=lambda *a, **k: None, _model_forward=lambda **k: None, execute_model=lambda *a, **k: None,
@@ -269,7 +270,10 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     unwrap = compat.wrap_runner(runner, on_batch=None, on_forward=None, on_step_end=None, on_shutdown=None,
                                 dummy_run=lambda: Session.on_dummy_run(session))
     assert runner._dummy_run(64, is_graph_capturing=True) == "out"
-    assert seen == [(64, True, (1, None))] and ring.graph_mode is False   # only inside, restored after
+    assert runner._dummy_run(32) == "out"
+    # only inside, restored after; the end-marker kernel launched once after the first (compiled at
+    # start-up, not at the first served step: a step's armed flag is off there, so it exits)
+    assert seen == [(64, True, (1, None)), "end kernel", (32, True, (1, None))] and ring.graph_mode is False
     unwrap()
     assert "_dummy_run" not in vars(runner)
     cpu = types.SimpleNamespace(null=False)                                # the CPU ring: untouched

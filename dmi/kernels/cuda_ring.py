@@ -127,6 +127,7 @@ class KernelRing(Ring):
         self._host_sites = [a[K.G_WORDS:self.site_words].reshape(n_sites, K.S_WORDS) for a in self._host_ctrl_np]
         self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
+        self.end_warm = False               # launching_without_step has compiled the end-marker kernel
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
@@ -144,6 +145,9 @@ class KernelRing(Ring):
             yield
         finally:
             self.graph_mode = graph_mode
+        if not self.end_warm and not (self.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.end_warm = True      # the end-marker kernel too, which only real steps launch (disarmed: it exits)
+            self.device_end()
 
     # --- host: per step -----------------------------------------------------------------------------
     def publish_control(self, ctrl: StepControl) -> None:
@@ -310,14 +314,20 @@ class CudaRing(KernelRing):
     # --- copy-out at the next step (model's thread) ----------------------------------------------
     def end_step(self, aborted: bool = False, device: bool = False) -> None:
         ctrl = self.current
+        closing = ctrl is not None and not ctrl.ended and ctrl.copied is None
         super().end_step(aborted, device)
-        if (self.copy_at_step and ctrl is not None and not aborted and ctrl.nbytes
-                and not torch.cuda.is_current_stream_capturing()):
-            if self._step_done is None:        # recorded where the latest step's forward ended
-                self._step_done = torch.cuda.Event()
-                self._drain_stream = torch.cuda.ExternalStream(int(self._stream), device=self.torch_device)
-            self._step_done.record(torch.cuda.current_stream(self.torch_device))
-            ctrl.copied = "marked"             # _step_done now follows this step's forward
+        if (not self.copy_at_step or not closing or aborted or not ctrl.nbytes
+                or torch.cuda.is_current_stream_capturing() or not self._copy_lock.acquire(blocking=False)):
+            return                             # (lock busy: the drain is claiming steps, maybe this one)
+        try:
+            if ctrl.copied is None:
+                if self._step_done is None:    # recorded where the latest step's forward ended
+                    self._step_done = torch.cuda.Event()
+                    self._drain_stream = torch.cuda.ExternalStream(int(self._stream), device=self.torch_device)
+                self._step_done.record(torch.cuda.current_stream(self.torch_device))
+                ctrl.copied = "marked"         # _step_done now follows this step's forward
+        finally:
+            self._copy_lock.release()
 
     def _before_step(self) -> None:
         ctrl = self.current
