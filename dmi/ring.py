@@ -312,11 +312,12 @@ class Ring:
             ctrl = self._begin_laid_out(step, tokens, pad, wanted)
             if ctrl is not None:
                 return ctrl
-            wanted = wanted.wanted
+            wanted, sizes = wanted.wanted, wanted.sizes
+        else:
+            sizes = [align_up(w[3]) for w in wanted]
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)          # the previous forward raised before it ended
-        sizes = [align_up(w[3]) for w in wanted]
         total = sum(sizes)
         if total > self.bytes.capacity:
             if self.mode == "full":

@@ -310,14 +310,8 @@ class Run:
             base = selections[f]
             if base is None:                  # one selection per token filter and step
                 sel = select(st, tokens, self._filters.setdefault(tokens, FilterState()))
-                base = selections[f] = (sel, st.rows[sel], len(sel))
-            if (keep is None or site not in keep) and (held is None or held_rows not in held):
-                sel, rows, n = base           # the common case: the filter's rows as they are
-                counts.append((site, n, 0))
-                if n:
-                    wanted.append((site, sel, rows, n * row_bytes, priority))
-                continue
-            sel, rows = base[0], base[1]
+                base = selections[f] = (sel, st.rows[sel])
+            sel, rows = base
             if keep is not None and site in keep:
                 sel = sel[keep[site][sel]]
                 rows = st.rows[sel]

@@ -35,7 +35,8 @@ class Stopwatch:
 
 def gpu_profile(fn, steps: int) -> dict:
     """One run of ``fn`` under torch.profiler: wall ms, GPU busy ms (union of kernel and copy
-    intervals, all streams), the same without copies (compute) and device events per step, and device time per step by kernel name."""
+    intervals, all streams), the same without copies (compute) and device events per step, and
+    device time per step by kernel name."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.cuda.is_available()

@@ -189,14 +189,9 @@ class KernelRing(Ring):
             return self._layout_words(ctrl, h, pos)
         slots = list(ctrl.slots.values())
         start_of, _, pos = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
-        fields = np.empty((len(slots), K.S_WORDS + 1), np.int64)
-        fields[:, 0] = [slot.site for slot in slots]
-        fields[:, 1] = [slot.offset for slot in slots]
-        fields[:, 2] = [slot.seq for slot in slots]
-        fields[:, 3] = [len(slot.rows) for slot in slots]
-        fields[:, 4] = start_of
-        fields[:, 5] = 1
-        return fields, dict(zip(fields[:, 0].tolist(), start_of)), pos
+        fields = np.array([(slot.site, slot.offset, slot.seq, len(slot.rows), start, 1)
+                           for slot, start in zip(slots, start_of)], np.int64).reshape(len(slots), K.S_WORDS + 1)
+        return fields, {slot.site: start for slot, start in zip(slots, start_of)}, pos
 
     def _layout_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """:meth:`_site_words` of a laid-out step, as whole-array operations over its sites (an
