@@ -191,8 +191,11 @@ def writer_alive(writer: dict | None) -> bool | None:
     except ProcessLookupError:
         return False
     except OSError:              # exists, owned by someone else
+        pass
+    try:   # a zombie has exited: an orphaned store writer process waits as one where nothing reaps it
+        return Path(f"/proc/{int(writer['pid'])}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return True
-    return True
 
 
 def status_text(info: dict) -> str:

@@ -11,7 +11,7 @@ from importlib import metadata
 import numpy as np
 import torch
 
-from .errors import CaptureError, PolicyError, StoreError
+from .errors import CaptureError, PolicyError, SpecError, StoreError
 from .exporter import TICK_S, ZarrExporter
 from .plan import Plan, check_policy_fits
 from .spec import parse_bytes
@@ -40,9 +40,16 @@ class Run:
         self.ring = ring or make_ring(plan.policy, device)
         self.ring.setup(plan, self.dtype, device)
         if tp is None:
-            self.exporter = ZarrExporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                         _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+            exporter = ZarrExporter
+            if plan.writer == "process":
+                from .writer import ProcessExporter as exporter
+            self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
+                                     _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
         else:      # tensor parallelism (dmi.shards.TPContext): plan = this rank's part; the store holds tp.plan
+            if plan.writer == "process":
+                raise SpecError("store.writer: process is not supported with tensor parallelism (each rank writes "
+                                "its shard from its own exporter thread)", file=plan.hook_file or None,
+                                key="store.writer", fix="remove store.writer or set it to thread")
             from .shards import ShardedExporter
             self.exporter = ShardedExporter(store, plan, str(self.dtype).removeprefix("torch."),
                                             _run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,

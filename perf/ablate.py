@@ -10,7 +10,15 @@ Rows (compiled: static cache + reduce-overhead, store writes skipped as in perf/
 * ``no sites``: steps begun and ended (control block, end marker), no site selected;
 * ``drain gated``: every capture runs, the drain thread is held off until generate returns
   (a ring large enough for the whole run), so copies to the host never overlap decoding;
-* ``full``: everything, as in perf/offline.py's "hidden+logits -> host".
+* ``full``: everything, as in perf/offline.py's "hidden+logits -> host";
+* ``copy at step`` (CUDA ring): each step's copy queued by the model's thread as the next begins,
+  the drain's own copies paced (``DMI_COPY_AT_STEP``); then the same with the drain gated, and
+  with a 0.1 ms GIL switch interval (a drain thread holding the GIL delays the model's thread by
+  up to the interval each time the model thread's torch calls hand the GIL back).
+
+Each row also reports CPU time per step of the model's thread (``time.thread_time``) and of dmi's
+drain and export threads (their POSIX CPU clocks): wall time above the model thread's CPU time is time
+it waited, for the GPU or for the GIL.
 
 Also per step: host time in ``begin_step``/``end_step``, steps whose token bookkeeping read the
 mask from the device (slow path), and GPU time of dmi's kernels (torch.profiler).
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,6 +69,33 @@ class HostClock(Stopwatch):
         dmi.run.step_tokens = self.saved_st
 
 
+def thread_cpu(thread) -> float:
+    """CPU seconds of another thread of this process (POSIX thread CPU clock), 0 once it is gone."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, TypeError):
+        return 0.0
+
+
+class CpuClock:
+    """CPU time per step of the model's thread and of the run's drain and export threads."""
+
+    def __init__(self, run, steps: int):
+        self.threads = [t for t in (getattr(run, "_drain", None), getattr(run, "_export", None)) if t is not None]
+        self.steps = steps
+
+    def __enter__(self):
+        self.t0 = time.thread_time()
+        self.c0 = [thread_cpu(t) for t in self.threads]
+        return self
+
+    def __exit__(self, *exc):
+        main = (time.thread_time() - self.t0) / self.steps * 1e6
+        rest = [(thread_cpu(t) - c) / self.steps * 1e6 for t, c in zip(self.threads, self.c0)]
+        self.text = f"cpu us/step: model thread {main:.0f}, " + ", ".join(
+            f"{t.name.split('-')[1]} {r:.0f}" for t, r in zip(self.threads, rest))
+
+
 def profiled(fn, steps: int) -> str:
     """GPU time of dmi's kernels and CUDA graph launches, per step (a partitioned graph launches
     several graphs per step, with host work between them)."""
@@ -80,6 +116,7 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
+    ap.add_argument("--writer", default="thread", choices=["thread", "process"], help="store.writer of the Zarr row")
     args = ap.parse_args(argv)
     model = build(args.model)
     enc, lengths = prompts(args.batch, 16, 192, model.config.vocab_size)
@@ -92,18 +129,20 @@ def main(argv=None) -> None:
     def dgen():
         dmodel.generate(**enc, **kw)
 
-    def paired(fn, before=lambda: None, after=lambda: None):
+    def paired(fn, before=lambda: None, after=lambda: None, run=None):
         """Timed runs of fn, each right after a timed vanilla run (drift cancels in the ratio)."""
         times, vtimes = [], []
-        for _ in range(args.repeats):
-            vtimes.append(timed(gen))
-            before()
-            times.append(timed(fn))
-            after()
-        return times, vtimes
+        with CpuClock(run, args.repeats * args.new) as cpu:
+            for _ in range(args.repeats):
+                vtimes.append(timed(gen))
+                before()
+                times.append(timed(fn))
+                after()
+        return times, vtimes, cpu.text     # (the model thread's CPU includes the vanilla runs)
 
     def report(label, runs, extra=""):
-        times, vtimes = runs
+        times, vtimes, cpu = runs
+        extra = f"{cpu}; {extra}"
         t = statistics.median(times)
         v = statistics.median(vtimes) if vtimes else t
         print(f"{label:34s} {t * 1e3 / args.new:7.3f} ms/step  ratio {v / t:.3f} (paired vanilla {v * 1e3 / args.new:.3f})"
@@ -111,16 +150,16 @@ def main(argv=None) -> None:
 
     with torch.no_grad():
         gen(), gen()
-        report("vanilla", paired(gen))
+        report("vanilla", paired(gen))   # (CpuClock without a run: the model thread only)
         if torch.cuda.is_available():
             print(f"vanilla: {profiled(gen, args.new)}", flush=True)
         sd = store_dir()
-        run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB), store=sd / "a.zarr", overwrite=True)
+        run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB, args.writer), store=sd / "a.zarr", overwrite=True)
         try:
             with Skip(run):
                 run.set_enabled(False)
                 dgen(), dgen()
-                report("dmi null", paired(dgen))
+                report("dmi null", paired(dgen, run=run))
                 run.set_enabled(True)
 
                 def flushed():
@@ -129,7 +168,7 @@ def main(argv=None) -> None:
 
                 sites, run._site_info = run._site_info, []
                 flushed(), flushed()
-                report("dmi no sites (steps only)", paired(flushed))
+                report("dmi no sites (steps only)", paired(flushed, run=run))
                 run._site_info = sites
 
                 ready = run.ring.drain_ready
@@ -141,14 +180,34 @@ def main(argv=None) -> None:
                     run.ring.drain_ready = ready
                     run.flush()
                 flushed(), flushed()
-                report("dmi hidden, drain gated", paired(dgen, hold, release))
+                report("dmi hidden, drain gated", paired(dgen, hold, release, run=run))
                 with HostClock(run) as hc:
-                    runs = paired(flushed)
+                    runs = paired(flushed, run=run)
                 steps = args.repeats * args.new
                 st = run.stats()
                 report("dmi hidden (full)", runs,
                        f"host {hc.seconds / steps * 1e6:.0f} us/step in step begin/end, slow-path steps {hc.slow}/{steps}, "
                        f"stall {st['stall_seconds']:.3f}s")
+                if hasattr(run.ring, "copy_at_step"):
+                    run.ring.copy_at_step = True
+                    flushed()
+                    with HostClock(run) as hc:
+                        runs = paired(flushed, run=run)
+                    report("dmi hidden, copy at step", runs, f"host {hc.seconds / steps * 1e6:.0f} us/step in step "
+                           f"begin/end, {run.ring.steps_copied_at_step} steps copied at step")
+                    report("dmi hidden, copy at step, gated", paired(dgen, hold, release, run=run))
+                    interval = sys.getswitchinterval()
+                    sys.setswitchinterval(1e-4)
+                    try:
+                        report("dmi hidden, copy at step, switch 0.1ms", paired(flushed, run=run))
+                    finally:
+                        sys.setswitchinterval(interval)
+                    run.ring.copy_at_step = False
+            if hasattr(run.ring, "copy_at_step"):      # the exporter writing the store, beside decoding
+                run.ring.copy_at_step = True
+                flushed()
+                report(f"dmi hidden -> zarr ({args.writer}), copy at step", paired(flushed, run=run))
+                run.ring.copy_at_step = False
                 if torch.cuda.is_available():
                     print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
                     run.set_enabled(False)

@@ -149,9 +149,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def hidden_spec(ring: int, host: int) -> dict:
+def hidden_spec(ring: int, host: int, writer: str = "thread") -> dict:
     return {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
-            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}}
+            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}, "store": {"writer": writer}}
 
 
 def internals_spec(ring: int, host: int) -> dict:
@@ -271,7 +271,8 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         sd = store_dir()
         n_hidden = L + 2
         ring = ring_for(hid_prefill)
-        run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20), store=sd / "hidden.zarr", overwrite=True)
+        run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer),
+                       store=sd / "hidden.zarr", overwrite=True)
         try:
             run.set_enabled(False)
             record("dmi null", reps_of(lambda: dmodel.generate(**enc, **kw), run=run), run, sites=n_hidden)
@@ -295,8 +296,9 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                        sites=n_hidden, note=f"{run.ring.steps_copied_at_step} steps copied at step")
                 run.ring.copy_at_step = False
             if not args.no_zarr and mode in args.zarr_modes.split(","):
-                record("dmi hidden+logits -> zarr", reps_of(stepped(True), max(1, min(reps, args.zarr_repeats)), run=run,
-                                                            warm=False), run, sites=n_hidden, note=f"store {sd}")
+                label = "dmi hidden+logits -> zarr" + (" (writer process)" if args.writer == "process" else "")
+                record(label, reps_of(stepped(True), max(1, min(reps, args.zarr_repeats)), run=run, warm=False), run,
+                       sites=n_hidden, note=f"store {sd}")
         finally:
             run.close()
             shutil.rmtree(sd, ignore_errors=True)
@@ -371,6 +373,8 @@ def main(argv=None):
     ap.add_argument("--zarr-repeats", type=int, default=1)
     ap.add_argument("--host-mib", type=int, default=2048, help="policy.host_bytes (pinned staging) in MiB")
     ap.add_argument("--no-zarr", action="store_true")
+    ap.add_argument("--writer", default="thread", choices=["thread", "process"],
+                    help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
     ap.add_argument("--no-baselines", action="store_true")

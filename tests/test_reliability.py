@@ -25,6 +25,7 @@ from zarr.codecs import BloscCodec
 import dmi
 from dmi.cli import main
 from dmi.exporter import TMP_SUFFIX, ArrayFile
+from dmi.inspect_store import writer_alive
 from dmi.models import build_tiny_model
 from storecheck import expected_rows
 
@@ -142,10 +143,14 @@ def _assert_no_torn_chunk(store: Path) -> int:
     return n
 
 
-def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, capsys):
+WRITERS = ["thread", "process"]     # store.writer: the exporter in the model's process, or in its own
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, capsys, writer):
     texts = [f"Prompt number {i} says hello to the wide world" for i in range(48)]
     spec = tmp_path / "hooks.yaml"
-    spec.write_text(HOOKS)
+    spec.write_text(HOOKS.replace("{chunk_bytes: 16KiB}", f"{{chunk_bytes: 16KiB, writer: {writer}}}"))
     store = tmp_path / "s.zarr"
     batch, new = 3, 60                      # 16 batches x 60 steps: the kill lands mid-run, even on a fast machine
     cmd = [sys.executable, "-m", "dmi.cli", "capture", "--spec", str(spec), "--out", str(store), "-q",
@@ -160,6 +165,11 @@ def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    if writer == "process":      # the writer process sees its parent gone, commits what it holds and exits
+        deadline = time.monotonic() + 30
+        while _writer_alive(store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _writer_alive(store), "the store writer process outlived the killed capture"
 
     mark = _committed(store)
     last = mark["step"]
@@ -275,6 +285,11 @@ def _check_accounting(tree):
     assert sum(a["rows_dropped"].values()) == int(tree["drops"].dataset.rows.sum())
 
 
+def _writer_alive(store: Path) -> bool:
+    """The process the store names as its writer still runs (a zombie does not)."""
+    return writer_alive(json.loads((store / "zarr.json").read_text())["attributes"]["dmi_writer"])
+
+
 def test_unwritable_store_path_fails_at_load_naming_path_and_fix(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -287,16 +302,18 @@ def test_unwritable_store_path_fails_at_load_naming_path_and_fix(tmp_path):
             dmi.load("tiny-qwen3", hook_spec={"capture": [{"sites": ["final_norm"]}]}, store=ro / "o.zarr")
 
 
-def _store_full_spec(write_spec, policy: str) -> Path:
+def _store_full_spec(write_spec, policy: str, writer: str = "thread") -> Path:
     return write_spec(f"""
         capture: [{{sites: [resid_post, final_norm]}}]
-        store: {{max_bytes: 60KiB, chunk_bytes: 8KiB}}
+        store: {{max_bytes: 60KiB, chunk_bytes: 8KiB, writer: {writer}}}
         policy: {policy}
     """)
 
 
-def test_store_full_stops_the_model_within_a_second(tmp_path, encoded, write_spec):
-    run = dmi.load("tiny-qwen3", hook_spec=_store_full_spec(write_spec, "{mode: full}"), store=tmp_path / "o.zarr")
+@pytest.mark.parametrize("writer", WRITERS)
+def test_store_full_stops_the_model_within_a_second(tmp_path, encoded, write_spec, writer):
+    run = dmi.load("tiny-qwen3", hook_spec=_store_full_spec(write_spec, "{mode: full}", writer),
+                   store=tmp_path / "o.zarr")
     failed_at = []
 
     def watch():                # when the failed write happened
@@ -323,11 +340,12 @@ def test_store_full_stops_the_model_within_a_second(tmp_path, encoded, write_spe
     assert "sink" in set(tree["drops"].dataset.reason.values.tolist())
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("policy", ["{mode: best_effort}", "{mode: full, on_store_error: drop}"])
-def test_store_full_under_drop_keeps_generating_and_counts_every_drop(tmp_path, encoded, write_spec, policy):
+def test_store_full_under_drop_keeps_generating_and_counts_every_drop(tmp_path, encoded, write_spec, policy, writer):
     model = build_tiny_model("tiny-qwen3")
     ref = build_tiny_model("tiny-qwen3")
-    run = dmi.load(model, hook_spec=_store_full_spec(write_spec, policy), store=tmp_path / "o.zarr")
+    run = dmi.load(model, hook_spec=_store_full_spec(write_spec, policy, writer), store=tmp_path / "o.zarr")
     with torch.no_grad():
         for _ in range(8):        # until the store is full, and one generate more
             out = run.model.generate(**encoded, max_new_tokens=20, do_sample=False)
@@ -348,10 +366,12 @@ def test_store_full_under_drop_keeps_generating_and_counts_every_drop(tmp_path, 
     assert stored_steps.isdisjoint(drops.step.values[drops.site.values == "layers.0.resid_post"].tolist())
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("policy", ["full", "best_effort"])
-def test_an_oserror_mid_run(tmp_path, encoded, write_spec, policy):
+def test_an_oserror_mid_run(tmp_path, encoded, write_spec, policy, writer):
     """A file where a chunk directory must go: an OSError even for root (chmod does not stop root)."""
-    spec = write_spec(f"capture: [{{sites: [resid_post]}}]\nstore: {{chunk_bytes: 4KiB}}\npolicy: {{mode: {policy}}}\n")
+    spec = write_spec(f"capture: [{{sites: [resid_post]}}]\nstore: {{chunk_bytes: 4KiB, writer: {writer}}}\n"
+                      f"policy: {{mode: {policy}}}\n")
     run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
     blocker = ArrayFile(tmp_path / "o.zarr", "layers/resid_post/resid_post").path(2).parent.parent
     blocker.parent.mkdir(parents=True, exist_ok=True)

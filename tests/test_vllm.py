@@ -190,13 +190,15 @@ def test_attention_pattern_recomputed_from_q_and_k(tmp_path):
         sum(len(p) + len(o) - 1 for p, o in seqs.values())
 
 
-def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path, writer):
     """Many concurrent requests of different lengths, chunked prefill (64-token steps), prefix-cache
-    hits: 100% of rows equal HF's row at their (request, position), each computed position once."""
+    hits: 100% of rows equal HF's row at their (request, position), each computed position once;
+    the same with the store written by its own process (store.writer)."""
     from vllm import SamplingParams
     rng = np.random.default_rng(0)
     spec = {"capture": [{"sites": ["resid_post"], "layers": [0, 2]}, {"sites": ["final_norm", "logits"]}],
-            "policy": {"ring_bytes": "32MiB"}}
+            "policy": {"ring_bytes": "32MiB"}, "store": {"writer": writer}}
     run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm",
                    **ENGINE, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
     prefix = rng.integers(3, 300, size=BLOCK + 12).tolist()

@@ -1,0 +1,310 @@
+"""The store writer in its own process (``store.writer: process``).
+
+The exporter's Python work (row bookkeeping, chunk assembly, commits) holds the GIL for about as
+long as it runs, and on a GPU host the model's thread wants the GIL back every few microseconds
+(every torch call hands it over): measured on an H200, the in-process exporter took 1.8 ms of
+CPU per Qwen3-8B decode step and the step grew from 15 to 25 ms (perf/RESULTS.md). Here the
+:class:`~dmi.exporter.ZarrExporter` runs unchanged in a child process with its own interpreter;
+the model's process keeps one copy per record into a shared-memory handoff buffer and one small
+message per step.
+
+Parent (:class:`ProcessExporter`, the same interface as the exporter for :class:`dmi.run.Run`):
+each drained step's bytes go into the handoff buffer (a file in ``/dev/shm``, reserved in step
+order as a :class:`~dmi.ring.ByteRing`), then ``("step", ...)`` on a socket; the child answers each
+step with ``done`` once the exporter copied its rows, which frees the buffer. A reader thread
+takes the answers. Failures keep the exporter's semantics: the child's first ``StoreError`` comes
+back and is raised once by the next call of the exporter thread (``policy.on_store_error: raise``),
+within ``TICK_S``.
+
+The child is ``python -m dmi.writer FD PATH`` (a plain subprocess: no ``multiprocessing`` spawn,
+which would re-run the user's main module). If the model's process dies (``kill -9``) the child
+reads end-of-file, commits what it holds and exits, leaving the store ``open`` as a crashed
+in-process writer would (resume works the same).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import types
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from .errors import StoreError
+from .exporter import TICK_S, sink_policy
+from .ring import META_DTYPE, ByteRing
+
+START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
+
+
+class ProcessExporter:
+    """:class:`~dmi.exporter.ZarrExporter` in a child process (see the module doc)."""
+
+    def __init__(self, path, plan, capture_dtype: str, attrs: dict, overwrite: bool = False, resume: bool = False,
+                 handoff_bytes: int | None = None):
+        self.plan = plan
+        self.error: StoreError | None = None
+        self.drops: list = []             # sink drops (the store failed), as the child reports them
+        self.committed_step, self.store_bytes = -1, 0
+        self._acc = None
+        self._raised = False
+        self.inline_steps = 0             # steps larger than the handoff buffer, sent in their message
+        self._ids_sent = self._drops_sent = self._seq = 0
+        self._ends: dict[int, int] = {}   # step message -> end of its handoff span
+        self._cond = threading.Condition()
+        self._replies: dict[str, tuple] = {}
+        size = int(handoff_bytes or plan.policy.host_bytes)
+        self._space = ByteRing(size)
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        fd, self._buf_path = tempfile.mkstemp(prefix="dmi-handoff-", dir=shm)
+        try:
+            os.ftruncate(fd, size)
+            # faulted in now: first touches of fresh shared pages cost more than the copy itself
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._buf = np.frombuffer(self._map, np.uint8)
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", "dmi.writer", str(theirs.fileno()), self._buf_path],
+                                      pass_fds=(theirs.fileno(),), close_fds=True)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._reader = threading.Thread(target=self._read_loop, name="dmi-writer-reader", daemon=True)
+        try:
+            self._conn.send(("open", str(path), plan, capture_dtype, attrs, overwrite, resume))
+            opened = self._conn.recv() if self._conn.poll(START_TIMEOUT_S) else ("error", "no answer from the child")
+        except (EOFError, OSError) as e:
+            opened = ("error", f"the writer process exited at start ({e})")
+        finally:
+            os.unlink(self._buf_path)     # the mapping stays; nothing is left behind if either side dies
+        if opened[0] != "opened":
+            self._stop()
+            raise StoreError(opened[1])
+        _, path, self.next_step, self.stored_request_ids, self.store_bytes, self.committed_step = opened
+        self.path = Path(path)
+        self._reader.start()
+
+    # --- the exporter's interface (called by the run's exporter thread) ------------------------------
+    def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
+        self._raise_once()
+        sizes = [len(data) for _, _, data in records]
+        span = sum(sizes)
+        inline = None
+        if span > self._space.capacity:   # a step larger than the buffer travels in the message itself
+            inline, start, end = np.concatenate([_bytes(d) for _, _, d in records]), 0, None
+            self.inline_steps += 1
+        else:
+            with self._cond:              # room in the handoff buffer: the child frees it step by step
+                while (got := self._space.try_reserve(span)) is None:
+                    self._check_alive()
+                    self._cond.wait(0.05)
+            start, end = got
+            at = start
+            for (_, _, data), n in zip(records, sizes):
+                np.copyto(self._buf[at:at + n], _bytes(data))
+                at += n
+        slots = {site: slot.sel for site, slot in ctrl.slots.items()}
+        recs = np.array([rec for _, rec, _ in records], META_DTYPE) if records else np.zeros(0, META_DTYPE)
+        sites = [slot.site for slot, _, _ in records]
+        self._seq += 1
+        with self._cond:
+            self._ends[self._seq] = end
+        self._send(("step", self._seq, ctrl.step, ctrl.tokens, slots, sites, recs, start, sizes, inline,
+                    self._new_ids(request_ids), self._new_drops(ring_drops)))
+
+    def tick(self) -> None:
+        self._raise_once()
+        self._check_alive()
+
+    def sync(self) -> None:
+        """Every step handed over so far on disk and committed (``run.flush``)."""
+        self._call("sync")
+        self._raise_once()
+
+    def finish(self, ring_drops=()) -> None:
+        reply = self._call("finish", self._new_drops(ring_drops))
+        if reply[0] is not None:
+            raise StoreError(reply[0])
+
+    def accounting(self) -> dict[str, np.ndarray]:
+        return self._call("accounting")[0]
+
+    def close(self, summary: dict, clean: bool = True) -> None:
+        try:
+            reply = self._call("close", summary, clean)
+        finally:
+            self._stop()
+        if reply[0] is not None:
+            raise StoreError(reply[0])
+
+    # --- plumbing -------------------------------------------------------------------------------------
+    def _new_ids(self, ids: list[str]) -> list[str]:
+        new, self._ids_sent = ids[self._ids_sent:], len(ids)
+        return new
+
+    def _new_drops(self, drops) -> list:
+        new, self._drops_sent = list(drops[self._drops_sent:]), len(drops)
+        return new
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError as e:
+            self._check_alive()
+            raise StoreError(f"{self.path}: the store writer process is gone ({e})") from e
+
+    def _call(self, kind: str, *args) -> tuple:
+        """A request the child answers with ``(kind, ...)``; waits for it."""
+        with self._cond:
+            self._replies.pop(kind, None)
+        self._send((kind, *args))
+        with self._cond:
+            while kind not in self._replies:
+                self._check_alive()
+                self._cond.wait(0.05)
+            return self._replies.pop(kind)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                with self._cond:
+                    kind, state = msg[0], msg[-1]
+                    self.committed_step, self.store_bytes = state["committed_step"], state["store_bytes"]
+                    self.drops.extend(state["drops"])
+                    if state["error"] is not None and self.error is None:
+                        self.error = StoreError(state["error"])
+                    if kind == "done":
+                        end = self._ends.pop(msg[1])
+                        if end is not None:
+                            self._space.release(end)
+                    else:
+                        self._replies[kind] = msg[1:-1]
+                    self._cond.notify_all()
+        except (EOFError, OSError):
+            with self._cond:
+                self._cond.notify_all()
+
+    def _check_alive(self) -> None:
+        code = self._proc.poll()
+        if code is not None and not self._reader.is_alive():
+            if self.error is None:
+                self.error = StoreError(f"{getattr(self, 'path', 'store')}: the store writer process exited "
+                                        f"(code {code}). Fix: see its message above; the store keeps its last "
+                                        f"committed step")
+            self._raised = True
+            raise self.error
+
+    def _raise_once(self) -> None:
+        if self.error is not None and not self._raised and sink_policy(self.plan) == "raise":
+            self._raised = True
+            raise self.error
+
+    def _stop(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._reader.is_alive():
+            self._reader.join(timeout=5)
+
+
+def _bytes(data) -> np.ndarray:
+    return data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+
+
+# --- the child ----------------------------------------------------------------------------------------
+
+def _state(exp, sent: list) -> dict:
+    """What the parent mirrors after each answer: commit point, store size, new sink drops, the error."""
+    new = exp.drops[len(sent):]
+    sent.extend(new)
+    return {"committed_step": exp.committed_step, "store_bytes": exp.store_bytes, "drops": list(new),
+            "error": None if exp.error is None else str(exp.error)}
+
+
+def _serve(conn: Connection, buf: np.ndarray) -> None:
+    from .exporter import ZarrExporter
+    _, path, plan, capture_dtype, attrs, overwrite, resume = conn.recv()
+    try:
+        exp = ZarrExporter(path, plan, capture_dtype, attrs, overwrite=overwrite, resume=resume)
+    except Exception as e:  # noqa: BLE001 - the parent raises it as a StoreError
+        conn.send(("error", str(e) if isinstance(e, StoreError) else f"{path}: {type(e).__name__}: {e}"))
+        return
+    conn.send(("opened", str(exp.path), exp.next_step, exp.stored_request_ids, exp.store_bytes, exp.committed_step))
+    ids: list[str] = []
+    ring_drops: list = []
+    sent: list = []
+
+    def guarded(fn, *args):
+        """Run an exporter call; its StoreError goes back with the next answer (state['error'])."""
+        try:
+            fn(*args)
+            return None
+        except StoreError as e:
+            return str(e)
+
+    while True:
+        try:
+            if not conn.poll(TICK_S):
+                guarded(exp.tick)
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):        # the model's process is gone: commit what arrived, stay "open"
+            guarded(exp.checkpoint, True)
+            exp._shutdown(wait=True)
+            return
+        kind = msg[0]
+        if kind == "step":
+            _, seq, step, tokens, slots, sites, recs, start, sizes, inline, new_ids, new_drops = msg
+            ids.extend(new_ids)
+            ring_drops.extend(new_drops)
+            slot_of = {s: types.SimpleNamespace(site=s, sel=sel) for s, sel in slots.items()}
+            ctrl = types.SimpleNamespace(step=step, tokens=tokens, slots=slot_of)
+            src = buf if inline is None else inline
+            records, at = [], start
+            for site, rec, n in zip(sites, recs, sizes):
+                records.append((slot_of[site], rec, src[at:at + n]))
+                at += n
+            guarded(exp.write_step, ctrl, records, ids, ring_drops)
+            del records
+            conn.send(("done", seq, _state(exp, sent)))
+        elif kind == "sync":
+            guarded(exp.sync)
+            conn.send(("sync", _state(exp, sent)))
+        elif kind == "finish":
+            ring_drops.extend(msg[1])
+            err = guarded(exp.finish, ring_drops)
+            conn.send(("finish", err, _state(exp, sent)))
+        elif kind == "accounting":
+            conn.send(("accounting", exp.accounting(), _state(exp, sent)))
+        elif kind == "close":
+            err = guarded(exp.close, msg[1], msg[2])
+            conn.send(("close", err, _state(exp, sent)))
+            return
+
+
+def main(argv: list[str]) -> None:
+    fd, path = int(argv[0]), argv[1]
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0)
+    conn = Connection(fd)
+    try:
+        _serve(conn, np.frombuffer(mapping, np.uint8))
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

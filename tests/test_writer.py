@@ -1,0 +1,102 @@
+"""store.writer: process — the exporter in its own process writes the same store as the in-process
+one, and its failures reach the caller the same way."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import dmi
+from conftest import model_pair
+
+SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last", "reduce": {"topk": 5}},
+                    {"sites": ["attn.q"], "layers": [0], "tokens": {"phase": "decode"}}],
+        "store": {"chunk_bytes": "16KiB"}}
+
+
+def _arrays(group: zarr.Group, prefix: str = ""):
+    for name, node in group.members():
+        if isinstance(node, zarr.Group):
+            yield from _arrays(node, f"{prefix}{name}/")
+        else:
+            yield f"{prefix}{name}", node[...]
+
+
+def _capture(encoded, store, writer: str, policy: dict):
+    model, ref = model_pair("qwen3")
+    spec = SPEC | {"store": SPEC["store"] | {"writer": writer}, "policy": policy}
+    with torch.no_grad():
+        with dmi.load(model, hook_spec=spec, store=store) as run:
+            outs = [run.model.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
+            if writer == "process":
+                assert run.exporter._proc.poll() is None and run.exporter._proc.pid != os.getpid()
+                inline = run.exporter.inline_steps
+        want = [ref.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, want)), "patched model generated different tokens"
+    return run.stats() | ({"inline_steps": inline} if writer == "process" else {})
+
+
+@pytest.mark.parametrize("policy", [
+    {"mode": "full", "ring_bytes": "8MiB"},
+    # a ring far smaller than the run (backpressure) and a handoff buffer smaller than a prefill step
+    {"mode": "full", "ring_bytes": "96KiB", "host_bytes": "48KiB"}])
+def test_process_writer_stores_what_the_thread_writer_stores(tmp_path, encoded, policy):
+    stats = {w: _capture(encoded, tmp_path / f"{w}.zarr", w, policy) for w in ("thread", "process")}
+    assert stats["process"]["dropped_captures"] == stats["thread"]["dropped_captures"] == 0
+    if policy.get("host_bytes"):
+        assert stats["process"]["inline_steps"] > 0
+    a, b = (zarr.open_group(str(tmp_path / f"{w}.zarr"), mode="r") for w in ("thread", "process"))
+    got = dict(_arrays(b))
+    names = []
+    for name, want in _arrays(a):
+        names.append(name)
+        if want.dtype == object:
+            assert want.tolist() == got[name].tolist(), name
+        else:
+            np.testing.assert_array_equal(got[name], want, err_msg=name)
+    assert sorted(names) == sorted(got) and "layers/resid_post/resid_post" in names
+    assert b.attrs["hook_spec"]["store"]["writer"] == "process"
+    skip = {"dmi_writer", "created", "store_bytes", "hook_spec"}
+    assert {k: v for k, v in b.attrs.asdict().items() if k not in skip} == \
+        {k: v for k, v in a.attrs.asdict().items() if k not in skip}
+    assert b.attrs["dmi_status"] == "closed" and b.attrs["dmi_writer"]["pid"] != os.getpid()
+
+
+def test_a_killed_writer_process_stops_capture_naming_it(tmp_path, encoded):
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"}, "policy": {"mode": "full"}}
+    run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    with torch.no_grad():
+        run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+        run.flush()
+        committed = run.stats()["committed_step"]
+        os.kill(run.exporter._proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(dmi.CaptureError, match="store writer process exited") as info:
+            for _ in range(200):
+                run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+    assert time.monotonic() - killed < 2.0
+    assert str(tmp_path / "o.zarr") in str(info.value) and "Fix:" in str(info.value)
+    with pytest.raises(dmi.DmiError, match="store writer process exited"):
+        run.close()
+    tree = dmi.open(tmp_path / "o.zarr")           # consistent up to its last commit
+    assert tree.attrs["dmi_status"] == "open" and tree.attrs["dmi_committed"]["step"] >= committed >= 0
+    last = tree.attrs["dmi_committed"]["step"]
+    assert np.unique(tree["layers/resid_post"].dataset.step.values).tolist() == list(range(last + 1))
+
+
+def test_writer_process_is_refused_with_tensor_parallelism(tmp_path):
+    from dmi.errors import SpecError
+    from dmi.run import Run
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
+    model = build_tiny_model("tiny-qwen3")
+    hook = load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writer": "process"}})
+    plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, model.config, model_dtype_itemsize=4)
+    with pytest.raises(SpecError, match=r"store\.writer: process is not supported with tensor parallelism.*Fix:"):
+        Run(model, plan, str(tmp_path / "o.zarr"), tp=object())
