@@ -70,6 +70,7 @@ class Run:
         self._external = False       # the open step was begun outside the forward (graphs, engines)
         self._gen_mask = None        # 2D attention mask generate() prepared for the next forward
         self._mirror: _Mirror | None = None
+        self._last_rows = None       # (tokens, held, layout) of the last laid-out step, reused by equal rows
         self._owner = _StepOwner(self._orphaned)   # the thread driving the steps now (one generate at a time)
         filters = list(dict.fromkeys(s.tokens for s in plan.sites))
         self._n_filters = len(filters)
@@ -292,12 +293,37 @@ class Run:
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
                       held: dict | None = None) -> None:
         st.step = self._step
-        wanted, counts = self._wanted(st, keep, held)
-        # laid out as a whole (array operations, slot objects built later by the drain); the ring
-        # falls back to its per-capture path where it must drop or wait for the bandwidth cap
-        self.ring.begin_step(self._step, st, pad, StepLayout(wanted))
-        self._count(counts)
+        layout = self._same_rows_layout(st, keep, held)
+        if layout is None:
+            wanted, counts = self._wanted(st, keep, held)
+            # laid out as a whole (array operations, slot objects built later by the drain); the ring
+            # falls back to its per-capture path where it must drop or wait for the bandwidth cap
+            layout = StepLayout(wanted)
+            layout.cache["counts"] = counts
+            if keep is None and self._stateless_filters:
+                self._last_rows = (st, held, layout)
+        self.ring.begin_step(self._step, st, pad, layout)
+        self._count(layout.cache["counts"])
         self._step += 1
+
+    def _same_rows_layout(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout | None:
+        """The layout of the last laid-out step if this one has exactly its rows (an engine's steady
+        decode batch: same requests, one token each). Stateless token filters select from the rows,
+        their requests and phases, never from positions, so equal rows mean equal captures; the
+        ring then reuses what it derived from the layout, as for HF's decode steps."""
+        last = self._last_rows
+        if last is None or keep is not None or not self._stateless_filters:
+            return None
+        prev, prev_held, layout = last
+        if prev.seq != st.seq or len(prev) != len(st) or (prev_held is None) != (held is None):
+            return None
+        if not all(np.array_equal(a, b) for a, b in ((prev.rows, st.rows), (prev.request, st.request),
+                                                      (prev.phase, st.phase), (prev.local, st.local))):
+            return None
+        if held is not None and (prev_held.keys() != held.keys() or any(
+                prev_held[k][1] != n or not np.array_equal(prev_held[k][0], index) for k, (index, n) in held.items())):
+            return None
+        return layout
 
     def _count(self, counts: list[tuple[int, int, int]]) -> None:
         """Account a begun step's selection: (site, rows selected, of those not computed). Only once

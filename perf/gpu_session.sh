@@ -54,6 +54,10 @@ case "$part" in
     TAIL=20 step perf "${PERF_LIMIT:-330}" python3 perf/offline.py --models qwen3-8b --batches 32 --modes compiled --no-internals \
       --repeats 5 ${ZARR:---no-zarr} --results "$OUT/RESULTS.md" --json "$OUT/offline.json"
     ;;
+  writer)  # where the host cost goes, with the Zarr row's exporter in its own process (store.writer: process)
+    TAIL=20 step ablate "${PERF_LIMIT:-290}" python3 perf/ablate.py --model qwen3-8b --batch 32 --new 96 --repeats 3 \
+      --writer process "$@"
+    ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)
     TAIL=14 step budget "${PERF_LIMIT:-300}" python3 perf/budget.py "$@"
     ;;

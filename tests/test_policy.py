@@ -557,3 +557,39 @@ RUN_SPEC = st.fixed_dictionaries({"capture": st.lists(RUN_ENTRY, min_size=1, max
 @given(RUN_SPEC)
 def test_generated_policies_run_end_to_end_or_are_refused(spec):
     _run_or_refused(spec)
+
+
+def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
+    """An engine step whose rows, requests, phases and held rows equal the last laid-out step's
+    reuses its layout (a steady decode batch); any difference, or a per-request site mask, lays
+    the step out afresh. Positions may differ: stateless token filters never read them."""
+    run = dmi.load("tiny-qwen3", hook_spec={"capture": [{"sites": ["resid_post"]},
+                                                        {"sites": ["logits"], "tokens": "last"}]},
+                   store=tmp_path / "o.zarr")
+    used = []
+    begin = run.ring.begin_step
+    run.ring.begin_step = lambda step, st, pad, layout: used.append(layout) or begin(step, st, pad, layout)
+
+    def step(req, pos, phase=1, held_n=None, keep=None):
+        n = len(req)
+        st = StepTokens(0, 1, n, np.arange(n), np.asarray(req, np.int64), np.asarray(pos, np.int64),
+                        np.full(n, phase, np.int8), np.arange(n))
+        held = None if held_n is None else {"sampled": (np.arange(n), held_n)}
+        run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+        run.abort_step()
+        return used[-1]
+
+    try:
+        a = step([0, 1, 2], [5, 7, 9])
+        assert step([0, 1, 2], [6, 8, 10]) is a                  # next decode step: same rows, new positions
+        assert step([0, 1, 3], [6, 8, 10]) is not a              # another request
+        b = step([0, 1, 2], [6, 8, 10], phase=0)                 # prefill rows
+        assert b is not a and step([0, 1, 2], [7, 9, 11], phase=0) is b
+        c = step([0, 1, 2], [6, 8, 10], held_n=3)                # rows held by an engine tensor
+        assert c is not b and step([0, 1, 2], [6, 8, 10], held_n=4) is not c
+        keep = {0: np.array([True, False, True])}
+        d = step([0, 1, 2], [6, 8, 10], keep=keep)
+        assert d is not a and step([0, 1, 2], [6, 8, 10], keep=keep) is not d   # per-request masks: never reused
+    finally:
+        run.ring.begin_step = begin
+        run.close()
