@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,18 +62,11 @@ class ProcessExporter:
         self._replies: dict[str, tuple] = {}
         size = int(handoff_bytes or plan.policy.host_bytes)
         self._space = ByteRing(size)
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        fd, self._buf_path = tempfile.mkstemp(prefix="dmi-handoff-", dir=shm)
-        try:
-            os.ftruncate(fd, size)
-            # faulted in now: first touches of fresh shared pages cost more than the copy itself
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
+        self._buf_path, self._map = _handoff_buffer(size)
         self._buf = np.frombuffer(self._map, np.uint8)
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "dmi.writer", str(theirs.fileno()), self._buf_path],
-                                      pass_fds=(theirs.fileno(),), close_fds=True)
+                                      pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._reader = threading.Thread(target=self._read_loop, name="dmi-writer-reader", daemon=True)
@@ -220,6 +214,29 @@ class ProcessExporter:
             self._reader.join(timeout=5)
 
 
+def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
+    """A shared file of ``size`` bytes, mapped: in /dev/shm, else the temp directory (a container's
+    /dev/shm is often 64 MiB). Its blocks are allocated up front (a sparse file on a full tmpfs
+    would kill the process with SIGBUS at the first write past the space) and faulted in (first
+    touches of fresh shared pages cost more than the copies themselves)."""
+    tried = []
+    for where in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+        if not where.is_dir():
+            continue
+        fd, path = tempfile.mkstemp(prefix="dmi-handoff-", dir=where)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as e:
+            tried.append(f"{where}: {e.strerror or e}")
+            os.unlink(path)
+        finally:
+            os.close(fd)
+    raise StoreError(f"store.writer: process: no room for the {size:,}-byte handoff buffer (policy.host_bytes) "
+                     f"({'; '.join(tried)}). Fix: lower policy.host_bytes, free space in /dev/shm, or use "
+                     f"store.writer: thread")
+
+
 def _bytes(data) -> np.ndarray:
     return data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
 
@@ -296,6 +313,11 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # Ctrl-C or a stop signal is the model's process's to handle (this one runs in its own session,
+    # and ignores them where they still reach it, e.g. a whole cgroup stopped): that process closes
+    # the run, and this one with it, or dies and this one sees end-of-file
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, path = int(argv[0]), argv[1]
     with open(path, "r+b") as f:
         mapping = mmap.mmap(f.fileno(), 0)

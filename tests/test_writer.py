@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +89,35 @@ def test_a_killed_writer_process_stops_capture_naming_it(tmp_path, encoded):
     assert tree.attrs["dmi_status"] == "open" and tree.attrs["dmi_committed"]["step"] >= committed >= 0
     last = tree.attrs["dmi_committed"]["step"]
     assert np.unique(tree["layers/resid_post"].dataset.step.values).tolist() == list(range(last + 1))
+
+
+def test_the_writer_process_outlives_ctrl_c_and_stop_signals(tmp_path, encoded):
+    """SIGINT / SIGTERM are the capturing process's to handle (it closes the store cleanly)."""
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"}}
+    run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    child = run.exporter._proc
+    assert os.getpgid(child.pid) != os.getpgid(0)          # Ctrl-C at a terminal does not reach it
+    with torch.no_grad():
+        run.model.generate(**encoded, max_new_tokens=3, do_sample=False)
+        run.flush()                                        # (the child has set up its handlers by now)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(child.pid, sig)
+        run.model.generate(**encoded, max_new_tokens=3, do_sample=False)
+    time.sleep(0.2)
+    assert child.poll() is None
+    run.close()
+    assert child.returncode == 0 and dmi.open(tmp_path / "o.zarr").attrs["dmi_status"] == "closed"
+
+
+def test_a_handoff_buffer_that_cannot_be_allocated_is_refused_at_load(tmp_path):
+    """No tmpfs or disk here has 64 TiB: refused with the numbers and the fix, nothing left behind."""
+    before = set(Path("/dev/shm").glob("dmi-handoff-*")) | set(Path(tempfile.gettempdir()).glob("dmi-handoff-*"))
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"}, "policy": {"host_bytes": "64TiB"}}
+    with pytest.raises(dmi.StoreError, match=r"no room for the 70,368,744,177,664-byte handoff buffer "
+                                             r"\(policy\.host_bytes\).*Fix: lower policy\.host_bytes"):
+        dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    after = set(Path("/dev/shm").glob("dmi-handoff-*")) | set(Path(tempfile.gettempdir()).glob("dmi-handoff-*"))
+    assert after <= before
 
 
 def test_writer_process_is_refused_with_tensor_parallelism(tmp_path):
