@@ -65,8 +65,11 @@ class ProcessExporter:
         self._buf_path, self._map = _handoff_buffer(size)
         self._buf = np.frombuffer(self._map, np.uint8)
         ours, theirs = socket.socketpair()
+        # the child imports this same dmi (a checkout put on sys.path by a script is not on the child's)
+        here = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen([sys.executable, "-m", "dmi.writer", str(theirs.fileno()), self._buf_path],
-                                      pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True)
+                                      pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True, env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._reader = threading.Thread(target=self._read_loop, name="dmi-writer-reader", daemon=True)

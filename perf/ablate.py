@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
 import dmi.run        # noqa: E402
-from gpuclock import Stopwatch   # noqa: E402
+from gpuclock import CpuClock, Stopwatch   # noqa: E402
 from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
 
@@ -69,31 +68,10 @@ class HostClock(Stopwatch):
         dmi.run.step_tokens = self.saved_st
 
 
-def thread_cpu(thread) -> float:
-    """CPU seconds of another thread of this process (POSIX thread CPU clock), 0 once it is gone."""
-    try:
-        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-    except (OSError, TypeError):
-        return 0.0
-
-
-class CpuClock:
-    """CPU time per step of the model's thread and of the run's drain and export threads."""
-
-    def __init__(self, run, steps: int):
-        self.threads = [t for t in (getattr(run, "_drain", None), getattr(run, "_export", None)) if t is not None]
-        self.steps = steps
-
-    def __enter__(self):
-        self.t0 = time.thread_time()
-        self.c0 = [thread_cpu(t) for t in self.threads]
-        return self
-
-    def __exit__(self, *exc):
-        main = (time.thread_time() - self.t0) / self.steps * 1e6
-        rest = [(thread_cpu(t) - c) / self.steps * 1e6 for t, c in zip(self.threads, self.c0)]
-        self.text = f"cpu us/step: model thread {main:.0f}, " + ", ".join(
-            f"{t.name.split('-')[1]} {r:.0f}" for t, r in zip(self.threads, rest))
+def host_text(hc: HostClock, steps: int) -> str:
+    """Wall and CPU time per step in step begin/end: wall above CPU is time waited (mostly the GIL)."""
+    return (f"host {hc.seconds / steps * 1e6:.0f} us/step in step begin/end "
+            f"({hc.cpu_seconds / steps * 1e6:.0f} us of it CPU)")
 
 
 def profiled(fn, steps: int) -> str:
@@ -186,15 +164,15 @@ def main(argv=None) -> None:
                 steps = args.repeats * args.new
                 st = run.stats()
                 report("dmi hidden (full)", runs,
-                       f"host {hc.seconds / steps * 1e6:.0f} us/step in step begin/end, slow-path steps {hc.slow}/{steps}, "
+                       f"{host_text(hc, steps)}, slow-path steps {hc.slow}/{steps}, "
                        f"stall {st['stall_seconds']:.3f}s")
                 if hasattr(run.ring, "copy_at_step"):
                     run.ring.copy_at_step = True
                     flushed()
                     with HostClock(run) as hc:
                         runs = paired(flushed, run=run)
-                    report("dmi hidden, copy at step", runs, f"host {hc.seconds / steps * 1e6:.0f} us/step in step "
-                           f"begin/end, {run.ring.steps_copied_at_step} steps copied at step")
+                    report("dmi hidden, copy at step", runs, f"{host_text(hc, steps)}, "
+                           f"{run.ring.steps_copied_at_step} steps copied at step")
                     report("dmi hidden, copy at step, gated", paired(dgen, hold, release, run=run))
                     interval = sys.getswitchinterval()
                     sys.setswitchinterval(1e-4)
@@ -206,7 +184,9 @@ def main(argv=None) -> None:
             if hasattr(run.ring, "copy_at_step"):      # the exporter writing the store, beside decoding
                 run.ring.copy_at_step = True
                 flushed()
-                report(f"dmi hidden -> zarr ({args.writer}), copy at step", paired(flushed, run=run))
+                with HostClock(run) as hc:
+                    runs = paired(flushed, run=run)
+                report(f"dmi hidden -> zarr ({args.writer}), copy at step", runs, host_text(hc, args.repeats * args.new))
                 run.ring.copy_at_step = False
                 if torch.cuda.is_available():
                     print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)

@@ -1,7 +1,7 @@
 """Clocks for perf/: GPU busy time per step from one profiled run (a stable measure of what a
 configuration costs on the device, where wall time of HF's compiled generate is host-bound and
 jitters by several percent between identical runs: perf/RESULTS.md, 2026-11-29 third session),
-and a stopwatch for host calls."""
+a stopwatch for host calls, and CPU clocks of a run's threads."""
 from __future__ import annotations
 
 import collections
@@ -11,18 +11,21 @@ import torch
 
 
 class Stopwatch:
-    """Wall time and number of the calls made through :meth:`wrap` (no device sync)."""
+    """Wall time, the calling thread's CPU time and number of the calls made through :meth:`wrap`
+    (no device sync). Wall time above CPU time is time the calls waited: for the GIL (another
+    thread of the process held it) or in a blocking CUDA call."""
 
     def __init__(self):
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, 0
 
     def wrap(self, fn):
         def call(*args, **kwargs):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
+                self.cpu_seconds += time.thread_time() - c
                 self.calls += 1
         return call
 
@@ -68,3 +71,30 @@ def _union_us(events) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def thread_cpu(thread) -> float:
+    """CPU seconds of another thread of this process (POSIX thread CPU clock), 0 once it is gone."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, TypeError):
+        return 0.0
+
+
+class CpuClock:
+    """CPU time per step of the model's thread and of the run's drain and export threads."""
+
+    def __init__(self, run, steps: int):
+        self.threads = [t for t in (getattr(run, "_drain", None), getattr(run, "_export", None)) if t is not None]
+        self.steps = steps
+
+    def __enter__(self):
+        self.t0 = time.thread_time()
+        self.c0 = [thread_cpu(t) for t in self.threads]
+        return self
+
+    def __exit__(self, *exc):
+        main = (time.thread_time() - self.t0) / self.steps * 1e6
+        rest = [(thread_cpu(t) - c) / self.steps * 1e6 for t, c in zip(self.threads, self.c0)]
+        self.text = f"cpu us/step: model thread {main:.0f}, " + ", ".join(
+            f"{t.name.split('-')[1]} {r:.0f}" for t, r in zip(self.threads, rest))

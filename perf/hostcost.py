@@ -18,6 +18,8 @@ them in a chunk of their prompt, the rest decoding, turned into the step's rows
 block) and ended; no reuse across steps, as in a serving engine whose batch changes every step.
 Times are the model thread's CPU time (``time.thread_time``): the drain thread runs beside it and
 on a small machine its share of the GIL would otherwise be counted in whichever call it interrupts.
+The drain and export threads' own CPU time per step is printed too (the export thread writes
+nothing here: store writes are skipped).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
+from gpuclock import CpuClock   # noqa: E402
 from offline import DEV, Skip, hidden_spec, internals_spec, prompts   # noqa: E402
 
 
@@ -148,17 +151,17 @@ def vllm_steps(run, args) -> None:
         spent["end"] += time.thread_time() - t
 
     calls = max(args.calls // 10, 100)
+    total = calls + min(calls, 100)
     try:
-        with Skip(run), torch.no_grad():
+        with Skip(run), torch.no_grad(), CpuClock(run, total) as cpu:
             per_call_us(step, calls)
             run.flush()
     finally:
         run.close()
-    total = calls + min(calls, 100)
     rows, begin, end = (spent[key] / total * 1e6 for key in ("rows", "begin", "end"))
     print(f"{DEV} vllm step: {len(run.plan.sites)} sites, {n} requests ({k} prefill chunks of {args.chunk}, "
           f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us, "
-          f"total {rows + begin + end:.1f} us")
+          f"total {rows + begin + end:.1f} us; {cpu.text.split(', ', 1)[1]} (thread CPU us/step)")
 
 
 if __name__ == "__main__":

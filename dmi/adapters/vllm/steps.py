@@ -51,22 +51,25 @@ class StepBuilder:
         computed = np.asarray(batch.num_computed, np.int64)
         starts = np.cumsum(n_sched) - n_sched                # each request's first flat row
         req_index = np.asarray(self.requests.intern(batch.req_ids), np.int64)
-        upto = np.zeros(n_req, np.int64)                     # first position not yet captured
-        active = n_sched > 0
+        upto_l = [0] * n_req                                 # first position not yet captured
+        active = (n_sched > 0).tolist()                      # (Python lists: this loop runs per request)
         want_of = [None] * n_req
+        masked = False                                       # some request picked its own sites
         caps: list[tuple[int, int]] = []                     # (request, row cap)
         upto_get = self.captured_upto.get
         for j, rid in enumerate(batch.req_ids):
             if not active[j]:
                 continue
             w = wants(rid)
-            if w.sites is not None and not w.sites:
-                active[j] = False                            # opted out: its rows are not rows of the step
-                continue
-            want_of[j] = w.sites
-            upto[j] = upto_get(rid, 0)
+            if w.sites is not None:
+                if not w.sites:
+                    active[j] = False                        # opted out: its rows are not rows of the step
+                    continue
+                want_of[j], masked = w.sites, True
+            upto_l[j] = upto_get(rid, 0)
             if w.max_rows is not None:
                 caps.append((j, w.max_rows))
+        upto = np.asarray(upto_l, np.int64)
         js = np.flatnonzero(active)
         counts = n_sched[js]
         j_of = np.repeat(js, counts)                         # request of each scheduled row
@@ -75,9 +78,9 @@ class StepBuilder:
         fresh = pos >= upto[j_of]                            # recomputed after a preemption: stored already
         self.recomputed_rows += int(len(fresh) - np.count_nonzero(fresh))
         ends = computed[js] + counts
-        for j, end in zip(js.tolist(), ends.tolist()):
-            if end > upto[j]:
-                self.captured_upto[batch.req_ids[j]] = end
+        grew = ends > upto[js]
+        ids = batch.req_ids
+        self.captured_upto.update(zip([ids[j] for j in js[grew].tolist()], ends[grew].tolist()))
         for j, cap in caps:                                  # row caps: later rows are not captured
             rid = batch.req_ids[j]
             mine = np.flatnonzero(j_of == j)
@@ -97,9 +100,7 @@ class StepBuilder:
         local = np.where(logit_at >= 0, seq - n_req + logit_at, flat)
         st = StepTokens(step=0, batch=1, seq=seq, rows=flat, request=req_index[j_of], position=pos, phase=phase,
                         local=local)
-        keep = None
-        if any(want_of[j] is not None for j in js.tolist()):
-            keep = _site_masks(j_of, want_of, n_sites)
+        keep = _site_masks(j_of, want_of, n_sites) if masked else None
         return st, keep, {"sampled": (logit_at, n_req)}
 
 
