@@ -53,7 +53,6 @@ class ProcessExporter:
         self.error: StoreError | None = None
         self.drops: list = []             # sink drops (the store failed), as the child reports them
         self.committed_step, self.store_bytes = -1, 0
-        self._acc = None
         self._raised = False
         self.inline_steps = 0             # steps larger than the handoff buffer, sent in their message
         self._ids_sent = self._drops_sent = self._seq = 0
