@@ -240,17 +240,7 @@ class Run:
                             phase=m.decode, local=m.zeros)
             if m.keep is not None:        # some requests opted out (set_request_ids(capture=...))
                 st = st.subset(m.keep)
-            if self._stateless_filters:   # every decode step of this batch wants the same captures
-                if m.layout is None:
-                    wanted, counts = self._wanted(st)
-                    m.layout = StepLayout(wanted)
-                    m.layout.cache["counts"] = counts
-                st.step = self._step
-                self.ring.begin_step(self._step, st, m.pad, m.layout)
-                self._count(m.layout.cache["counts"])
-                self._step += 1
-                return
-            self._begin_tokens(st, m.pad)
+            self._begin_tokens(st, m.pad)   # the batch's rows again: its first decode step's layout is reused
             return
         mask = mask_t.detach().cpu().numpy() if mask_t is not None else None
         pos = position_ids.detach().cpu().numpy() if position_ids is not None and mask is None else None
@@ -307,8 +297,8 @@ class Run:
         self._step += 1
 
     def _same_rows_layout(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout | None:
-        """The layout of the last laid-out step if this one has exactly its rows (an engine's steady
-        decode batch: same requests, one token each). Stateless token filters select from the rows,
+        """The layout of the last laid-out step if this one has exactly its rows (HF's decode steps of
+        one batch; an engine's steady decode batch: same requests, one token each). Stateless token filters select from the rows,
         their requests and phases, never from positions, so equal rows mean equal captures; the
         ring then reuses what it derived from the layout, as for HF's decode steps."""
         last = self._last_rows
@@ -317,8 +307,8 @@ class Run:
         prev, prev_held, layout = last
         if prev.seq != st.seq or len(prev) != len(st) or (prev_held is None) != (held is None):
             return None
-        if not all(np.array_equal(a, b) for a, b in ((prev.rows, st.rows), (prev.request, st.request),
-                                                      (prev.phase, st.phase), (prev.local, st.local))):
+        if not all(a is b or np.array_equal(a, b) for a, b in ((prev.rows, st.rows), (prev.request, st.request),
+                                                                (prev.phase, st.phase), (prev.local, st.local))):
             return None
         if held is not None and (prev_held.keys() != held.keys() or any(
                 prev_held[k][1] != n or not np.array_equal(prev_held[k][0], index) for k, (index, n) in held.items())):
@@ -579,7 +569,7 @@ def _name(ident: int) -> str:
 
 class _Mirror:
     """Host copy of what a decode step needs about the current batch (no device reads)."""
-    __slots__ = ("batch", "total", "last_pos", "req", "pad", "arange", "zeros", "decode", "keep", "thread", "layout")
+    __slots__ = ("batch", "total", "last_pos", "req", "pad", "arange", "zeros", "decode", "keep", "thread")
 
     def __init__(self, batch: int, total: int, last_pos: np.ndarray, req: np.ndarray, pad: np.ndarray,
                  keep: np.ndarray | None = None):
@@ -589,7 +579,6 @@ class _Mirror:
         self.arange = np.arange(batch, dtype=np.int64)
         self.zeros = np.zeros(batch, np.int64)
         self.decode = np.ones(batch, np.int8)
-        self.layout: StepLayout | None = None    # the decode steps' captures, once laid out
 
 
 def _past_int(past) -> int:
