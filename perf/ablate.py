@@ -181,6 +181,11 @@ def main(argv=None) -> None:
                     finally:
                         sys.setswitchinterval(interval)
                     run.ring.copy_at_step = False
+                if torch.cuda.is_available():
+                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
+                    run.set_enabled(False)
+                    print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
+                    run.set_enabled(True)
             if hasattr(run.ring, "copy_at_step"):      # the exporter writing the store, beside decoding
                 run.ring.copy_at_step = True
                 flushed()
@@ -188,10 +193,6 @@ def main(argv=None) -> None:
                     runs = paired(flushed, run=run)
                 report(f"dmi hidden -> zarr ({args.writer}), copy at step", runs, host_text(hc, args.repeats * args.new))
                 run.ring.copy_at_step = False
-                if torch.cuda.is_available():
-                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
-                    run.set_enabled(False)
-                    print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
         finally:
             run.close()
 

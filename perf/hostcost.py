@@ -15,7 +15,9 @@ CUDA ring.
 ``on_step_end`` without the engine): a continuous batch of ``--batch`` requests, ``--prefill`` of
 them in a chunk of their prompt, the rest decoding, turned into the step's rows
 (``StepBuilder.build``), begun (token filters, per-site selection, ring reservation, control
-block) and ended; no reuse across steps, as in a serving engine whose batch changes every step.
+block) and ended. The synthetic batch keeps its requests, so once their phases settle each step
+has the last one's rows and reuses its layout, as a steady serving batch does; ``--fresh`` lays
+every step out anew, as when the batch changes every step.
 Times are the model thread's CPU time (``time.thread_time``): the drain thread runs beside it and
 on a small machine its share of the GIL would otherwise be counted in whichever call it interrupts.
 The drain and export threads' own CPU time per step is printed too (the export thread writes
@@ -64,6 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=4, help="vllm: requests of the batch in a prefill chunk")
     ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
     ap.add_argument("--internals", action="store_true", help="capture the internals spec (7 sites per layer)")
+    ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
     args = ap.parse_args(argv)
     import transformers as tf
     cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
@@ -139,6 +142,8 @@ def vllm_steps(run, args) -> None:
         st, keep, held = builder.build(batch, padded, lambda rid: every, len(run.plan.sites))
         spent["rows"] += time.thread_time() - t
         run._owner.claim("a step")
+        if args.fresh:
+            run._last_rows = None          # forget the last layout (Run._same_rows_layout)
         t = time.thread_time()
         run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
         spent["begin"] += time.thread_time() - t
