@@ -56,6 +56,7 @@ DROP_COLUMNS = {"step": "int64", "site": str, "requests": str, "rows": "int64", 
 DROP_CHUNK = 1024
 COPY_PARALLEL_BYTES = 4 << 20   # a step with more rows than this is copied into chunks by several threads
 FREE_BYTES = 512 << 20          # chunk buffers kept for reuse: fresh ones cost a page fault per 4 KiB
+STORE_NICE = 10       # the store's threads' niceness: the model's threads (0) win a contended core
 TICK_S = 0.25          # the exporter thread looks at failures and the commit clock at least this often
 COMMIT_S = 1.0         # open chunks are written and steps committed at least this often
 TMP_SUFFIX = ".dmi-tmp"
@@ -242,6 +243,23 @@ class ArrayFile:
         _write_atomic(self.dir / "zarr.json", json.dumps(self.meta, indent=2).encode())
 
 
+def default_threads() -> int:
+    """``store.threads`` unset: half the cores, at most 8 (more buys no throughput; the measured
+    limit is memory bandwidth and the exporter thread's own share)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def lower_priority(nice: int = STORE_NICE, tid: int | None = None) -> None:
+    """Run the calling thread (or thread ``tid`` of this process) at niceness ``nice`` at least
+    (Linux: niceness is per thread, and threads inherit their creator's). Where the system has no
+    such call, or refuses it, the thread keeps its priority."""
+    try:
+        tid = threading.get_native_id() if tid is None else tid
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError):
+        pass
+
+
 def _numcodec(c: dict, where: Path):
     """The numcodecs object zarr-python's codec of the same configuration encodes with."""
     cfg = c.get("configuration", {})
@@ -348,10 +366,13 @@ class ZarrExporter:
         self._request_ids: list[str] = []                # the run's request ids by index (its live list)
         self._failed = self._raised = False
         self._lock = threading.Lock()
-        self._workers = workers = os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-zarr")
+        self._workers = workers = plan.threads or default_threads()
+        # encoding and writing chunks never competes with the model's threads for a core: a
+        # host-bound decode loop that loses its core for a moment leaves the GPU idle that long
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-zarr", initializer=lower_priority)
         # the row copies of a big step run on several cores too (numpy releases the GIL)
-        self._copy_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-copy") if workers > 1 else None
+        self._copy_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dmi-copy",
+                                             initializer=lower_priority) if workers > 1 else None
         self._jobs: list = []         # (destination, source) row copies of the step being appended
         self._job_bytes = 0
         self._sealed: list = []       # chunks the step filled: written once its copies are done

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PolicyError, SpecError
+from .errors import PolicyError
 from .spec import Document, parse_bytes
 
 DEFAULT_RING_BYTES = 64 << 20
@@ -104,6 +104,7 @@ class Plan:
     max_bytes: int | None = None       # store.max_bytes: cap on chunk bytes on disk
     bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
     writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
+    threads: int | None = None         # store.threads: the exporter's encode/copy threads (None: its default)
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -283,7 +284,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
-                writer=store.get("writer", "thread"), arch_file=arch.file,
+                writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
                 hook_file=hook.file, hook_spec=spec)
     check_policy_fits(plan, model_dtype_itemsize, hook)
     return plan

@@ -20,12 +20,17 @@ Each row also reports CPU time per step of the model's thread (``time.thread_tim
 drain and export threads (their POSIX CPU clocks): wall time above the model thread's CPU time is time
 it waited, for the GPU or for the GIL.
 
+``--stores thread,process:none,process:lz4:4`` adds rows that write the Zarr store (default
+policy, no copy at step), each from its own ``dmi.load``: ``WRITER[:COMPRESSION[:THREADS]]``.
+``--only-stores`` skips the rows above (vanilla and the host row stay, for reference).
+
 Also per step: host time in ``begin_step``/``end_step``, steps whose token bookkeeping read the
 mask from the device (slow path), and GPU time of dmi's kernels (torch.profiler).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -74,6 +79,48 @@ def host_text(hc: HostClock, steps: int) -> str:
             f"({hc.cpu_seconds / steps * 1e6:.0f} us of it CPU)")
 
 
+def writer_cpu(run) -> float | None:
+    """The writer process's CPU seconds (all its threads, from /proc); None without one."""
+    proc = getattr(run.exporter, "_proc", None)
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (AttributeError, OSError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def writer_text(run, since: float | None, steps: int) -> str:
+    now = writer_cpu(run)
+    return "" if now is None or since is None else f"writer process CPU {(now - since) / steps * 1e6:.0f} us/step, "
+
+
+def host_profile(fn, steps: int) -> dict:
+    """cProfile of the calling thread over ``fn()``: {function: (own us/step, with callees us/step,
+    calls/step)}."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    out = {}
+    for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+        out[f"{name}  {where}"] = (own / steps * 1e6, cum / steps * 1e6, calls / steps)
+    return out
+
+
+def profile_diff(ours: dict, base: dict, top: int = 30) -> str:
+    """The functions whose own time per step grew most from ``base`` (vanilla) to ``ours`` (dmi):
+    what a CUDA-graph replay waits for, that vanilla does not do."""
+    zero = (0.0, 0.0, 0.0)
+    rows = sorted(set(ours) | set(base), key=lambda k: base.get(k, zero)[0] - ours.get(k, zero)[0])[:top]
+    lines = ["host profile, model thread, us/step: own time dmi - vanilla (dmi own, dmi with callees, "
+             "calls/step dmi / vanilla):"]
+    for k in rows:
+        o, b = ours.get(k, zero), base.get(k, zero)
+        lines.append(f"  {o[0] - b[0]:+8.1f}  ({o[0]:8.1f} {o[1]:8.1f}  {o[2]:5.1f} / {b[2]:5.1f})  {k}")
+    return "\n".join(lines)
+
+
 def profiled(fn, steps: int) -> str:
     """GPU time of dmi's kernels and CUDA graph launches, per step (a partitioned graph launches
     several graphs per step, with host work between them)."""
@@ -95,6 +142,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     ap.add_argument("--writer", default="thread", choices=["thread", "process"], help="store.writer of the Zarr row")
+    ap.add_argument("--stores", default="", help="Zarr rows: WRITER[:COMPRESSION[:THREADS]],... (see the module doc)")
+    ap.add_argument("--only-stores", action="store_true", help="skip the ablation rows (vanilla and host stay)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one run of the host row: dmi's functions, "
+                    "per step, by own time")
     args = ap.parse_args(argv)
     model = build(args.model)
     enc, lengths = prompts(args.batch, 16, 192, model.config.vocab_size)
@@ -133,60 +184,68 @@ def main(argv=None) -> None:
             print(f"vanilla: {profiled(gen, args.new)}", flush=True)
         sd = store_dir()
         run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB, args.writer), store=sd / "a.zarr", overwrite=True)
+
+        def flushed():
+            dgen()
+            run.flush()
+
         try:
             with Skip(run):
-                run.set_enabled(False)
-                dgen(), dgen()
-                report("dmi null", paired(dgen, run=run))
-                run.set_enabled(True)
+                if args.only_stores:
+                    flushed(), flushed()
+                    report("dmi hidden (full, -> host)", paired(flushed, run=run))
+                    if args.profile:
+                        base = host_profile(gen, args.new)
+                        print(profile_diff(host_profile(flushed, args.new), base), flush=True)
+                else:
+                    run.set_enabled(False)
+                    dgen(), dgen()
+                    report("dmi null", paired(dgen, run=run))
+                    run.set_enabled(True)
 
-                def flushed():
-                    dgen()
-                    run.flush()
+                    sites, run._site_info = run._site_info, []
+                    flushed(), flushed()
+                    report("dmi no sites (steps only)", paired(flushed, run=run))
+                    run._site_info = sites
 
-                sites, run._site_info = run._site_info, []
-                flushed(), flushed()
-                report("dmi no sites (steps only)", paired(flushed, run=run))
-                run._site_info = sites
+                    ready = run.ring.drain_ready
 
-                ready = run.ring.drain_ready
+                    def hold():
+                        run.ring.drain_ready = lambda *a: []
 
-                def hold():
-                    run.ring.drain_ready = lambda *a: []
-
-                def release():
-                    run.ring.drain_ready = ready
-                    run.flush()
-                flushed(), flushed()
-                report("dmi hidden, drain gated", paired(dgen, hold, release, run=run))
-                with HostClock(run) as hc:
-                    runs = paired(flushed, run=run)
-                steps = args.repeats * args.new
-                st = run.stats()
-                report("dmi hidden (full)", runs,
-                       f"{host_text(hc, steps)}, slow-path steps {hc.slow}/{steps}, "
-                       f"stall {st['stall_seconds']:.3f}s")
-                if hasattr(run.ring, "copy_at_step"):
-                    run.ring.copy_at_step = True
-                    flushed()
+                    def release():
+                        run.ring.drain_ready = ready
+                        run.flush()
+                    flushed(), flushed()
+                    report("dmi hidden, drain gated", paired(dgen, hold, release, run=run))
                     with HostClock(run) as hc:
                         runs = paired(flushed, run=run)
-                    report("dmi hidden, copy at step", runs, f"{host_text(hc, steps)}, "
-                           f"{run.ring.steps_copied_at_step} steps copied at step")
-                    report("dmi hidden, copy at step, gated", paired(dgen, hold, release, run=run))
-                    interval = sys.getswitchinterval()
-                    sys.setswitchinterval(1e-4)
-                    try:
-                        report("dmi hidden, copy at step, switch 0.1ms", paired(flushed, run=run))
-                    finally:
-                        sys.setswitchinterval(interval)
-                    run.ring.copy_at_step = False
-                if torch.cuda.is_available():
-                    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
-                    run.set_enabled(False)
-                    print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
-                    run.set_enabled(True)
-            if hasattr(run.ring, "copy_at_step"):      # the exporter writing the store, beside decoding
+                    steps = args.repeats * args.new
+                    st = run.stats()
+                    report("dmi hidden (full)", runs,
+                           f"{host_text(hc, steps)}, slow-path steps {hc.slow}/{steps}, "
+                           f"stall {st['stall_seconds']:.3f}s")
+                    if hasattr(run.ring, "copy_at_step"):
+                        run.ring.copy_at_step = True
+                        flushed()
+                        with HostClock(run) as hc:
+                            runs = paired(flushed, run=run)
+                        report("dmi hidden, copy at step", runs, f"{host_text(hc, steps)}, "
+                               f"{run.ring.steps_copied_at_step} steps copied at step")
+                        report("dmi hidden, copy at step, gated", paired(dgen, hold, release, run=run))
+                        interval = sys.getswitchinterval()
+                        sys.setswitchinterval(1e-4)
+                        try:
+                            report("dmi hidden, copy at step, switch 0.1ms", paired(flushed, run=run))
+                        finally:
+                            sys.setswitchinterval(interval)
+                        run.ring.copy_at_step = False
+                    if torch.cuda.is_available():
+                        print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
+                        run.set_enabled(False)
+                        print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
+                        run.set_enabled(True)
+            if hasattr(run.ring, "copy_at_step") and not args.only_stores:      # the exporter writing the store, beside decoding
                 run.ring.copy_at_step = True
                 flushed()
                 with HostClock(run) as hc:
@@ -195,6 +254,22 @@ def main(argv=None) -> None:
                 run.ring.copy_at_step = False
         finally:
             run.close()
+        for k, variant in enumerate(v for v in args.stores.split(",") if v):
+            writer, compression, threads = (variant.split(":") + [None, None])[:3]
+            store = {"compression": compression or "lz4"} | ({"threads": int(threads)} if threads else {})
+            run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB, writer, **store), store=sd / f"s{k}.zarr",
+                           overwrite=True)
+            try:
+                flushed(), flushed()
+                st0, c0 = run.stats(), writer_cpu(run)
+                with HostClock(run) as hc:
+                    runs = paired(flushed, run=run)
+                st = run.stats()
+                report(f"dmi hidden -> zarr ({variant})", runs,
+                       f"{host_text(hc, args.repeats * args.new)}, {writer_text(run, c0, args.repeats * args.new)}stall {st['stall_seconds'] - st0['stall_seconds']:.3f}s, "
+                       f"drops {st['dropped_bytes'] - st0['dropped_bytes']}")
+            finally:
+                run.close()
 
 
 if __name__ == "__main__":

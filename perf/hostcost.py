@@ -132,7 +132,7 @@ def vllm_steps(run, args) -> None:
     sched = np.array([args.chunk] * k + [1] * (n - k), np.int64)
     computed = np.array([0] * k + [200] * (n - k), np.int64)
     prompt = np.full(n, 200 + args.chunk, np.int64)
-    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0}
+    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0, "device_end": 0.0, "end_wall": 0.0}
 
     def step():
         computed[:] += sched       # the next step's positions (requests never finish: no re-admission)
@@ -147,25 +147,32 @@ def vllm_steps(run, args) -> None:
         t = time.thread_time()
         run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
         spent["begin"] += time.thread_time() - t
-        t = time.thread_time()
+        t, w = time.thread_time(), time.perf_counter()
         if DEV == "cuda":
             ring.device_end()
         else:
             ring.publish_end(ring.current)
+        spent["device_end"] += time.thread_time() - t
         run.end_step()
         spent["end"] += time.thread_time() - t
+        spent["end_wall"] += time.perf_counter() - w
 
     calls = max(args.calls // 10, 100)
     total = calls + min(calls, 100)
+    if DEV == "cuda":     # the end kernel's first launch compiles it: not a step's cost
+        ring.device_end()
+        torch.cuda.synchronize()
     try:
         with Skip(run), torch.no_grad(), CpuClock(run, total) as cpu:
             per_call_us(step, calls)
             run.flush()
     finally:
         run.close()
-    rows, begin, end = (spent[key] / total * 1e6 for key in ("rows", "begin", "end"))
+    rows, begin, end, dev_end, end_wall = (spent[key] / total * 1e6
+                                           for key in ("rows", "begin", "end", "device_end", "end_wall"))
     print(f"{DEV} vllm step: {len(run.plan.sites)} sites, {n} requests ({k} prefill chunks of {args.chunk}, "
-          f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us, "
+          f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us "
+          f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), "
           f"total {rows + begin + end:.1f} us; {cpu.text.split(', ', 1)[1]} (thread CPU us/step)")
 
 

@@ -149,9 +149,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def hidden_spec(ring: int, host: int, writer: str = "thread") -> dict:
+def hidden_spec(ring: int, host: int, writer: str = "thread", **store) -> dict:
     return {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
-            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}, "store": {"writer": writer}}
+            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}, "store": {"writer": writer, **store}}
 
 
 def internals_spec(ring: int, host: int) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -280,6 +279,17 @@ def test_meta_records_below_schema_minimum(write_spec, load):
     """)
     check(load(spec, SpecError), SpecError, file=spec, line=4, key="policy.meta_records",
           says=("4 is less than the minimum of 16", ">= 16"))
+
+
+def test_store_threads_below_one(write_spec, load):
+    spec = write_spec("""\
+        capture:
+          - sites: [resid_post]
+        store:
+          threads: 0
+    """)
+    check(load(spec, SpecError), SpecError, file=spec, line=4, key="store.threads",
+          says=("0 is less than the minimum of 1",))
 
 
 def test_wrong_version(load):
@@ -694,7 +704,8 @@ HOOK = st.builds(
         "store": st.fixed_dictionaries({}, optional={
             "path": mix(st.just("o.zarr"), st.sampled_from(["", 3])),
             "dtype": mix(st.sampled_from(["float16", "float32", "bfloat16", "native"]), st.just("int8")),
-            "chunk_bytes": BYTES}),
+            "chunk_bytes": BYTES,
+            "threads": mix(st.integers(1, 3), st.sampled_from([0, "2"]))}),
         "version": mix(st.just(1), st.just(2)),
     }),
     mix(st.just({}), st.just({"polcy": {}}), one_in=20),     # rare: a misspelt top-level key

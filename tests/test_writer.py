@@ -131,3 +131,36 @@ def test_writer_process_is_refused_with_tensor_parallelism(tmp_path):
     plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, model.config, model_dtype_itemsize=4)
     with pytest.raises(SpecError, match=r"store\.writer: process is not supported with tensor parallelism.*Fix:"):
         Run(model, plan, str(tmp_path / "o.zarr"), tp=object())
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not Path("/proc/self/task").exists(), reason="Linux threads")
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_store_threads_yield_their_cores_to_the_model(tmp_path, encoded, writer):
+    """store.threads sets the exporter's pool; its threads (the writer process: all of it) run at
+    lowered CPU priority, the model's thread keeps its own, and the store still holds every row."""
+    import threading
+    from dmi.exporter import STORE_NICE
+    spec = SPEC | {"store": SPEC["store"] | {"writer": writer, "threads": 2}}
+    mine = _nice(threading.get_native_id())
+    with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+        run.flush()
+        if writer == "thread":
+            assert run.exporter._workers == 2
+            pool = [t for t in threading.enumerate() if t.name.startswith(("dmi-zarr", "dmi-copy"))]
+            assert pool and all(_nice(t.native_id) >= STORE_NICE for t in pool)
+        else:
+            pid = run.exporter._proc.pid
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+            assert len(tids) > 1 and all(_nice(t) >= STORE_NICE for t in tids)
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"MALLOC_MMAP_THRESHOLD_=%d" % (32 << 20) in env
+        assert _nice(threading.get_native_id()) == mine
+        stats = run.stats()
+    tree = dmi.open(tmp_path / "o.zarr")
+    assert stats["dropped_captures"] == 0 and tree.attrs["dmi_status"] == "closed"
+    assert tree["layers/resid_post"].dataset.sizes["token"] == tree.attrs["rows_stored"]["layers.0.resid_post"] > 0
