@@ -362,7 +362,7 @@ class ZarrExporter:
         self.float_dtype = storage_dtype(plan, self.capture_dtype)
         self.on_error = sink_policy(plan)                # 'raise' | 'drop'
         self.error: StoreError | None = None             # the store's first failure
-        self.drops: list[Drop] = []                      # captures lost because the store failed (reason sink)
+        self.drops: list[Drop] = []                      # captures lost in the store's writing (sink, writer)
         self._request_ids: list[str] = []                # the run's request ids by index (its live list)
         self._failed = self._raised = False
         self._lock = threading.Lock()
@@ -562,16 +562,35 @@ class ZarrExporter:
         entry.cum = np.array([g.rows for g in self._all], np.int64)
 
     def drop_step(self, ctrl, records, request_ids, ring_drops=(), reason: str = "sink") -> None:
-        """A step the store will not get: every capture of it is accounted as dropped."""
+        """A step the failed store will not get: every capture of it is accounted as dropped (the
+        drops table gets them at close, as far as the store still takes writes)."""
         self._request_ids = request_ids
         entry = _Entry(ctrl.step, len(self.plan.sites))
         self._take_ring_drops(ring_drops, ctrl.step, entry)
+        self._step_drops(ctrl, records, entry, reason)
+        self._fold(entry)
+
+    def lose_step(self, ctrl, records, request_ids, ring_drops=(), reason: str = "writer") -> None:
+        """A step whose rows were lost before they reached this exporter (the writer process died):
+        its captures go into the drops table now and are committed with the steps around them."""
+        self._request_ids = request_ids
+        entry = _Entry(ctrl.step, len(self.plan.sites))
+        self._take_ring_drops(ring_drops, ctrl.step, entry)
+        self._append_drops(self._step_drops(ctrl, records, entry, reason))
+        self._flush_jobs()
+        entry.cum = np.array([g.rows for g in self._all], np.int64)
+        self._log.append(entry)
+
+    def _step_drops(self, ctrl, records, entry: _Entry, reason: str) -> list[Drop]:
+        """Every capture of a step as dropped (``records``' bytes are only counted)."""
+        new = []
         for g, sel, n, got in self._rows(ctrl, records, entry):
             reqs = tuple(np.unique(ctrl.tokens.request[sel]).tolist())
             for s, item in zip(g.sites, got):
                 if item is not None:
-                    self._drop(Drop(ctrl.step, s.index, reqs, n, len(item[2]), reason), entry)
-        self._fold(entry)
+                    new.append(Drop(ctrl.step, s.index, reqs, n, len(item[2]), reason))
+                    self._drop(new[-1], entry)
+        return new
 
     def _rows(self, ctrl, records, entry: _Entry):
         """Per group with rows this step: (group, selected rows, count, per-site record or None);
@@ -828,6 +847,15 @@ class ZarrExporter:
                 "rows": {g.name: g.shape_rows for g in self._all},
                 **{k: [int(x) for x in v] for k, v in acc.items()}}
 
+    def continue_run(self, prior: dict[str, np.ndarray], ring_drops_done: int) -> None:
+        """This exporter resumed a store that the same run was writing (its writer process died):
+        what the store committed beyond ``prior`` (the store's accounting when the run opened it)
+        is this run's own, and the run's first ``ring_drops_done`` ring drops are in its table."""
+        for k in ("stored", "dropped", "not_computed"):
+            self._acc[k] = self.prior[k] - prior[k]
+        self.prior = {k: np.array(prior[k], np.int64) for k in self.prior}
+        self._ring_pos = ring_drops_done
+
     def accounting(self) -> dict[str, np.ndarray]:
         """Per site, rows accounted so far (earlier runs of a resumed store included): ``stored``,
         ``dropped``, ``not_computed``; ``selected`` holds only the earlier runs' (the run counts its own)."""
@@ -928,7 +956,7 @@ class ZarrExporter:
             clean = False
         try:
             if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
-                self._append_drops(self.drops)
+                self._append_drops([d for d in self.drops if d.reason == "sink"])   # (writer drops are in it)
                 self._write_open(self.drops_group)
                 self._wait_all()
                 with self._lock:

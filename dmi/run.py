@@ -63,8 +63,8 @@ class Run:
         self._step = self.exporter.next_step     # resume: numbering goes on after the committed steps
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self._filters: dict = {}
-        self.rows_selected = [0] * len(plan.sites)    # accounting: stored + dropped == selected
-        self._not_computed = [0] * len(plan.sites)    # selected rows an engine tensor does not hold (held=)
+        self.rows_selected = np.zeros(len(plan.sites), np.int64)   # accounting: stored + dropped == selected
+        self._not_computed = np.zeros(len(plan.sites), np.int64)   # selected rows an engine tensor does not hold (held=)
         self.enabled = True          # False: null mode (sites stay patched, the device flag stays off)
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
         self._external = False       # the open step was begun outside the forward (graphs, engines)
@@ -293,7 +293,7 @@ class Run:
             if keep is None and self._stateless_filters:
                 self._last_rows = (st, held, layout)
         self.ring.begin_step(self._step, st, pad, layout)
-        self._count(layout.cache["counts"])
+        self._count(layout)
         self._step += 1
 
     def _same_rows_layout(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout | None:
@@ -315,14 +315,24 @@ class Run:
             return None
         return layout
 
-    def _count(self, counts: list[tuple[int, int, int]]) -> None:
-        """Account a begun step's selection: (site, rows selected, of those not computed). Only once
-        the ring took the step, so a refused step leaves selected = stored + dropped + not computed."""
-        selected, not_computed = self.rows_selected, self._not_computed
-        for site, n, missing in counts:
-            selected[site] += n
-            if missing:
-                not_computed[site] += missing
+    def _count(self, layout: StepLayout) -> None:
+        """Account a begun step's selection: the layout's (site, rows selected, of those not
+        computed); a reused layout's as arrays. Only once the ring took the step, so a refused step
+        leaves selected = stored + dropped + not computed."""
+        arrays = layout.cache.get("count_arrays")
+        if arrays is not None:                     # one entry per site: a plain fancy-index add
+            sites, selected, missing = arrays
+            self.rows_selected[sites] += selected
+            self._not_computed[sites] += missing
+            return
+        counts = layout.cache["counts"]
+        for site, n, missed in counts:
+            self.rows_selected[site] += n
+            if missed:
+                self._not_computed[site] += missed
+        if layout.cache.get("counted"):            # its second step: worth the arrays
+            layout.cache["count_arrays"] = tuple(np.array([c[i] for c in counts], np.int64) for i in range(3))
+        layout.cache["counted"] = True
 
     def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, list]:
         """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's

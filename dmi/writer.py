@@ -20,9 +20,18 @@ The child is ``python -m dmi.writer FD PATH`` (a plain subprocess: no ``multipro
 which would re-run the user's main module). If the model's process dies (``kill -9``) the child
 reads end-of-file, commits what it holds and exits, leaving the store ``open`` as a crashed
 in-process writer would (resume works the same).
+
+If the child dies (say OOM-killed): under ``policy.on_store_error: raise`` capture stops with a
+``StoreError`` naming it. Under ``drop`` (best_effort's default) the model keeps serving: a
+:class:`~dmi.exporter.ZarrExporter` in this process resumes the store from its last commit and
+takes over (:meth:`ProcessExporter._failover`). The steps the child had been sent but had not
+committed are lost; each of their captures is recorded in the drops table with reason
+``writer``, so rows stored + dropped still equal rows selected.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import mmap
 import os
 import signal
@@ -41,6 +50,7 @@ from .errors import StoreError
 from .exporter import TICK_S, lower_priority, sink_policy
 from .ring import META_DTYPE, ByteRing
 
+log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
 # glibc malloc in the child: chunk-sized blocks (the codec's output, chunk buffers) stay in the
 # heap instead of a fresh mmap each, and freed memory is kept, not handed back and faulted in again.
@@ -55,6 +65,7 @@ class ProcessExporter:
     def __init__(self, path, plan, capture_dtype: str, attrs: dict, overwrite: bool = False, resume: bool = False,
                  handoff_bytes: int | None = None):
         self.plan = plan
+        self._capture_dtype, self._attrs = capture_dtype, attrs
         self.error: StoreError | None = None
         self.drops: list = []             # sink drops (the store failed), as the child reports them
         self.committed_step, self.store_bytes = -1, 0
@@ -64,6 +75,14 @@ class ProcessExporter:
         self._ends: dict[int, int] = {}   # step message -> end of its handoff span
         self._cond = threading.Condition()
         self._replies: dict[str, tuple] = {}
+        # failover (module doc): what was sent and not yet committed, and the run's live lists
+        self._failover_ok = False         # (set once the store's accounting at open is known)
+        self._inproc = None               # the in-process exporter that took over, once the child died
+        self.failover: dict | None = None
+        self._unsettled: collections.deque = collections.deque()   # (step, ctrl, records without bytes)
+        self._ids_ref: list[str] = []
+        self._ring_drops_ref = ()
+        self._child_drops: list = []
         size = int(handoff_bytes or plan.policy.host_bytes)
         self._space = ByteRing(size)
         self._buf_path, self._map = _handoff_buffer(size)
@@ -91,10 +110,16 @@ class ProcessExporter:
         _, path, self.next_step, self.stored_request_ids, self.store_bytes, self.committed_step = opened
         self.path = Path(path)
         self._reader.start()
+        # the store's accounting before this run: a failover hands the rest to the new exporter as this run's
+        self._open_prior = self._call("accounting")[0] if sink_policy(plan) == "drop" else None
+        self._failover_ok = self._open_prior is not None
 
     # --- the exporter's interface (called by the run's exporter thread) ------------------------------
     def write_step(self, ctrl, records, request_ids: list[str], ring_drops=()) -> None:
+        if self._inproc is not None:
+            return self._delegate("write_step", ctrl, records, request_ids, ring_drops)
         self._raise_once()
+        self._ids_ref, self._ring_drops_ref = request_ids, ring_drops
         sizes = [len(data) for _, _, data in records]
         span = sum(sizes)
         inline = None
@@ -103,9 +128,10 @@ class ProcessExporter:
             self.inline_steps += 1
         else:
             with self._cond:              # room in the handoff buffer: the child frees it step by step
-                while (got := self._space.try_reserve(span)) is None:
-                    self._check_alive()
+                while (got := self._space.try_reserve(span)) is None and not self._check_alive():
                     self._cond.wait(0.05)
+            if got is None:               # the child died and an in-process exporter took over
+                return self._delegate("write_step", ctrl, records, request_ids, ring_drops)
             start, end = got
             at = start
             for (_, _, data), n in zip(records, sizes):
@@ -117,31 +143,44 @@ class ProcessExporter:
         self._seq += 1
         with self._cond:
             self._ends[self._seq] = end
-        self._send(("step", self._seq, ctrl.step, ctrl.tokens, slots, sites, recs, start, sizes, inline,
-                    self._new_ids(request_ids), self._new_drops(ring_drops)))
+        if not self._send(("step", self._seq, ctrl.step, ctrl.tokens, slots, sites, recs, start, sizes, inline,
+                           self._new_ids(request_ids), self._new_drops(ring_drops))):
+            return self._delegate("write_step", ctrl, records, request_ids, ring_drops)
+        if self._failover_ok:             # kept (without their bytes) until the child commits the step
+            while self._unsettled and self._unsettled[0][0] <= self.committed_step:
+                self._unsettled.popleft()
+            self._unsettled.append((ctrl.step, ctrl, [(slot, rec, _Length(len(data))) for slot, rec, data in records]))
 
     def tick(self) -> None:
+        if self._inproc is not None:
+            return self._delegate("tick")
         self._raise_once()
         self._check_alive()
 
     def sync(self) -> None:
         """Every step handed over so far on disk and committed (``run.flush``)."""
-        self._call("sync")
+        if self._inproc is not None or self._call("sync") is None:
+            return self._delegate("sync")
         self._raise_once()
 
     def finish(self, ring_drops=()) -> None:
-        reply = self._call("finish", self._new_drops(ring_drops))
+        reply = self._call("finish", self._new_drops(ring_drops)) if self._inproc is None else None
+        if reply is None:
+            return self._delegate("finish", ring_drops)
         if reply[0] is not None:
             raise StoreError(reply[0])
 
     def accounting(self) -> dict[str, np.ndarray]:
-        return self._call("accounting")[0]
+        reply = self._call("accounting") if self._inproc is None else None
+        return self._delegate("accounting") if reply is None else reply[0]
 
     def close(self, summary: dict, clean: bool = True) -> None:
         try:
-            reply = self._call("close", summary, clean)
+            reply = self._call("close", summary, clean) if self._inproc is None else None
         finally:
             self._stop()
+        if reply is None:
+            return self._delegate("close", summary, clean)
         if reply[0] is not None:
             raise StoreError(reply[0])
 
@@ -154,21 +193,32 @@ class ProcessExporter:
         new, self._drops_sent = list(drops[self._drops_sent:]), len(drops)
         return new
 
-    def _send(self, msg) -> None:
+    def _send(self, msg) -> bool:
+        """Send to the child: True, or False once an in-process exporter took over."""
         try:
             self._conn.send(msg)
+            return True
         except OSError as e:
-            self._check_alive()
+            try:                          # a broken pipe: the child is gone or about to be
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            self._reader.join(timeout=2)
+            if self._check_alive():
+                return False
             raise StoreError(f"{self.path}: the store writer process is gone ({e})") from e
 
-    def _call(self, kind: str, *args) -> tuple:
-        """A request the child answers with ``(kind, ...)``; waits for it."""
+    def _call(self, kind: str, *args) -> tuple | None:
+        """A request the child answers with ``(kind, ...)``; waits for it. None: the child died
+        and an in-process exporter took over (ask it instead)."""
         with self._cond:
             self._replies.pop(kind, None)
-        self._send((kind, *args))
+        if not self._send((kind, *args)):
+            return None
         with self._cond:
             while kind not in self._replies:
-                self._check_alive()
+                if self._check_alive():
+                    return None
                 self._cond.wait(0.05)
             return self._replies.pop(kind)
 
@@ -193,15 +243,64 @@ class ProcessExporter:
             with self._cond:
                 self._cond.notify_all()
 
-    def _check_alive(self) -> None:
+    def _check_alive(self) -> bool:
+        """False while the child lives (or its last answers are still being read). Once it has
+        died: under on_store_error drop an in-process exporter takes over (True); else raise."""
         code = self._proc.poll()
-        if code is not None and not self._reader.is_alive():
-            if self.error is None:
-                self.error = StoreError(f"{getattr(self, 'path', 'store')}: the store writer process exited "
-                                        f"(code {code}). Fix: see its message above; the store keeps its last "
-                                        f"committed step")
+        if code is None or self._reader.is_alive():
+            return False
+        if self._inproc is not None:
+            return True
+        if self._failover_ok:
+            self._failover(code)
+            return True
+        if self.error is None:
+            self.error = StoreError(f"{getattr(self, 'path', 'store')}: the store writer process exited "
+                                    f"(code {code}). Fix: see its message above; the store keeps its last "
+                                    f"committed step (policy.on_store_error: drop would resume it in this "
+                                    f"process and keep capturing)")
+        self._raised = True
+        raise self.error
+
+    def _failover(self, code: int) -> None:
+        """The child died under on_store_error drop: resume the store in this process from its last
+        commit and go on with it; the steps the child had not committed are recorded as dropped
+        (reason ``writer``)."""
+        from .exporter import ZarrExporter
+        try:
+            exp = ZarrExporter(self.path, self.plan, self._capture_dtype, self._attrs, resume=True)
+        except StoreError as e:
+            self.error = StoreError(f"{self.path}: the store writer process exited (code {code}) and this process "
+                                    f"could not resume the store: {e}")
             self._raised = True
-            raise self.error
+            raise self.error from e
+        committed = exp.committed_step
+        exp.continue_run(self._open_prior, sum(1 for d in self._ring_drops_ref if d.step <= committed))
+        lost = [u for u in self._unsettled if u[0] > committed]
+        for _, ctrl, records in lost:
+            exp.lose_step(ctrl, records, self._ids_ref, self._ring_drops_ref)
+        self._unsettled.clear()
+        self._child_drops = list(self.drops)
+        self.failover = {"exit_code": code, "committed_step": committed, "steps_lost": len(lost),
+                         "captures_lost": len(exp.drops)}
+        exp.root.attrs["writer_failover"] = self.failover
+        self._inproc = exp
+        self._mirror()
+        log.warning("dmi: %s: the store writer process exited (code %s); this process resumed the store after "
+                    "step %s and writes it from now on; %d captures of %d uncommitted steps are recorded as dropped "
+                    "(reason writer)", self.path, code, committed, len(exp.drops), len(lost))
+
+    def _delegate(self, name: str, *args):
+        """A call of the exporter interface, on the in-process exporter that took over."""
+        try:
+            return getattr(self._inproc, name)(*args)
+        finally:
+            self._mirror()
+
+    def _mirror(self) -> None:
+        exp = self._inproc
+        self.error, self.committed_step, self.store_bytes = exp.error, exp.committed_step, exp.store_bytes
+        self.drops = self._child_drops + exp.drops
 
     def _raise_once(self) -> None:
         if self.error is not None and not self._raised and sink_policy(self.plan) == "raise":
@@ -243,6 +342,17 @@ def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
     raise StoreError(f"store.writer: process: no room for the {size:,}-byte handoff buffer (policy.host_bytes) "
                      f"({'; '.join(tried)}). Fix: lower policy.host_bytes, free space in /dev/shm, or use "
                      f"store.writer: thread")
+
+
+class _Length:
+    """Stands in for a record's bytes where only their number is kept (a step not yet committed)."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def _bytes(data) -> np.ndarray:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import statistics
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
 import dmi.run        # noqa: E402
+import pyspy         # noqa: E402
 from gpuclock import CpuClock, Stopwatch   # noqa: E402
 from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
 
@@ -144,6 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--writer", default="thread", choices=["thread", "process"], help="store.writer of the Zarr row")
     ap.add_argument("--stores", default="", help="Zarr rows: WRITER[:COMPRESSION[:THREADS]],... (see the module doc)")
     ap.add_argument("--only-stores", action="store_true", help="skip the ablation rows (vanilla and host stay)")
+    ap.add_argument("--pyspy", type=float, default=0, help="seconds: py-spy samples vanilla, then the host row, "
+                    "each that long, and prints per-thread growth (perf/pyspy.py; files in $OUT or /tmp)")
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the host row: dmi's functions, "
                     "per step, by own time")
     args = ap.parse_args(argv)
@@ -194,6 +198,13 @@ def main(argv=None) -> None:
                 if args.only_stores:
                     flushed(), flushed()
                     report("dmi hidden (full, -> host)", paired(flushed, run=run))
+                    if args.pyspy:
+                        out = Path(os.environ.get("OUT", tempfile.gettempdir()))
+                        a, b = out / "pyspy-vanilla.txt", out / "pyspy-dmi-host.txt"
+                        if pyspy.sample_while(gen, args.pyspy, a) and pyspy.sample_while(flushed, args.pyspy, b):
+                            print(pyspy.compare(a, b), flush=True)
+                        else:
+                            print("py-spy: not found (carry its wheel in .whl)", flush=True)
                     if args.profile:
                         base = host_profile(gen, args.new)
                         print(profile_diff(host_profile(flushed, args.new), base), flush=True)

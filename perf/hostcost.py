@@ -11,6 +11,10 @@ which reserves, opens and publishes; each step is ended and drained as the run w
 interpret ring (``DMI_RING=interpret``, the same control-block code as the CUDA ring); GPU: the
 CUDA ring.
 
+``--in-generate N``: the same calls timed inside a real ``generate()`` of N tokens (static
+cache): between two steps the model's forward runs, so dmi's host work meets cold caches, as it
+does in a real run (dev box: publish_control 28 µs there against 4 µs in the loop).
+
 ``--engine vllm``: the host work of one vLLM engine step instead (``Session.on_forward`` and
 ``on_step_end`` without the engine): a continuous batch of ``--batch`` requests, ``--prefill`` of
 them in a chunk of their prompt, the rest decoding, turned into the step's rows
@@ -67,6 +71,9 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
     ap.add_argument("--internals", action="store_true", help="capture the internals spec (7 sites per layer)")
     ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
+    ap.add_argument("--in-generate", type=int, default=0, metavar="N",
+                    help="hf: time the step's host calls inside a real generate() of N new tokens (static cache: "
+                         "caches as cold as the model leaves them), not in a loop")
     args = ap.parse_args(argv)
     import transformers as tf
     cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
@@ -81,6 +88,8 @@ def main(argv=None) -> None:
     run = dmi.load(model, hook_spec=spec, store=Path(tempfile.mkdtemp()) / "h.zarr", overwrite=True)
     if args.engine == "vllm":
         return vllm_steps(run, args)
+    if args.in_generate:
+        return in_generate(model, run, enc, args.in_generate)
     ring = run.ring
     steps = []
     publish = ring.publish_control
@@ -118,6 +127,35 @@ def main(argv=None) -> None:
         run.close()
     print(f"{DEV}: {len(run.plan.sites)} sites, batch {args.batch}: publish_control {pub:.1f} us/call; decode step: "
           f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us")
+
+
+def in_generate(model, run, enc, new: int) -> None:
+    """Thread CPU per decode step of dmi's host calls inside generate() (see --in-generate)."""
+    spent: dict[str, float] = {}
+
+    def timed(obj, name):
+        fn = getattr(obj, name)
+
+        def call(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.thread_time() - t
+        setattr(obj, name, call)
+    kw = dict(do_sample=False, cache_implementation="static")
+    try:
+        with Skip(run), torch.no_grad():
+            model.generate(**enc, max_new_tokens=8, **kw)
+            for obj, name in ((run, "_begin"), (run.ring, "begin_step"), (run.ring, "publish_control"),
+                              (run.ring, "end_step")):
+                timed(obj, name)
+            model.generate(**enc, max_new_tokens=new, **kw)
+            run.flush()
+    finally:
+        run.close()
+    print(f"{DEV}: {len(run.plan.sites)} sites, batch {enc['input_ids'].shape[0]}, inside generate() ({new} steps, "
+          f"thread CPU us/step): " + ", ".join(f"{k.lstrip('_')} {v / new * 1e6:.1f}" for k, v in spent.items()))
 
 
 def vllm_steps(run, args) -> None:

@@ -56,6 +56,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
+import pyspy   # noqa: E402  (perf/pyspy.py)
 
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
@@ -426,6 +427,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
     ap.add_argument("--sink", default="host", choices=["host", "zarr"])
+    ap.add_argument("--pyspy", type=float, default=0,
+                    help="seconds: py-spy samples each server and its engine processes during --pyspy-rate, "
+                         "and the per-thread growth against vanilla is printed (perf/pyspy.py; files in $OUT)")
+    ap.add_argument("--pyspy-rate", type=float, default=None, help="the rate sampled (default: the second one)")
     ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
@@ -474,6 +479,8 @@ def main(argv=None) -> int:
     per_rate = args.duration + args.grace + 3
     est = {"compiled": 150.0, "eager": 60.0}
     rows, cfg_rows, base = [], [], {}
+    spy_rate = args.pyspy_rate if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
+    spy_files: dict[str, Path] = {}
     results_text = ""
     log(f"model {args.model} ({model_dir}), configs {names}, rates {rates}, {args.duration:g}+{args.grace:g} s per rate, "
         f"sink {args.sink}, budget {args.budget_s or 'none'}")
@@ -523,8 +530,15 @@ def main(argv=None) -> int:
                     if left < 3 + args.grace + 45:
                         log(f"{name}: rate {rate:g} skipped (budget)")
                         continue
+                spy = None
+                if args.pyspy and rate == spy_rate:
+                    spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{rate:g}.txt"
+                    spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
                 res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
                                                            args.grace, work_items, offsets[i], seed=1000 + i))
+                if spy is not None and spy.wait() != 0:
+                    log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
+                    spy_files.pop(name, None)
                 row = {"config": name, "rate": rate, "duration": duration, **summarize(res, window, cutoff)}
                 rows.append(row)
                 if name == "vanilla":
@@ -545,6 +559,10 @@ def main(argv=None) -> int:
                     f"close it: see {server.log_path})")
         results_text = emit()
         print("\n" + results_text, flush=True)
+    if "vanilla" in spy_files:
+        for name, path in spy_files.items():
+            if name != "vanilla":
+                print(pyspy.compare(spy_files["vanilla"], path), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0
 

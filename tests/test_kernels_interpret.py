@@ -38,6 +38,10 @@ def test_tiny_ring_wraps_and_null_mode():
     _run("wrap_null")
 
 
+def test_a_reused_layout_resends_its_words_after_another_step_changed_them():
+    _run("control")
+
+
 # --- sections (run in the subprocess) ---------------------------------------------------------------
 def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
     from dmi.plan import Output, SitePlan, TokenFilter
@@ -201,6 +205,10 @@ def section_generate() -> None:
                 if kind == "graph":
                     run.ring.graph_mode = True     # launches read everything from the device control tensor
                 outs[kind] = run.model.generate(**enc, max_new_tokens=3, do_sample=False)
+                # another batch, then the first again: decode steps that reuse their layout send the
+                # device only the global words, so every change of layout must send it all again
+                run.model.generate(**{k: v[:2] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
+                run.model.generate(**enc, max_new_tokens=4, do_sample=False)
         for kind in ("eager", "graph"):
             assert torch.equal(outs["cpu"], outs[kind])
             n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
@@ -245,6 +253,57 @@ def section_wrap_null() -> None:
     print("null ok")
 
 
+def section_control() -> None:
+    """A decode step that reuses the last step's layout sends the device only the global words. A
+    step in between that took the general path (here: one capture dropped) changed the site words
+    on the device, so the next reuse must send them all again."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.kernels import capture as K
+    from dmi.models import tiny_tokenizer
+    enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
+    model, _ = model_pair("qwen3")
+    spec = {"capture": [{"sites": ["resid_post", "final_norm"]}], "policy": {"ring_bytes": "8MiB"}}
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=Path(tempfile.mkdtemp()) / "c.zarr") as run:
+        ring, seen = run.ring, []
+        publish = ring.publish_control
+        ring.publish_control = lambda ctrl: (seen.append(ctrl), publish(ctrl))[1]
+        run.model.generate(**enc, max_new_tokens=4, do_sample=False)
+        run.flush()
+        last = seen[-1]
+        assert last.layout is not None and ring._on_device[0] is last.layout
+
+        def site_words(ctrl_tensor):
+            return ctrl_tensor[K.G_WORDS:ring.site_words].numpy().reshape(-1, K.S_WORDS).copy()
+
+        def step(wanted):
+            run._owner.claim("a step")
+            ctrl = ring.begin_step(run._step, last.tokens, last.pad, wanted)
+            run._step += 1
+            ring.end_step()                    # host-published end marker
+            run._owner.release_step()
+            return ctrl
+
+        step(last.layout)
+        want = site_words(ring.ctrl)
+        assert want[:, K.S_ENABLED].sum() == len(last.layout.wanted)
+        step(last.layout.wanted[1:])           # the general path: the first capture left out
+        gap = site_words(ring.ctrl)
+        assert gap[last.layout.wanted[0][0], K.S_ENABLED] == 0
+        ctrl = step(last.layout)               # the layout again: every word back on the device
+        np.testing.assert_array_equal(site_words(ring.ctrl), want)
+        g = ring.ctrl[:K.G_WORDS].numpy()
+        assert (g[K.G_BASE], g[K.G_FIRST_SEQ], g[K.G_END_SEQ]) == (ctrl.base, ctrl.first_seq, ctrl.end_seq)
+        run.flush()
+    print("control ok")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null}[sys.argv[1]]()
+    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
+     "control": section_control}[sys.argv[1]]()

@@ -164,3 +164,66 @@ def test_the_store_threads_yield_their_cores_to_the_model(tmp_path, encoded, wri
     tree = dmi.open(tmp_path / "o.zarr")
     assert stats["dropped_captures"] == 0 and tree.attrs["dmi_status"] == "closed"
     assert tree["layers/resid_post"].dataset.sizes["token"] == tree.attrs["rows_stored"]["layers.0.resid_post"] > 0
+
+
+def test_best_effort_survives_the_writer_process_dying(tmp_path, encoded):
+    """kill -9 of the writer under best_effort: this process resumes the store and captures on; the
+    uncommitted steps are in the drops table (reason writer), every stored row equals the thread
+    writer's, and rows stored + dropped + not computed = rows selected for every site."""
+    spec = SPEC | {"policy": {"mode": "best_effort"}}
+
+    def run_with(writer: str, kill: bool):
+        with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=spec | {"store": SPEC["store"] | {"writer": writer}},
+                                       store=tmp_path / f"{writer}.zarr") as run:
+            gen = run.model.generate
+            gen(**encoded, max_new_tokens=4, do_sample=False)
+            run.flush()                                   # steps 0-3 committed
+            if kill:                                      # the writer stays stopped: it commits nothing more
+                os.kill(run.exporter._proc.pid, signal.SIGSTOP)
+            gen(**encoded, max_new_tokens=5, do_sample=False)
+            if kill:
+                committed = run.stats()["committed_step"]
+                deadline = time.monotonic() + 30
+                while run._exported < run.ring.stats.steps and time.monotonic() < deadline:
+                    time.sleep(0.01)                      # steps 4-8 handed to the (stopped) writer
+                os.kill(run.exporter._proc.pid, signal.SIGKILL)
+                run.exporter._proc.wait()
+            for n in (3, 6):
+                gen(**encoded, max_new_tokens=n, do_sample=False)       # no exception: capture goes on
+        stats = run.stats()                               # (closed: every step handed over)
+        return (stats, committed) if kill else stats
+
+    want = run_with("thread", kill=False)
+    (got, committed_before) = run_with("process", kill=True)
+    tree, ref = dmi.open(tmp_path / "process.zarr"), dmi.open(tmp_path / "thread.zarr")
+    a = tree.attrs
+    assert a["dmi_status"] == "closed" and a["writer_failover"]["exit_code"] == -signal.SIGKILL
+    lost = a["writer_failover"]["steps_lost"]
+    assert committed_before == a["writer_failover"]["committed_step"] == 3 and lost == 5
+    assert got["drops_by_reason"] == {"writer": a["writer_failover"]["captures_lost"]} and want["dropped_captures"] == 0
+    drops = tree["drops"].dataset
+    lost_steps = sorted(set(drops.step.values.tolist()))
+    assert set(drops.reason.values.tolist()) == {"writer"} and len(lost_steps) == lost
+    for site in a["rows_selected"]:
+        assert a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site] == \
+            a["rows_selected"][site] == ref.attrs["rows_selected"][site], site
+    x, y = tree["layers/resid_post"].dataset, ref["layers/resid_post"].dataset
+    steps = sorted(set(x.step.values.tolist()))
+    assert steps == sorted(set(y.step.values.tolist()) - set(lost_steps))   # every step but the lost ones
+    keep = np.isin(y.step.values, steps)
+    for v in ("resid_post", "step", "position", "request"):
+        np.testing.assert_array_equal(x[v].values, y[v].values[keep] if v != "resid_post"
+                                      else y[v].values[keep, ...], err_msg=v)
+
+
+def test_full_mode_stops_when_the_writer_process_dies_and_says_how_to_go_on(tmp_path, encoded):
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"}, "policy": {"mode": "full"}}
+    run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    with torch.no_grad():
+        run.model.generate(**encoded, max_new_tokens=3, do_sample=False)
+        os.kill(run.exporter._proc.pid, signal.SIGKILL)
+        with pytest.raises(dmi.CaptureError, match="on_store_error: drop would resume it"):
+            for _ in range(200):
+                run.model.generate(**encoded, max_new_tokens=3, do_sample=False)
+    with pytest.raises(dmi.DmiError):
+        run.close()

@@ -14,10 +14,15 @@ these launches writes fresh slots on every replay, and copies exactly the step's
 
 ``ctrl`` layout (int64 words)::
 
-    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, -, -
-    [G_WORDS + S_WORDS*site, +5) offset (bytes), seq, rows, rows_start, enabled   (one per site)
+    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, base, first_seq
+    [G_WORDS + S_WORDS*site, +5) offset (bytes from base), seq (from first_seq), rows, rows_start,
+                                 enabled   (one per site)
     [pad_start, +batch)          left-padding columns per batch row (key-aligned sites)
     [rows_start, +rows)          flat step rows b*seq+s of a token filter's selection
+
+Site offsets and seqs are relative to the step's block (``base``) and first record
+(``first_seq``), so the site words and rows of a step that reuses the last step's layout are
+already on the device: the host then copies only the eight global words.
 
 ``armed`` is set by the host at each step and cleared by the end-marker kernel, so a graph replayed
 without a new step captures nothing (and null mode never arms it). ``enabled`` is 0 for sites with
@@ -44,7 +49,7 @@ import math
 import triton
 import triton.language as tl
 
-G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START = range(6)
+G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START, G_BASE, G_FIRST_SEQ = range(8)
 G_WORDS = 8
 S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED = range(5)
 S_WORDS = 5
@@ -54,6 +59,7 @@ DIRECT, IDENTITY = 0, 1
 
 # the same offsets as kernel constants (jit functions read only constexpr globals)
 _ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.constexpr(G_SEQ), tl.constexpr(G_END_SEQ)
+_BASE, _FIRST_SEQ = tl.constexpr(G_BASE), tl.constexpr(G_FIRST_SEQ)
 _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.constexpr(S_SEQ), tl.constexpr(S_ROWS),
                                                 tl.constexpr(S_ROWS_START), tl.constexpr(S_ENABLED))
 
@@ -105,7 +111,7 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
     if (armed != 0) & (enabled != 0):
         pid_r = tl.program_id(0)
         pid_f = tl.program_id(1)
-        offset = tl.load(ctrl + hdr + _OFFSET)
+        offset = tl.load(ctrl + hdr + _OFFSET) + tl.load(ctrl + _BASE)
         c = tl.minimum(tl.load(ctrl + hdr + _ROWS), K)
         n = tl.load(cnt + cnt_idx)
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -139,7 +145,7 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
         # drain reads a step's records only after its end marker, whose kernel runs after this one
         # has finished (stream order) and fences at system scope before publishing.
         if (pid_r == 0) & (pid_f == 0) & (tl.program_id(2) == 0):
-            seq_no = tl.load(ctrl + hdr + _RSEQ)
+            seq_no = tl.load(ctrl + hdr + _RSEQ) + tl.load(ctrl + _FIRST_SEQ)
             step = tl.load(ctrl + _STEP)
             _publish(meta, meta, meta_records, seq_no, step, site_word, offset,
                      n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64), False)

@@ -33,7 +33,6 @@ import contextlib
 import ctypes
 import os
 import threading
-import time
 
 import numpy as np
 import torch
@@ -128,6 +127,7 @@ class KernelRing(Ring):
         self._host_sites = [a[K.G_WORDS:self.site_words].reshape(n_sites, K.S_WORDS) for a in self._host_ctrl_np]
         self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
+        self._on_device: tuple = (None, None)   # (layout, pad) whose words the device's ctrl holds
         self.end_warm = False               # launching_without_step has compiled the end-marker kernel
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
@@ -160,37 +160,47 @@ class KernelRing(Ring):
         batch, seq = tok.batch, tok.seq
         self.geometry = (batch, seq)
         pad_start = pos = self.site_words
-        pad = ctrl.pad
+        pad, layout = ctrl.pad, ctrl.layout
+        laid = layout.cache.get("ctrl") if layout is not None else None
+        ctrl.dev_pad_start = pad_start
+        if laid is not None and layout is self._on_device[0] and (
+                pad is self._on_device[1] or np.array_equal(pad, self._on_device[1])):
+            # the last full publish put this layout's site words, rows and pad on the device: they
+            # are relative to the global words, which are all that changes (64 bytes, not the block)
+            ctrl.dev_rows_start = laid[2]
+            h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
+            self.ctrl[:K.G_WORDS].copy_(self._host_ctrl[k][:K.G_WORDS], non_blocking=True)
+            self._ctrl_events[k].record()
+            return
         if pos + len(pad) > self.ctrl_words:
             raise PolicyError(f"batch of {len(pad)} rows exceeds the CUDA ring's control buffer "
                               f"(policy.max_step_tokens={self.max_rows}). Fix: raise policy.max_step_tokens")
         h[pos:pos + len(pad)] = pad
         pos += len(pad)
-        laid = ctrl.layout.cache.get("ctrl") if ctrl.layout is not None else None
-        if laid is not None:                   # a reused layout: its words shifted to this step's block
-            rows_at, fields, rows_start, pos = laid
+        if laid is not None:                   # a reused layout: its words, relative to the step's block
+            rows_at, f, rows_start, pos = laid
             for at, rows in rows_at:
                 h[at:at + len(rows)] = rows
-            f = fields + (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0)
         else:
             f, rows_start, pos = self._site_words(ctrl, h, pos)
         hs = self._host_sites[k]
         hs[:, K.S_ENABLED] = 0
         hs[f[:, 0]] = f[:, 1:]
         ctrl.dev_rows_start = rows_start
-        ctrl.dev_pad_start = pad_start
-        h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, 0, 0)
+        h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
         self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
         self._ctrl_events[k].record()
+        self._on_device = (layout, pad)        # (layout None: the next step publishes in full too)
 
     def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
-        """Per site: (site, offset, seq, rows, rows_start, enabled) words, the rows written at
-        ``pos`` on (sites sharing a token filter share its rows); remembered for a reused layout."""
+        """Per site: (site, offset from base, seq from first_seq, rows, rows_start, enabled) words,
+        the rows written at ``pos`` on (sites sharing a token filter share its rows); remembered
+        for a reused layout."""
         if ctrl.layout is not None:
             return self._layout_words(ctrl, h, pos)
         slots = list(ctrl.slots.values())
         start_of, _, pos = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
-        fields = np.array([(slot.site, slot.offset, slot.seq, len(slot.rows), start, 1)
+        fields = np.array([(slot.site, slot.offset - ctrl.base, slot.seq - ctrl.first_seq, len(slot.rows), start, 1)
                            for slot, start in zip(slots, start_of)], np.int64).reshape(len(slots), K.S_WORDS + 1)
         return fields, {slot.site: start for slot, start in zip(slots, start_of)}, pos
 
@@ -199,7 +209,7 @@ class KernelRing(Ring):
         engine step lays out a fresh layout each step, with up to hundreds of sites)."""
         layout = ctrl.layout
         start_of, rows_at, pos = self._place_rows(ctrl, h, pos, [(w[0], w[2]) for w in layout.wanted])
-        rel = np.empty((len(layout.wanted), K.S_WORDS + 1), np.int64)   # less the block's base and first seq
+        rel = np.empty((len(layout.wanted), K.S_WORDS + 1), np.int64)   # relative to the block's base and first seq
         rel[:, 0] = layout.site_ids
         rel[:, 1] = layout.rel
         rel[:, 2] = np.arange(len(layout.wanted))
@@ -208,7 +218,7 @@ class KernelRing(Ring):
         rel[:, 5] = 1
         rows_start = dict(zip(layout.site_ids.tolist(), start_of))
         layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
-        return rel + (0, ctrl.slots.base, ctrl.first_seq, 0, 0, 0), rows_start, pos
+        return rel, rows_start, pos
 
     def _place_rows(self, ctrl: StepControl, h: np.ndarray, pos: int, site_rows: list):
         """Each capture's row indices into the control words at ``pos`` on, once per rows array
