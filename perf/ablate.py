@@ -204,7 +204,8 @@ def main(argv=None) -> None:
                         if pyspy.sample_while(gen, args.pyspy, a) and pyspy.sample_while(flushed, args.pyspy, b):
                             print(pyspy.compare(a, b), flush=True)
                         else:
-                            print("py-spy: not found (carry its wheel in .whl)", flush=True)
+                            print("py-spy: no profile (not found: carry its wheel in .whl, see "
+                                  "perf/fetch_wheels.sh; or it failed, above)", flush=True)
                     if args.profile:
                         base = host_profile(gen, args.new)
                         print(profile_diff(host_profile(flushed, args.new), base), flush=True)

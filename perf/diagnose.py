@@ -64,7 +64,6 @@ def main():
     ap.add_argument("--new", type=int, default=16)
     args = ap.parse_args()
     from dmi.kernels import capture as K
-    from dmi.kernels.cuda_ring import CudaRing   # noqa: F401
 
     model = build(args.layers)
     enc, _ = prompts(16, 16, 64, model.config.vocab_size)

@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
     print(f"pinned cudaMemcpyAsync D2H, 256 MiB: {ceiling:.1f} GB/s (ceiling)")
     if args.hol:
         big = 1 << 30
-        print(f"\n4-byte D2H copy + sync on the compute stream while the drain stream copies 1 GiB to pinned memory:\n")
+        print("\n4-byte D2H copy + sync on the compute stream while the drain stream copies 1 GiB to pinned memory:\n")
         print("| drain copy | probe µs (median) | probe µs (max) | probes | drain copy GB/s |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for label, chunk, paced in (("none", None, False), ("1 GiB in one copy", 0, False),

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from dmi.models import BUILTIN, build_tiny_model, tiny_tokenizer
+from dmi.models import build_tiny_model, tiny_tokenizer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)

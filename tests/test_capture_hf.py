@@ -110,7 +110,7 @@ def _reference_internals(ref, ids, mask, family):
     layer = ref.model.layers[0]
     attn = layer.self_attn
     b, s = ids.shape
-    heads, kv, hd = ref.config.num_attention_heads, ref.config.num_key_value_heads, attn.head_dim
+    hd = attn.head_dim
 
     def save(name, fn):
         return lambda m, a, kw, o: out.__setitem__(name, fn(a, kw, o).detach().reshape(b * s, -1).numpy())

@@ -3,7 +3,6 @@ and sink failures (store full, an OSError mid-run, a read-only directory, a writ
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import signal
@@ -66,7 +65,7 @@ def test_chunk_files_are_what_zarr_python_writes(tmp_path, codec, dtype, keys):
               **({} if compressors == "auto" else {"compressors": compressors}))
     ref = root.create_array("ref", **kw)
     ref[:] = data                                  # zarr-python writes chunk 0 whole, chunk 1 padded
-    ours = root.create_array("ours", **kw | {"shape": (0, *shape[1:])})
+    root.create_array("ours", **kw | {"shape": (0, *shape[1:])})
     f = ArrayFile(tmp_path / "s.zarr", "ours")
     g = ArrayFile(tmp_path / "s.zarr", "ref")
     for i in range(2):

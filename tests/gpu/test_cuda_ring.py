@@ -6,7 +6,6 @@ Run on a CUDA machine: ``pytest -m gpu tests/gpu``.
 """
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest

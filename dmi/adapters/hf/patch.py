@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import AnchorError
 from ...siteop import SiteHandle, site
 from .derived import DERIVED
 

@@ -12,7 +12,6 @@ Environment: ``DMI_HOOK_SPEC``, ``DMI_STORE``, ``DMI_OVERWRITE=1``, ``DMI_ARCH_S
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
