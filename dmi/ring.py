@@ -386,9 +386,10 @@ class Ring:
             self.urgent.set()
 
     def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout) -> StepControl | None:
-        """begin_step for a reused layout; None where the general path must decide (a bandwidth
-        cap, or best_effort with no room: it drops per site)."""
-        if self.bucket is not None or layout.total > self.bytes.capacity:
+        """begin_step for a reused layout; None where the general path must decide (the bandwidth
+        cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
+        per site)."""
+        if layout.total > self.bytes.capacity or (self.bucket is not None and self.bucket.wait_for(layout.total) > 0):
             return None
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
@@ -410,6 +411,8 @@ class Ring:
                 self.cond.wait(0.05)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
+            if self.bucket is not None:
+                self.bucket.spend(layout.total)
             base, block_end = block
             first = self.next_seq
             self.next_seq += n + 1

@@ -97,8 +97,9 @@ class Session:
     def on_step_end(self) -> None:
         if self.closed:
             return
-        import torch
-        torch.ops.dmi.step_end(self.run.ticket, self.run.id)     # device side of the end marker (CUDA ring)
+        # the device side of the end marker (CUDA ring), called directly: this runs after
+        # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
+        self.run.step_end_op()
         self.run.end_step()
 
     # --- lifecycle --------------------------------------------------------------------------------
