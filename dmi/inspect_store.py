@@ -155,6 +155,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "error": attrs.get("error"),
         "store_error": attrs.get("store_error"),
         "resumed": attrs.get("resumed") or [],
+        "writer_failover": attrs.get("writer_failover"),
         "format": attrs.get("dmi_format"),
         "model": model.get("name_or_path"),
         "model_class": model.get("class"),
@@ -245,6 +246,11 @@ def format_summary(info: dict) -> str:
             lines.append(f"error     {info[key]}")
     if info.get("resumed"):
         lines.append("resumed   at step " + ", ".join(str(r.get("at_step")) for r in info["resumed"]))
+    if info.get("writer_failover"):
+        f = info["writer_failover"]
+        lines.append(f"failover  the writer process exited (code {f.get('exit_code')}) after committing step "
+                     f"{f.get('committed_step')}; the capturing process resumed the store; {f.get('captures_lost')} "
+                     f"captures of {f.get('steps_lost')} uncommitted steps are drops (reason writer)")
     lines += [
         f"steps     {info['steps'] if info['steps'] is not None else '-'}",
         f"requests  {req['count']}" + (f": {ids}" if ids else ""),

@@ -200,6 +200,9 @@ def test_best_effort_survives_the_writer_process_dying(tmp_path, encoded):
     assert a["dmi_status"] == "closed" and a["writer_failover"]["exit_code"] == -signal.SIGKILL
     lost = a["writer_failover"]["steps_lost"]
     assert committed_before == a["writer_failover"]["committed_step"] == 3 and lost == 5
+    from dmi.inspect_store import format_summary, summarize
+    text = format_summary(summarize(tmp_path / "process.zarr"))
+    assert "failover  the writer process exited (code -9) after committing step 3" in text, text
     assert got["drops_by_reason"] == {"writer": a["writer_failover"]["captures_lost"]} and want["dropped_captures"] == 0
     drops = tree["drops"].dataset
     lost_steps = sorted(set(drops.step.values.tolist()))
