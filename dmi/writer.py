@@ -54,8 +54,9 @@ log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
 # glibc malloc in the child: chunk-sized blocks (the codec's output, chunk buffers) stay in the
 # heap instead of a fresh mmap each, and freed memory is kept, not handed back and faulted in again.
-# Default malloc spent about half the store's CPU in the kernel there (perf/exporter_bench.py);
-# this cut it by half and the store's time per step by a third. Other C libraries ignore these.
+# On the 2-core dev box (a Qwen3-8B decode step, 19.4 MB) this took the store's kernel time from
+# 17-19 to 8-9 ms per step and its wall time from 30 to 19-21 ms; the H200's writer CPU per step
+# did not move (perf/RESULTS.md, sixth GPU session). Other C libraries ignore these variables.
 STORE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
