@@ -141,6 +141,69 @@ def test_step_rows_match_a_per_request_reference(seed):
             live[r][0] += k
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_decode_steps_reuse_the_last_rows_and_match_the_reference(seed):
+    """A serving batch mostly decodes the same requests one token at a time: those steps take the
+    builder's steady path (the last step's rows, positions plus one). Now and then a request joins,
+    finishes, is preempted or skips a step, and the padded size changes: every step's rows must
+    still equal the per-request reference, and the steady path must have been taken."""
+    rng = np.random.default_rng(100 + seed)
+    table, state = RequestTable(), {}
+    sb = StepBuilder(table)
+    wants: dict = {}
+    live: dict[str, list[int]] = {}
+    steady = 0
+    for step in range(120):
+        churn = rng.random() < 0.08
+        finished = [r for r in live if churn and rng.random() < 0.2]
+        for r in finished:
+            del live[r]
+        if churn or not live:
+            for _ in range(rng.integers(1, 3)):
+                rid = f"t{seed}-{step}-{len(live)}"
+                live[rid] = [0, int(rng.integers(1, 12))]
+                wants[rid] = [ALL, ALL, Want(frozenset({1}), None), Want(None, int(rng.integers(5, 40)))][rng.integers(0, 4)]
+        if churn and live and rng.random() < 0.3:
+            live[next(iter(live))][0] = 0                     # preempted: recomputed from the start
+        ids = list(live)
+        sched = [1 if live[r][0] >= live[r][1] else min(4, live[r][1] - live[r][0]) for r in ids]
+        if churn and rng.random() < 0.3:
+            sched[0] = 0                                      # a request not scheduled this step
+        padded = int(sum(sched)) + (3 if churn and rng.random() < 0.5 else 0)
+        b = batch(ids, sched, [live[r][0] for r in ids], [live[r][1] for r in ids], finished)
+        want = wants.__getitem__
+        expected = reference_rows(state, b, want)
+        before = sb._last
+        st, keep, held = sb.build(b, padded, want, 3)
+        steady += before is not None and st.rows is before[3].rows
+        got = [(table.ids[r], int(p), int(row), int(ph)) for r, p, row, ph in zip(st.request, st.position, st.rows, st.phase)]
+        assert got == [e[:4] for e in expected], step
+        index, n = held["sampled"]
+        assert n == len(ids) and [int(i) >= 0 for i in index] == [e[4] for e in expected]
+        assert [int(x) for x in st.local] == [padded - n + int(i) if i >= 0 else int(r) for i, r in zip(index, st.rows)]
+        for site in range(3):
+            mask = np.ones(len(expected), bool) if keep is None else keep[site]
+            assert list(mask) == [e[5] is None or site in e[5] for e in expected]
+        for r, k in zip(ids, sched):
+            live[r][0] += k
+    assert steady > 20
+
+
+def test_steady_path_is_left_when_requests_swap_places_or_jump_ahead():
+    """Two requests at the same position swap places in the batch (vLLM reorders its persistent
+    batch), then one jumps two positions: counts and positions alone would look steady."""
+    table = RequestTable()
+    sb = StepBuilder(table)
+    sb.build(batch(["a", "b"], [1, 1], [10, 10], [5, 5]), 2, lambda r: ALL, 1)
+    st, _, _ = sb.build(batch(["a", "b"], [1, 1], [11, 11], [5, 5]), 2, lambda r: ALL, 1)     # steady
+    assert rows_of(st, table) == [("a", 11, 0), ("b", 11, 1)] and sb._last is not None
+    st, _, _ = sb.build(batch(["b", "a"], [1, 1], [12, 12], [5, 5]), 2, lambda r: ALL, 1)     # swapped
+    assert rows_of(st, table) == [("b", 12, 0), ("a", 12, 1)]
+    st, _, _ = sb.build(batch(["b", "a"], [1, 1], [15, 13], [5, 5]), 2, lambda r: ALL, 1)     # b jumped
+    assert rows_of(st, table) == [("b", 15, 0), ("a", 13, 1)]
+    assert sb.captured_upto == {"a": 14, "b": 16}
+
+
 # --- per-request policy: every refusal -------------------------------------------------------------
 DEFAULT = {"layers.0.resid_post", "logits"}
 EXTRA = {"layers.1.attn.q"}

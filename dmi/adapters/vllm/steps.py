@@ -32,6 +32,7 @@ class StepBuilder:
         self.rows_taken: dict[str, int] = {}        # request id -> token rows given to the run so far
         self.capped: set[str] = set()               # requests that reached their row cap
         self.recomputed_rows = 0                    # rows vLLM recomputed after a preemption (not stored twice)
+        self._last: tuple | None = None             # the last step, when a steady decode step may follow it
 
     def build(self, batch: Batch, num_tokens_padded: int, wants, n_sites: int) -> tuple[StepTokens, dict | None, dict]:
         """(tokens, keep, held) for ``Run.begin_tokens``.
@@ -43,6 +44,10 @@ class StepBuilder:
         captured), then whole-step array operations over the rows: an engine step carries up to
         hundreds of requests, and this runs on the host between two steps.
         """
+        steady = self._steady(batch, num_tokens_padded)
+        if steady is not None:
+            return steady
+        self._last = None
         for rid in batch.finished:
             self.captured_upto.pop(rid, None)
             self.rows_taken.pop(rid, None)
@@ -76,7 +81,8 @@ class StepBuilder:
         within = np.arange(len(j_of), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
         pos = computed[j_of] + within
         fresh = pos >= upto[j_of]                            # recomputed after a preemption: stored already
-        self.recomputed_rows += int(len(fresh) - np.count_nonzero(fresh))
+        recomputed = int(len(fresh) - np.count_nonzero(fresh))
+        self.recomputed_rows += recomputed
         ends = computed[js] + counts
         grew = ends > upto[js]
         ids = batch.req_ids
@@ -101,7 +107,40 @@ class StepBuilder:
         st = StepTokens(step=0, batch=1, seq=seq, rows=flat, request=req_index[j_of], position=pos, phase=phase,
                         local=local)
         keep = _site_masks(j_of, want_of, n_sites) if masked else None
-        return st, keep, {"sampled": (logit_at, n_req)}
+        held = {"sampled": (logit_at, n_req)}
+        if not recomputed and (n_sched == 1).all() and (phase == DECODE).all():
+            # every request decodes one token: the next step may be this one again with positions one
+            # further (a serving batch's steady state); the capped requests that kept their row
+            # must then have room for one more, those at their cap stay without one
+            kept = set(j_of.tolist())
+            self._last = (list(batch.req_ids), computed + 1, seq, st, keep, held,
+                          [(ids[j], cap) for j, cap in caps if j in kept])
+        return st, keep, held
+
+    def _steady(self, batch: Batch, num_tokens_padded: int) -> tuple | None:
+        """The step after a steady decode step, when it is the same requests decoding one token
+        each, every one exactly one token further (no preemption, no join, no finish), at the same
+        padded size, and each row-capped request with room for one more row: its rows are the last
+        step's, positions plus one, with none of the per-request work (the wants of a live request
+        never change)."""
+        last = self._last
+        if last is None or batch.finished or batch.spec_decode:
+            return None
+        ids, computed, seq, prev, keep, held, capped = last
+        now = np.asarray(batch.num_computed, np.int64)
+        if (seq != int(num_tokens_padded) or len(now) != len(computed) or not np.array_equal(now, computed)
+                or not (np.asarray(batch.num_scheduled) == 1).all() or batch.req_ids != ids):
+            return None
+        taken = self.rows_taken
+        if any(taken.get(rid, 0) >= cap for rid, cap in capped):
+            return None                            # a cap is reached: the general path drops that row
+        for rid, _ in capped:
+            taken[rid] = taken.get(rid, 0) + 1
+        st = StepTokens(step=0, batch=1, seq=seq, rows=prev.rows, request=prev.request, position=prev.position + 1,
+                        phase=prev.phase, local=prev.local)
+        self.captured_upto.update(zip(ids, (now + 1).tolist()))
+        self._last = (ids, now + 1, seq, st, keep, held, capped)
+        return st, keep, held
 
 
 def _site_masks(j_of: np.ndarray, want_of: list, n_sites: int) -> dict:
