@@ -316,29 +316,18 @@ class Run:
         return layout
 
     def _count(self, layout: StepLayout) -> None:
-        """Account a begun step's selection: the layout's (site, rows selected, of those not
-        computed); a reused layout's as arrays. Only once the ring took the step, so a refused step
-        leaves selected = stored + dropped + not computed."""
-        arrays = layout.cache.get("count_arrays")
-        if arrays is not None:                     # one entry per site: a plain fancy-index add
-            sites, selected, missing = arrays
-            self.rows_selected[sites] += selected
-            self._not_computed[sites] += missing
-            return
-        counts = layout.cache["counts"]
-        for site, n, missed in counts:
-            self.rows_selected[site] += n
-            if missed:
-                self._not_computed[site] += missed
-        if layout.cache.get("counted"):            # its second step: worth the arrays
-            layout.cache["count_arrays"] = tuple(np.array([c[i] for c in counts], np.int64) for i in range(3))
-        layout.cache["counted"] = True
+        """Account a begun step's selection: the layout's rows selected and not computed per site.
+        Only once the ring took the step, so a refused step leaves selected = stored + dropped + not
+        computed."""
+        sites, selected, missing = layout.cache["counts"]       # one entry per site: a plain fancy-index add
+        self.rows_selected[sites] += selected
+        self._not_computed[sites] += missing
 
-    def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, list]:
+    def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, tuple]:
         """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's
-        accounting for :meth:`_count`."""
+        accounting for :meth:`_count`: arrays of sites, rows selected, of those not computed."""
         selections: list = [None] * self._n_filters
-        wanted, counts = [], []
+        wanted, sites, selected, not_computed = [], [], [], []
         for site, row_bytes, tokens, f, priority, held_rows in self._site_info:
             base = selections[f]
             if base is None:                  # one selection per token filter and step
@@ -354,10 +343,12 @@ class Run:
                 at = index[sel]
                 missing = int((at < 0).sum())
                 sel, rows = sel[at >= 0], st.seq - n + at[at >= 0]
-            counts.append((site, len(sel) + missing, missing))
+            sites.append(site)
+            selected.append(len(sel) + missing)
+            not_computed.append(missing)
             if len(sel):
                 wanted.append((site, sel, rows, len(sel) * row_bytes, priority))
-        return wanted, counts
+        return wanted, tuple(np.array(v, np.int64) for v in (sites, selected, not_computed))
 
     def capture(self, site_index: int, x: torch.Tensor) -> None:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x``."""

@@ -150,7 +150,8 @@ class ProcessExporter:
         if self._failover_ok:             # kept (without their bytes) until the child commits the step
             while self._unsettled and self._unsettled[0][0] <= self.committed_step:
                 self._unsettled.popleft()
-            self._unsettled.append((ctrl.step, ctrl, [(slot, rec, _Length(len(data))) for slot, rec, data in records]))
+            # (the records' bytes stand in as a range of their length: only their number is read then)
+            self._unsettled.append((ctrl.step, ctrl, [(slot, rec, range(len(data))) for slot, rec, data in records]))
 
     def tick(self) -> None:
         if self._inproc is not None:
@@ -343,17 +344,6 @@ def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
     raise StoreError(f"store.writer: process: no room for the {size:,}-byte handoff buffer (policy.host_bytes) "
                      f"({'; '.join(tried)}). Fix: lower policy.host_bytes, free space in /dev/shm, or use "
                      f"store.writer: thread")
-
-
-class _Length:
-    """Stands in for a record's bytes where only their number is kept (a step not yet committed)."""
-    __slots__ = ("n",)
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def _bytes(data) -> np.ndarray:

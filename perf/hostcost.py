@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
-from gpuclock import CpuClock   # noqa: E402
+from gpuclock import CpuClock, Stopwatch   # noqa: E402
 from offline import DEV, Skip, hidden_spec, internals_spec, prompts   # noqa: E402
 
 
@@ -131,31 +131,20 @@ def main(argv=None) -> None:
 
 def in_generate(model, run, enc, new: int) -> None:
     """Thread CPU per decode step of dmi's host calls inside generate() (see --in-generate)."""
-    spent: dict[str, float] = {}
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def call(*a, **k):
-            t = time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.thread_time() - t
-        setattr(obj, name, call)
+    calls = ((run, "_begin"), (run.ring, "begin_step"), (run.ring, "publish_control"), (run.ring, "end_step"))
+    clocks = {name: Stopwatch() for _, name in calls}
     kw = dict(do_sample=False, cache_implementation="static")
     try:
         with Skip(run), torch.no_grad():
             model.generate(**enc, max_new_tokens=8, **kw)
-            for obj, name in ((run, "_begin"), (run.ring, "begin_step"), (run.ring, "publish_control"),
-                              (run.ring, "end_step")):
-                timed(obj, name)
+            for obj, name in calls:
+                setattr(obj, name, clocks[name].wrap(getattr(obj, name)))
             model.generate(**enc, max_new_tokens=new, **kw)
             run.flush()
     finally:
         run.close()
     print(f"{DEV}: {len(run.plan.sites)} sites, batch {enc['input_ids'].shape[0]}, inside generate() ({new} steps, "
-          f"thread CPU us/step): " + ", ".join(f"{k.lstrip('_')} {v / new * 1e6:.1f}" for k, v in spent.items()))
+          f"thread CPU us/step): " + ", ".join(f"{k.lstrip('_')} {c.cpu_seconds / new * 1e6:.1f}" for k, c in clocks.items()))
 
 
 def vllm_steps(run, args) -> None:

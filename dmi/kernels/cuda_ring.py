@@ -167,30 +167,27 @@ class KernelRing(Ring):
                 pad is self._on_device[1] or np.array_equal(pad, self._on_device[1])):
             # the last full publish put this layout's site words, rows and pad on the device: they
             # are relative to the global words, which are all that changes (64 bytes, not the block)
-            ctrl.dev_rows_start = laid[2]
-            h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
-            self.ctrl[:K.G_WORDS].copy_(self._host_ctrl[k][:K.G_WORDS], non_blocking=True)
-            self._ctrl_events[k].record()
-            return
-        if pos + len(pad) > self.ctrl_words:
-            raise PolicyError(f"batch of {len(pad)} rows exceeds the CUDA ring's control buffer "
-                              f"(policy.max_step_tokens={self.max_rows}). Fix: raise policy.max_step_tokens")
-        h[pos:pos + len(pad)] = pad
-        pos += len(pad)
-        if laid is not None:                   # a reused layout: its words, relative to the step's block
-            rows_at, f, rows_start, pos = laid
-            for at, rows in rows_at:
-                h[at:at + len(rows)] = rows
+            ctrl.dev_rows_start, pos = laid[2], K.G_WORDS
         else:
-            f, rows_start, pos = self._site_words(ctrl, h, pos)
-        hs = self._host_sites[k]
-        hs[:, K.S_ENABLED] = 0
-        hs[f[:, 0]] = f[:, 1:]
-        ctrl.dev_rows_start = rows_start
+            if pos + len(pad) > self.ctrl_words:
+                raise PolicyError(f"batch of {len(pad)} rows exceeds the CUDA ring's control buffer "
+                                  f"(policy.max_step_tokens={self.max_rows}). Fix: raise policy.max_step_tokens")
+            h[pos:pos + len(pad)] = pad
+            pos += len(pad)
+            if laid is not None:               # a reused layout: its words, relative to the step's block
+                rows_at, f, rows_start, pos = laid
+                for at, rows in rows_at:
+                    h[at:at + len(rows)] = rows
+            else:
+                f, rows_start, pos = self._site_words(ctrl, h, pos)
+            hs = self._host_sites[k]
+            hs[:, K.S_ENABLED] = 0
+            hs[f[:, 0]] = f[:, 1:]
+            ctrl.dev_rows_start = rows_start
+            self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
         h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
         self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
         self._ctrl_events[k].record()
-        self._on_device = (layout, pad)        # (layout None: the next step publishes in full too)
 
     def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """Per site: (site, offset from base, seq from first_seq, rows, rows_start, enabled) words,
