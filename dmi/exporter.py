@@ -48,6 +48,7 @@ from .inspect_store import writer_alive
 from .plan import Plan, SitePlan
 from .ring import Drop
 from .tokens import PHASES
+from .zdtype import BF16
 
 log = logging.getLogger("dmi")
 
@@ -68,10 +69,15 @@ _FIX_IO = ("Fix: free space or restore write permission there (policy.on_store_e
 
 
 def storage_dtype(plan: Plan, capture_dtype: str) -> np.dtype:
-    """Float storage dtype: the capture dtype ('native'), or the hook spec's store.dtype;
-    bfloat16 has no Zarr dtype and is stored as float32 (exact)."""
-    name = capture_dtype if plan.store_dtype == "native" else plan.store_dtype
-    return np.dtype("float32" if name == "bfloat16" else name)
+    """Float storage dtype: the capture dtype ('native'), or the hook spec's store.dtype.
+    bfloat16 is stored as itself (the Zarr v3 extension data type, dmi/zdtype.py): two bytes a
+    value, exact, and its rows are a plain copy of the captured bits."""
+    return numpy_dtype(capture_dtype if plan.store_dtype == "native" else plan.store_dtype)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a Zarr v3 data type name (bfloat16: ml_dtypes')."""
+    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def sink_policy(plan: Plan) -> str:
@@ -211,9 +217,10 @@ class ArrayFile:
             raise StoreError(f"{self.dir}/zarr.json: codecs: {first['name']} is not a codec dmi writes")
         self.vlen = first["name"] == "vlen-utf8"
         self.codecs = [_numcodec(c, self.dir) for c in rest]
-        self.dtype = np.dtype(object) if self.vlen else np.dtype(m["data_type"]).newbyteorder("<")
+        self.dtype = np.dtype(object) if self.vlen else numpy_dtype(m["data_type"]).newbyteorder("<")
         fv = m["fill_value"]
-        self.fill = float(fv) if isinstance(fv, str) and self.dtype.kind == "f" else fv   # "NaN" -> nan
+        floating = self.dtype.kind == "f" or self.dtype == BF16
+        self.fill = float(fv) if isinstance(fv, str) and floating else fv   # "NaN" -> nan
         self._dirs: set[Path] = set()
 
     def path(self, chunk: int) -> Path:
@@ -346,7 +353,9 @@ def _copy_all(jobs) -> None:
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
     if src.dtype == np.uint16:     # bfloat16 bits: the upper half of a float32, so widening is exact
-        if dst.dtype == np.float32:
+        if dst.dtype == BF16:
+            np.copyto(dst.view(np.uint16), src)
+        elif dst.dtype == np.float32:
             np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
         else:
             dst[...] = (src.astype(np.uint32) << 16).view(np.float32)

@@ -18,7 +18,6 @@ from .spec import Document, parse_bytes
 DEFAULT_RING_BYTES = 64 << 20
 DEFAULT_MAX_KEYS = 256
 RING_ALIGN = 256     # every site's block in the payload ring starts at a multiple of this (dmi.ring.ALIGN)
-STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
 
 
 @dataclass(frozen=True)

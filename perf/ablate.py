@@ -21,7 +21,8 @@ drain and export threads (their POSIX CPU clocks): wall time above the model thr
 it waited, for the GPU or for the GIL.
 
 ``--stores thread,process:none,process:lz4:4`` adds rows that write the Zarr store (default
-policy, no copy at step), each from its own ``dmi.load``: ``WRITER[:COMPRESSION[:THREADS]]``.
+policy, no copy at step), each from its own ``dmi.load``: ``WRITER[:COMPRESSION[:THREADS[:DTYPE]]]``
+(DTYPE: ``store.dtype``, e.g. ``process:none::float32`` for bf16 widened as before).
 ``--only-stores`` skips the rows above (vanilla and the host row stay, for reference).
 
 Also per step: host time in ``begin_step``/``end_step``, steps whose token bookkeeping read the
@@ -144,7 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     ap.add_argument("--writer", default="thread", choices=["thread", "process"], help="store.writer of the Zarr row")
-    ap.add_argument("--stores", default="", help="Zarr rows: WRITER[:COMPRESSION[:THREADS]],... (see the module doc)")
+    ap.add_argument("--stores", default="", help="Zarr rows: WRITER[:COMPRESSION[:THREADS[:DTYPE]]],... (see the module doc)")
     ap.add_argument("--only-stores", action="store_true", help="skip the ablation rows (vanilla and host stay)")
     ap.add_argument("--pyspy", type=float, default=0, help="seconds: py-spy samples vanilla, then the host row, "
                     "each that long, and prints per-thread growth (perf/pyspy.py; files in $OUT or /tmp)")
@@ -267,8 +268,9 @@ def main(argv=None) -> None:
         finally:
             run.close()
         for k, variant in enumerate(v for v in args.stores.split(",") if v):
-            writer, compression, threads = (variant.split(":") + [None, None])[:3]
-            store = {"compression": compression or "lz4"} | ({"threads": int(threads)} if threads else {})
+            writer, compression, threads, dtype = (variant.split(":") + [None] * 3)[:4]
+            store = ({"compression": compression or "lz4"} | ({"threads": int(threads)} if threads else {})
+                     | ({"dtype": dtype} if dtype else {}))
             run = dmi.load(dmodel, hook_spec=hidden_spec(8 * GiB, 8 * GiB, writer, **store), store=sd / f"s{k}.zarr",
                            overwrite=True)
             try:

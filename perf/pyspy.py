@@ -23,8 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-_LINE = re.compile(r'^((?:process \d+:"[^"]*";)*)thread \((\d+)\): (.*) (\d+)$')
-_PROC = re.compile(r'process \d+:"([^"]*)"')
+# a command line may hold quotes itself (vllm serve --compilation-config '{"...": ...}'): up to '";'
+_LINE = re.compile(r'^((?:process \d+:".*?";)*)thread \((\d+)\): (.*) (\d+)$')
+_PROC = re.compile(r'process \d+:"(.*?)";')
 _POOL = re.compile(r"[_-]?\d+$")        # dmi-zarr_3 -> dmi-zarr: a pool's threads count together
 
 

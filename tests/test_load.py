@@ -1,11 +1,15 @@
 """dmi.load entry points, detaching, and attn.pattern without switching the model to eager."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 
 import dmi
 from dmi.models import build_tiny_model, tiny_config
+from dmi.zdtype import BF16
 from conftest import model_pair
 
 
@@ -107,3 +111,45 @@ def test_a_failing_with_block_marks_the_store_failed(encoded, write_spec, tmp_pa
     assert tree.attrs["dmi_status"] == "failed" and "user code failed" in tree.attrs["error"]
     # what was captured before the failure is all there
     assert tree["final_norm"].dataset.sizes["token"] == int(encoded["attention_mask"].sum())
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_bf16_is_stored_as_bf16_bits_or_widened_to_float32(encoded, write_spec, tmp_path, writer):
+    """A bfloat16 model's floats are stored as the Zarr bfloat16 data type (store.dtype native,
+    two bytes a value) bit for bit, or widened exactly to float32 (store.dtype float32); both equal
+    the unpatched model's own hidden states."""
+    model = build_tiny_model("tiny-qwen3", dtype=torch.bfloat16)
+    ref = build_tiny_model("tiny-qwen3", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(**encoded, output_hidden_states=True).hidden_states
+    valid = encoded["attention_mask"].bool().reshape(-1).numpy()
+    n = model.config.num_hidden_layers
+    for dtype, stored in (("native", BF16), ("float32", np.dtype(np.float32))):
+        spec = write_spec(f"capture: [{{sites: [resid_post, final_norm]}}]\n"
+                          f"store: {{dtype: {dtype}, writer: {writer}, compression: none}}\n")
+        store = tmp_path / f"{dtype}.zarr"
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+            run.model(**encoded)
+        meta = json.loads((store / "final_norm" / "final_norm" / "zarr.json").read_text())
+        assert meta["data_type"] == ("bfloat16" if dtype == "native" else "float32")
+        tree = dmi.open(store)
+        resid = tree["layers/resid_post"].dataset.resid_post.values       # [token, layer, hidden]
+        norm = tree["final_norm"].dataset.final_norm.values
+        assert resid.dtype == stored and norm.dtype == stored
+        for layer in range(n - 1):     # HF's last hidden state is after the final norm
+            expect = want[layer + 1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)]
+            _equal_bits(resid[:, layer], expect)
+        _equal_bits(norm, want[-1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)])
+    # bf16 halves what reaches the disk
+    assert _chunk_bytes(tmp_path / "float32.zarr") == 2 * _chunk_bytes(tmp_path / "native.zarr") > 0
+
+
+def _equal_bits(got: np.ndarray, expect: torch.Tensor) -> None:
+    if got.dtype == BF16:
+        np.testing.assert_array_equal(got.view(np.uint16), expect.view(torch.int16).numpy().view(np.uint16))
+    else:
+        np.testing.assert_array_equal(got, expect.float().numpy())
+
+
+def _chunk_bytes(store) -> int:
+    return sum(f.stat().st_size for f in (store / "layers" / "resid_post" / "resid_post" / "c").rglob("*") if f.is_file())
