@@ -115,7 +115,8 @@ def open_store(path: str | Path):
 
     import xarray as xr
 
-    from . import zdtype  # noqa: F401  (bfloat16 arrays open: zarr-python 3.1 has no bfloat16 of its own)
+    from . import zdtype
+    zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
     from .errors import StoreError
     p = Path(path)
     if not p.exists():

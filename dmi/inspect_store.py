@@ -27,7 +27,8 @@ MAX_IDS = 5
 def _open_root(path: str | Path):
     import zarr
 
-    from . import zdtype  # noqa: F401  (bfloat16 arrays open)
+    from . import zdtype
+    zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
     p = Path(path)
     if not p.exists():
         raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
