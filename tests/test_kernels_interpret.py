@@ -65,7 +65,7 @@ def section_kernel() -> None:
     META = 8                                       # a small meta ring: sequence numbers wrap it
     seq_no = 5
 
-    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1):
+    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None):
         nonlocal seq_no
         seq_no += 3
         ctrl = torch.zeros(4096, dtype=torch.int64)
@@ -90,7 +90,7 @@ def section_kernel() -> None:
         r.arange, r.geometry, r.null = torch.arange(512), (batch, step_seq), False
         r.payload_t, r.meta_view = ring, (lambda: meta)
         r.publish_record = types.MethodType(Ring.publish_record, r)      # eager steps: the host writes records
-        launcher = _SiteLaunch(site, dtype, torch.device("cpu"))
+        launcher = launcher or _SiteLaunch(site, dtype, torch.device("cpu"))
 
         class Step:                                # the host's view of the step (eager launches)
             pass
@@ -137,6 +137,22 @@ def section_kernel() -> None:
     logits = torch.randn(B, 1, 50)                              # logits_to_keep=1: compaction
     run_case(logits, _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50]), rows_of(B, S, 0.8), B, S,
              torch.float32)
+    # the same held rows launched eagerly step after step (vLLM's logits in steady decode): their
+    # index in x is uploaded once and reused; other rows or another src_seq upload again
+    import dmi.kernels.cuda_ring as cr
+    uploads, upload = [], cr._upload
+    cr._upload = lambda a, device: (uploads.append(len(a)), upload(a, device))[1]
+    site = _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50])
+    same = _SiteLaunch(site, torch.float32, torch.device("cpu"))
+    rows = rows_of(B, S, 0.8)
+    for _ in range(3):
+        run_case(torch.randn(B, 2, 50), site, rows.copy(), B, S, torch.float32, launcher=same)
+    assert len(uploads) == 1, uploads
+    run_case(torch.randn(B, 3, 50), site, rows, B, S, torch.float32, launcher=same)
+    run_case(torch.randn(B, 3, 50), site, rows, B, S, torch.float32, launcher=same)
+    run_case(torch.randn(B, 3, 50), site, rows[1:], B, S, torch.float32, launcher=same)
+    assert len(uploads) == 3, uploads
+    cr._upload = upload
     # flags: a dropped capture and an unarmed step write nothing
     run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
              enabled=0)

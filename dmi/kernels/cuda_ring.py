@@ -478,6 +478,21 @@ class _SiteLaunch:
         self.plain = site.heads is None and "key" not in site.dims and not site.reduce
         self.heads = torch.tensor(site.heads, device=device) if site.heads is not None else None
         self.row_bytes = [o.row_elems * o.itemsize(self.itemsize) for o in site.outputs]
+        # (step rows, seq, src_seq, rows held, their index on the device) of the last eager launch
+        # on a tensor holding only some of the step's rows (vLLM's logits, every step, outside the
+        # graph): steady decode repeats them, and the upload is most of that launch's host time
+        self._held: tuple | None = None
+
+    def _held_rows(self, rows: np.ndarray, seq: int, src_seq: int, device) -> tuple[np.ndarray, torch.Tensor]:
+        """The step rows ``x`` holds (its last ``src_seq`` of ``seq`` positions) and their row
+        index in ``x``, on x's device: uploaded only when they differ from the last launch's."""
+        h = self._held
+        if h is not None and h[1] == seq and h[2] == src_seq and np.array_equal(h[0], rows):
+            return h[3], h[4]
+        held = rows[rows % seq >= seq - src_seq]
+        idx = _upload((held // seq) * src_seq + held % seq - (seq - src_seq), device)
+        self._held = (rows.copy(), seq, src_seq, held, idx)
+        return held, idx
 
     def _batch(self, x, ring):
         """The batch size of a graph launch: from x, or for flat token layouts the latest step's."""
@@ -546,8 +561,7 @@ class _SiteLaunch:
         flat, src_seq = token_major(x, self.layout, batch)
         rows = slot.rows
         if src_seq < seq:                      # x holds only the last src_seq positions
-            rows = rows[rows % seq >= seq - src_seq]
-            idx = _upload((rows // seq) * src_seq + rows % seq - (seq - src_seq), x.device)
+            rows, idx = self._held_rows(rows, seq, src_seq, x.device)
         else:
             idx = ring.ctrl.narrow(0, st.dev_rows_start[site.index], len(rows))
         n = len(rows)
