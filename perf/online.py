@@ -49,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,6 +279,11 @@ class Server:
             cmd += ["--enforce-eager"]
         else:
             cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": args.graph_sizes})]
+        if args.trace:       # vLLM's torch profiler, started and stopped through its HTTP endpoints
+            self.trace_dir = Path(os.environ.get("OUT", work)).resolve() / f"trace-{name}"
+            cmd += ["--profiler-config", json.dumps({
+                "profiler": "torch", "torch_profiler_dir": str(self.trace_dir), "torch_profiler_with_stack": False,
+                "torch_profiler_use_gzip": True, "ignore_frontend": True, "max_iterations": args.trace})]
         cmd += extra_args
         env = dict(os.environ)
         env.update(env_extra)
@@ -431,6 +437,9 @@ def main(argv=None) -> int:
                     help="seconds: py-spy samples each server and its engine processes during --pyspy-rate, "
                          "and the per-thread growth against vanilla is printed (perf/pyspy.py; files in $OUT)")
     ap.add_argument("--pyspy-rate", type=float, default=None, help="the rate sampled (default: the second one)")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="torch.profiler trace of N engine steps of each server, 2 s into the sampled rate "
+                         "(--pyspy-rate), into $OUT/trace-CONFIG (perf/trace_steps.py compares them)")
     ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
@@ -480,6 +489,7 @@ def main(argv=None) -> int:
     est = {"compiled": 150.0, "eager": 60.0}
     rows, cfg_rows, base = [], [], {}
     spy_rate = args.pyspy_rate if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
+    traced = False
     spy_files: dict[str, Path] = {}
     results_text = ""
     log(f"model {args.model} ({model_dir}), configs {names}, rates {rates}, {args.duration:g}+{args.grace:g} s per rate, "
@@ -534,8 +544,15 @@ def main(argv=None) -> int:
                 if args.pyspy and rate == spy_rate:
                     spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{rate:g}.txt"
                     spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
+                timer = None
+                if args.trace and rate == spy_rate:
+                    timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
+                    timer.start()
                 res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
                                                            args.grace, work_items, offsets[i], seed=1000 + i))
+                if timer is not None:
+                    timer.join()
+                    traced = profile_call(server.port, "stop_profile") or traced
                 if spy is not None and spy.wait() != 0:
                     log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
                     spy_files.pop(name, None)
@@ -563,8 +580,24 @@ def main(argv=None) -> int:
         for name, path in spy_files.items():
             if name != "vanilla":
                 print(pyspy.compare(spy_files["vanilla"], path), flush=True)
+    if traced:
+        from trace_steps import compare_dirs
+        dirs = {name: Path(os.environ.get("OUT", work)).resolve() / f"trace-{name}" for name in names}
+        print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0
+
+
+def profile_call(port: int, what: str) -> bool:
+    """POST /start_profile or /stop_profile (the server was started with --profiler-config)."""
+    import urllib.request
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/{what}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status == 200
+    except OSError as e:
+        log(f"{what} failed: {e}")
+        return False
 
 
 async def warmup(port: int, model: str, items) -> None:
