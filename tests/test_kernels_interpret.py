@@ -103,6 +103,8 @@ def section_kernel() -> None:
         st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
         # device flags off only matter to graph launches (eager ones are skipped on the host)
         for eager in (st, None) if enabled and armed else (None,):
+            if eager is None and enabled == K.ENABLED_ARANGE:    # rows 0..n-1: the kernel must not read them
+                ctrl[start:start + len(rows)] = -7
             ring.fill_(0xAB)
             meta[:] = 0
             launcher.launch(r, x, eager)
@@ -153,6 +155,13 @@ def section_kernel() -> None:
     run_case(torch.randn(B, 3, 50), site, rows[1:], B, S, torch.float32, launcher=same)
     assert len(uploads) == 3, uploads
     cr._upload = upload
+    # rows 0 .. n-1 flagged (enabled 2): the kernel takes each row as its index, reads no rows
+    # (run_case poisons them before the graph launch); a prefix of the step and all of it
+    for k in (5, B * S):
+        run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.arange(k, dtype=np.int64), B, S,
+                 torch.bfloat16, enabled=K.ENABLED_ARANGE)
+        run_case(tok, _site("router", ["token", "expert"], ["expert"], [10], index=2), np.arange(k, dtype=np.int64),
+                 B, S, torch.float32, enabled=K.ENABLED_ARANGE)
     # flags: a dropped capture and an unarmed step write nothing
     run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
              enabled=0)
@@ -307,7 +316,8 @@ def section_control() -> None:
 
         step(last.layout)
         want = site_words(ring.ctrl)
-        assert want[:, K.S_ENABLED].sum() == len(last.layout.wanted)
+        # every capture of a decode step takes all of the batch's rows, 0 .. batch-1: flagged so
+        assert (want[:, K.S_ENABLED] == K.ENABLED_ARANGE).sum() == len(last.layout.wanted)
         step(last.layout.wanted[1:])           # the general path: the first capture left out
         gap = site_words(ring.ctrl)
         assert gap[last.layout.wanted[0][0], K.S_ENABLED] == 0

@@ -26,7 +26,11 @@ already on the device: the host then copies only the eight global words.
 
 ``armed`` is set by the host at each step and cleared by the end-marker kernel, so a graph replayed
 without a new step captures nothing (and null mode never arms it). ``enabled`` is 0 for sites with
-no rows this step and for captures dropped by the policy.
+no rows this step and for captures dropped by the policy, 1 for rows read from ``rows_start``,
+and 2 where the rows are ``0 .. rows-1`` (every token of a decode batch, or of an unpadded step):
+the kernel then takes row ``r`` as ``r`` without reading it (the rows are still written, for
+eager steps). The kernel loads every word it needs in one round trip, before the flags are
+known: a capture in a CUDA graph costs a few dependent memory reads, not its bytes.
 
 Two copy modes:
 
@@ -56,6 +60,7 @@ S_WORDS = 5
 END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0
 
 DIRECT, IDENTITY = 0, 1
+OFF, ENABLED, ENABLED_ARANGE = 0, 1, 2     # the site's enabled word
 
 # the same offsets as kernel constants (jit functions read only constexpr globals)
 _ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.constexpr(G_SEQ), tl.constexpr(G_END_SEQ)
@@ -106,14 +111,19 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
 
     Candidate rows come from ``ctrl``, output rows from ``cnt[cnt_idx]``. seq_arg: the step's seq
     when known at launch (the graph's geometry), else -1 (read from ``ctrl``)."""
+    # every control word in one round trip: none of these loads waits for another
     armed = tl.load(ctrl + _ARMED)
     enabled = tl.load(ctrl + hdr + _ENABLED)
+    offset = tl.load(ctrl + hdr + _OFFSET) + tl.load(ctrl + _BASE)
+    c = tl.minimum(tl.load(ctrl + hdr + _ROWS), K)
+    start = tl.load(ctrl + hdr + _ROWS_START)
+    n = tl.load(cnt + cnt_idx)
+    seq = tl.load(ctrl + _SEQ)
+    seq_no = tl.load(ctrl + hdr + _RSEQ) + tl.load(ctrl + _FIRST_SEQ)
+    step = tl.load(ctrl + _STEP)
     if (armed != 0) & (enabled != 0):
         pid_r = tl.program_id(0)
         pid_f = tl.program_id(1)
-        offset = tl.load(ctrl + hdr + _OFFSET) + tl.load(ctrl + _BASE)
-        c = tl.minimum(tl.load(ctrl + hdr + _ROWS), K)
-        n = tl.load(cnt + cnt_idx)
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
         rmask = r < c
@@ -123,11 +133,12 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
         else:
             dst = r.to(tl.int64)
         if MODE == 0:
-            seq = tl.load(ctrl + _SEQ)
             if seq_arg >= 0:
                 seq = seq_arg.to(tl.int64)
-            start = tl.load(ctrl + hdr + _ROWS_START)
-            rr = tl.load(ctrl + start + r, mask=rmask, other=0)
+            # rows 0 .. c-1 (enabled 2): the row is its own index, no read (a masked-off load waits for nothing)
+            listed = tl.where(enabled == 1, c, 0)      # rows to read: none when flagged 0 .. c-1
+            rr = tl.load(ctrl + start + r, mask=r < listed, other=0)
+            rr = tl.where(enabled == 2, r.to(tl.int64), rr)
             b = rr // seq
             s = rr % seq - (seq - src_seq)
             roff = b * stride_b + s * stride_s
@@ -145,8 +156,6 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
         # drain reads a step's records only after its end marker, whose kernel runs after this one
         # has finished (stream order) and fences at system scope before publishing.
         if (pid_r == 0) & (pid_f == 0) & (tl.program_id(2) == 0):
-            seq_no = tl.load(ctrl + hdr + _RSEQ) + tl.load(ctrl + _FIRST_SEQ)
-            step = tl.load(ctrl + _STEP)
             _publish(meta, meta, meta_records, seq_no, step, site_word, offset,
                      n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64), False)
 

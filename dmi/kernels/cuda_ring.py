@@ -196,35 +196,40 @@ class KernelRing(Ring):
         if ctrl.layout is not None:
             return self._layout_words(ctrl, h, pos)
         slots = list(ctrl.slots.values())
-        start_of, _, pos = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
-        fields = np.array([(slot.site, slot.offset - ctrl.base, slot.seq - ctrl.first_seq, len(slot.rows), start, 1)
-                           for slot, start in zip(slots, start_of)], np.int64).reshape(len(slots), K.S_WORDS + 1)
+        start_of, _, pos, enabled = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
+        fields = np.array([(slot.site, slot.offset - ctrl.base, slot.seq - ctrl.first_seq, len(slot.rows), start, on)
+                           for slot, start, on in zip(slots, start_of, enabled)], np.int64).reshape(len(slots), K.S_WORDS + 1)
         return fields, {slot.site: start for slot, start in zip(slots, start_of)}, pos
 
     def _layout_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """:meth:`_site_words` of a laid-out step, as whole-array operations over its sites (an
         engine step lays out a fresh layout each step, with up to hundreds of sites)."""
         layout = ctrl.layout
-        start_of, rows_at, pos = self._place_rows(ctrl, h, pos, [(w[0], w[2]) for w in layout.wanted])
+        start_of, rows_at, pos, enabled = self._place_rows(ctrl, h, pos, [(w[0], w[2]) for w in layout.wanted])
         rel = np.empty((len(layout.wanted), K.S_WORDS + 1), np.int64)   # relative to the block's base and first seq
         rel[:, 0] = layout.site_ids
         rel[:, 1] = layout.rel
         rel[:, 2] = np.arange(len(layout.wanted))
         rel[:, 3] = [len(w[2]) for w in layout.wanted]
         rel[:, 4] = start_of
-        rel[:, 5] = 1
+        rel[:, 5] = enabled
         rows_start = dict(zip(layout.site_ids.tolist(), start_of))
         layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
         return rel, rows_start, pos
 
     def _place_rows(self, ctrl: StepControl, h: np.ndarray, pos: int, site_rows: list):
         """Each capture's row indices into the control words at ``pos`` on, once per rows array
-        (sites of one token filter share it): (start of each capture's rows, [(start, rows)], next pos)."""
+        (sites of one token filter share it): (start of each capture's rows, [(start, rows)], next
+        pos, each capture's enabled word: ENABLED_ARANGE where its rows are 0 .. n-1)."""
         starts: dict[int, int] = {}
-        start_of, rows_at = [], []
+        arange: dict[int, bool] = {}
+        start_of, rows_at, enabled = [], [], []
         for site, rows in site_rows:
             start = starts.get(id(rows))
             if start is None:
+                n = len(rows)
+                arange[id(rows)] = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (
+                    n < 3 or bool(np.all(np.diff(rows) == 1)))
                 if len(rows) > self.max_rows or pos + len(rows) > self.ctrl_words:
                     raise PolicyError(f"step {ctrl.step} selects {len(rows)} rows for {self.plan.sites[site].name}, "
                                       f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
@@ -234,7 +239,8 @@ class KernelRing(Ring):
                 rows_at.append((pos, rows))
                 pos += len(rows)
             start_of.append(start)
-        return start_of, rows_at, pos
+            enabled.append(K.ENABLED_ARANGE if arange[id(rows)] else K.ENABLED)
+        return start_of, rows_at, pos, enabled
 
     def device_end(self) -> None:
         K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
