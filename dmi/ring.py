@@ -118,7 +118,7 @@ class StepLayout:
     exactly the same captures (decode steps of one batch): the per-step host work is then one
     reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
     GPU waits for it between decode steps)."""
-    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "site_ids", "cache")
+    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "site_ids", "index", "cache")
 
     def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
         self.wanted = wanted
@@ -129,7 +129,8 @@ class StepLayout:
         self.rel = np.cumsum(sizes) - sizes
         self.total = int(sizes.sum())
         self.site_ids = np.fromiter((w[0] for w in wanted), np.int64, n)
-        self.sites = frozenset(self.site_ids.tolist())
+        self.index = {site: i for i, site in enumerate(self.site_ids.tolist())}   # site -> its capture
+        self.sites = frozenset(self.index)
         self.cache: dict = {}                  # backends keep what they derive from the layout here
 
 
@@ -149,7 +150,13 @@ class _LaidOutSlots(collections.abc.Mapping):
         return self._slots
 
     def __getitem__(self, site: int) -> SiteSlot:
-        return self._built()[site]
+        if self._slots is not None:
+            return self._slots[site]
+        # one slot, not all of them: the model's thread reads single sites in eager launches (vLLM's
+        # logits site, every step); the drain thread builds the rest
+        L, i = self.layout, self.layout.index[site]
+        w = L.wanted[i]
+        return SiteSlot(w[0], self.base + int(L.rel[i]), L.sizes[i], w[1], w[2], self.first + i)
 
     def __iter__(self):
         return iter(self._built())

@@ -168,49 +168,137 @@ def test_hook_spec_of_a_wrong_type(load):
     check(load(["resid_post"], SpecError), SpecError, says=("must be a path to a YAML file or a dict",))
 
 
-def test_duplicate_key(write_spec, load):
-    spec = write_spec("""\
+# A bad hook spec: the error names the file, the line and the key, and says what is wrong and the fix.
+# (test id, hook spec, line, key, what the message says)
+SPEC_ERRORS = [
+    ("duplicate_key", """\
         capture:
           - sites: [resid_post]
         policy: {mode: full}
         policy: {ring_bytes: 1MiB}
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="policy",
-          says=("duplicate key (first at line 3)",))
-
-
-# --- hook spec: shape and types (JSON Schema) -------------------------------------------------------
-
-def test_unknown_top_level_key(write_spec, load):
-    spec = write_spec("""\
+    """, 4, "policy",
+     ("duplicate key (first at line 3)",)),
+    ("unknown_top_level_key", """\
         capture:
           - sites: [resid_post]
         polcy:
           mode: full
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="polcy",
-          says=("unknown key(s) 'polcy'", "did you mean 'policy'"))
-
-
-def test_unknown_key_in_capture_entry(write_spec, load):
-    spec = write_spec("""\
+    """, 3, "polcy",
+     ("unknown key(s) 'polcy'", "did you mean 'policy'")),
+    ("unknown_key_in_capture_entry", """\
         capture:
           - sites: [resid_post]
           - sites: [attn.q]
             layer: [0, 1]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="capture[1].layer",
-          says=("unknown key(s) 'layer'", "did you mean 'layers'"))
-
-
-def test_sites_not_a_list(write_spec, load):
-    spec = write_spec("""\
+    """, 4, "capture[1].layer",
+     ("unknown key(s) 'layer'", "did you mean 'layers'")),
+    ("sites_not_a_list", """\
         capture:
           - sites: resid_post
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=2, key="capture[0].sites",
-          says=("'resid_post' is not of type array",))
+    """, 2, "capture[0].sites",
+     ("'resid_post' is not of type array",)),
+    ("layers_malformed_range", """\
+        capture:
+          - sites: [resid_post]
+            layers: ["1-"]
+    """, 3, "capture[0].layers[0]",
+     ("not a layer or a layer range", "'2-5'")),
+    ("ring_bytes_not_a_size", """\
+        capture:
+          - sites: [resid_post]
+        policy:
+          mode: full
+          ring_bytes: lots
+    """, 5, "policy.ring_bytes",
+     ("'lots' is not a byte size", "64MiB")),
+    ("tokens_empty_position_window", """\
+        capture:
+          - sites: [resid_post]
+            tokens:
+              positions: [8, 4]
+    """, 4, "capture[0].tokens.positions",
+     ("empty window [8, 4)",)),
+    ("meta_records_below_schema_minimum", """\
+        capture:
+          - sites: [resid_post]
+        policy:
+          meta_records: 4
+    """, 4, "policy.meta_records",
+     ("4 is less than the minimum of 16", ">= 16")),
+    ("store_threads_below_one", """\
+        capture:
+          - sites: [resid_post]
+        store:
+          threads: 0
+    """, 4, "store.threads",
+     ("0 is less than the minimum of 1",)),
+    ("glob_matching_nothing", """\
+        capture:
+          - sites: [layers.*.attn.qq]
+    """, 2, "capture[0].sites[0]",
+     ("'layers.*.attn.qq' matches no site", "did you mean 'attn.q'")),
+    ("layer_out_of_range", """\
+        capture:
+          - sites: [resid_post]
+            layers: [0, 7]
+    """, 3, "capture[0].layers[1]",
+     ("layer 7 is out of range", "3 layers", "0..2")),
+    ("negative_layer_out_of_range", """\
+        capture:
+          - sites: [resid_post]
+            layers: [-1, -4]
+    """, 3, "capture[0].layers[1]",
+     ("layer -4 is out of range",)),
+    ("site_captured_twice", """\
+        capture:
+          - sites: [resid_post]
+          - sites: [attn.q, layers.1.resid_post]
+    """, 3, "capture[1].sites[1]",
+     ("'layers.1.resid_post' is already captured by capture[0]",)),
+    ("site_layers_split_across_entries", """\
+        capture:
+          - sites: [resid_post]
+            layers: [0]
+          - sites: [resid_post]
+            layers: [1]
+            tokens: last
+    """, 4, "capture[1].sites",
+     ("layers of site 'resid_post' are split across capture[0] and capture[1]",)),
+    ("max_keys_on_a_site_without_key_dim", """\
+        capture:
+          - sites: [attn.q]
+            max_keys: 64
+    """, 3, "capture[0].max_keys",
+     ("max_keys applies only to sites with a key dim",)),
+    ("topk_larger_than_vocab", """\
+        capture:
+          - sites: [logits]
+            reduce:
+              topk: 1000
+    """, 4, "capture[0].reduce.topk",
+     ("topk 1000 exceeds", "vocab=512", "topk <= 512")),
+    ("heads_out_of_range", """\
+        capture:
+          - sites: [attn.k]
+            heads: [0, 2]
+    """, 3, "capture[0].heads",
+     ("heads [2] out of range", "attn.k has 2", "0..1")),
+    ("heads_on_a_site_without_head_dim", """\
+        capture:
+          - sites: [mlp.out]
+            heads: [0]
+    """, 3, "capture[0].heads",
+     ("'mlp.out' has no head dim", "remove `heads`")),
+]
 
+
+@pytest.mark.parametrize("text, line, key, says", [pytest.param(*case[1:], id=case[0]) for case in SPEC_ERRORS])
+def test_bad_hook_spec(write_spec, load, text, line, key, says):
+    spec = write_spec(text)
+    check(load(spec, SpecError), SpecError, file=spec, line=line, key=key, says=says)
+
+
+# --- hook spec: shape and types (JSON Schema) -------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["1.5", "2.0"])
 def test_layers_with_a_float(write_spec, load, value):
@@ -221,28 +309,6 @@ def test_layers_with_a_float(write_spec, load, value):
     """)
     check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].layers[1]",
           says=(f"{value} is not of type integer",))
-
-
-def test_layers_malformed_range(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-            layers: ["1-"]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].layers[0]",
-          says=("not a layer or a layer range", "'2-5'"))
-
-
-def test_ring_bytes_not_a_size(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-        policy:
-          mode: full
-          ring_bytes: lots
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=5, key="policy.ring_bytes",
-          says=("'lots' is not a byte size", "64MiB"))
 
 
 @pytest.mark.parametrize("tokens, key, says", [
@@ -257,39 +323,6 @@ def test_invalid_tokens(write_spec, load, tokens, key, says):
             tokens: {tokens}
     """)
     check(load(spec, SpecError), SpecError, file=spec, line=3, key=key, says=says)
-
-
-def test_tokens_empty_position_window(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-            tokens:
-              positions: [8, 4]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="capture[0].tokens.positions",
-          says=("empty window [8, 4)",))
-
-
-def test_meta_records_below_schema_minimum(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-        policy:
-          meta_records: 4
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="policy.meta_records",
-          says=("4 is less than the minimum of 16", ">= 16"))
-
-
-def test_store_threads_below_one(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-        store:
-          threads: 0
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="store.threads",
-          says=("0 is less than the minimum of 1",))
 
 
 def test_wrong_version(load):
@@ -310,15 +343,6 @@ def test_unknown_site_did_you_mean(write_spec, load):
     assert "qwen3.yaml" in msg       # names the architecture spec that lists the sites
 
 
-def test_glob_matching_nothing(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [layers.*.attn.qq]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=2, key="capture[0].sites[0]",
-          says=("'layers.*.attn.qq' matches no site", "did you mean 'attn.q'"))
-
-
 @pytest.mark.parametrize("site, says", [
     ("layers.5.attn.q", ("matches no layer of this model", "0..2", "layers.<0..2>.attn.q")),
     ("layers.0.logits", ("'logits' is a model-level site", "without 'layers.0.'")),
@@ -334,26 +358,6 @@ def test_site_name_with_a_wrong_layer(write_spec, load, site, says):
 def test_site_listed_twice_in_one_entry(load):
     check(load({"capture": [{"sites": ["attn.*", "attn.q"]}]}, SpecError), SpecError, file="<hook spec dict>",
           key="capture[0].sites[1]", says=("'layers.0.attn.q' is already captured by sites[0] of this entry",))
-
-
-def test_layer_out_of_range(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-            layers: [0, 7]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].layers[1]",
-          says=("layer 7 is out of range", "3 layers", "0..2"))
-
-
-def test_negative_layer_out_of_range(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-            layers: [-1, -4]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].layers[1]",
-          says=("layer -4 is out of range",))
 
 
 @pytest.mark.parametrize("rng", ["2-1", "-1--2"])
@@ -376,60 +380,6 @@ def test_negative_layer_ranges_resolve():
                                             "layers.1.resid_post", "layers.2.resid_post"]
 
 
-def test_site_captured_twice(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-          - sites: [attn.q, layers.1.resid_post]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[1].sites[1]",
-          says=("'layers.1.resid_post' is already captured by capture[0]",))
-
-
-def test_site_layers_split_across_entries(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [resid_post]
-            layers: [0]
-          - sites: [resid_post]
-            layers: [1]
-            tokens: last
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="capture[1].sites",
-          says=("layers of site 'resid_post' are split across capture[0] and capture[1]",))
-
-
-def test_max_keys_on_a_site_without_key_dim(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [attn.q]
-            max_keys: 64
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].max_keys",
-          says=("max_keys applies only to sites with a key dim",))
-
-
-def test_topk_larger_than_vocab(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [logits]
-            reduce:
-              topk: 1000
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=4, key="capture[0].reduce.topk",
-          says=("topk 1000 exceeds", "vocab=512", "topk <= 512"))
-
-
-def test_heads_out_of_range(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [attn.k]
-            heads: [0, 2]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].heads",
-          says=("heads [2] out of range", "attn.k has 2", "0..1"))
-
-
 def test_heads_listed_twice(write_spec, load):
     spec = write_spec("""\
         capture:
@@ -437,16 +387,6 @@ def test_heads_listed_twice(write_spec, load):
             heads: [1, 1]
     """)
     check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].heads", says=("more than once",))
-
-
-def test_heads_on_a_site_without_head_dim(write_spec, load):
-    spec = write_spec("""\
-        capture:
-          - sites: [mlp.out]
-            heads: [0]
-    """)
-    check(load(spec, SpecError), SpecError, file=spec, line=3, key="capture[0].heads",
-          says=("'mlp.out' has no head dim", "remove `heads`"))
 
 
 def test_policy_ring_too_small(write_spec, load):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dmi
-from dmi.ring import ByteRing, align_up
+from dmi.ring import ByteRing, StepLayout, _LaidOutSlots, align_up
 from conftest import model_pair
 
 
@@ -30,6 +30,24 @@ def _generate(model, encoded, spec, store, new_tokens=12):
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
         out = run.model.generate(**encoded, max_new_tokens=new_tokens, do_sample=False)
     return out, run
+
+
+def test_a_laid_out_steps_single_slot_equals_the_one_the_drain_builds():
+    """The model's thread reads one site's slot (vLLM's logits, eagerly, every step) without
+    building the others; the drain builds them all: both agree on every field."""
+    rng = np.random.default_rng(0)
+    wanted = [(site, np.sort(rng.choice(40, 8, replace=False)), np.arange(8) + site, 1000 + 37 * site, 0)
+              for site in (7, 2, 30, 11)]
+    layout = StepLayout(wanted)
+    single = _LaidOutSlots(layout, base=4096, first=50)
+    drained = _LaidOutSlots(layout, base=4096, first=50)._built()
+    for site in (7, 2, 30, 11):
+        a, b = single[site], drained[site]
+        assert (a.site, a.offset, a.capacity, a.seq) == (b.site, b.offset, b.capacity, b.seq)
+        assert np.array_equal(a.sel, b.sel) and np.array_equal(a.rows, b.rows)
+    assert single[2].seq == 51 and single[2].offset == 4096 + align_up(1000 + 37 * 7)
+    with pytest.raises(KeyError):
+        single[3]
 
 
 def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, write_spec, tmp_path):
