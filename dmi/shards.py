@@ -310,7 +310,7 @@ def _groups(plan) -> dict[str, list]:
     return groups
 
 
-def _token_chunk(plan, layout: TPLayout, sites: list, chunk_rows: int | None) -> int:
+def _token_chunk(plan, layout: TPLayout, sites: list, chunk_rows: int | None, float_itemsize: int) -> int:
     """Rows per chunk: ``plan.chunk_bytes`` over the bytes of one rank's part of a row (what a rank
     buffers for its open chunk; its chunk files split that along the split dim)."""
     if chunk_rows:
@@ -318,13 +318,13 @@ def _token_chunk(plan, layout: TPLayout, sites: list, chunk_rows: int | None) ->
     first = sites[0]
     sh = layout.sites[first.canonical]
     split = max(len(layout.stored_positions(first, r)) for r in range(layout.world)) if sh.kind == "split" else 1
-    elems = 0
+    part = 0                               # bytes of one rank's part of a row
     for o in first.outputs:
-        n = o.row_elems
+        n = o.row_elems * o.itemsize(float_itemsize)
         if sh.kind == "split":
             n = n // o.shape[sh.axis] * split
-        elems += n
-    row_bytes = elems * 4 * len(sites)
+        part += n
+    row_bytes = part * len(sites)
     return int(max(16, min(65536, plan.chunk_bytes // max(row_bytes, 1))))
 
 
@@ -350,7 +350,7 @@ def create_store(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, 
         first = sites[0]
         per_layer = first.layer is not None
         sh = layout.sites[first.canonical]
-        rows = _token_chunk(plan, layout, sites, chunk_rows)
+        rows = _token_chunk(plan, layout, sites, chunk_rows, float_dtype.itemsize)
         grp = root.require_group(name)
         lead, nl = (("token", "layer"), (len(sites),)) if per_layer else (("token",), ())
         coords = list(COORDS) + (["layer"] if per_layer else []) + (["head"] if first.heads else [])

@@ -140,8 +140,9 @@ def test_bf16_is_stored_as_bf16_bits_or_widened_to_float32(encoded, write_spec, 
             expect = want[layer + 1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)]
             _equal_bits(resid[:, layer], expect)
         _equal_bits(norm, want[-1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)])
-    # bf16 halves what reaches the disk
-    assert _chunk_bytes(tmp_path / "float32.zarr") == 2 * _chunk_bytes(tmp_path / "native.zarr") > 0
+    # bf16 halves the bytes of a row: a chunk of store.chunk_bytes holds twice the rows
+    (f32_rows, f32_bytes), (bf16_rows, bf16_bytes) = (_chunks(tmp_path / f"{d}.zarr") for d in ("float32", "native"))
+    assert bf16_rows == 2 * f32_rows and bf16_bytes / bf16_rows == f32_bytes / f32_rows / 2
 
 
 def _equal_bits(got: np.ndarray, expect: torch.Tensor) -> None:
@@ -151,5 +152,29 @@ def _equal_bits(got: np.ndarray, expect: torch.Tensor) -> None:
         np.testing.assert_array_equal(got, expect.float().numpy())
 
 
-def _chunk_bytes(store) -> int:
-    return sum(f.stat().st_size for f in (store / "layers" / "resid_post" / "resid_post" / "c").rglob("*") if f.is_file())
+def _chunks(store) -> tuple[int, int]:
+    """(rows per chunk, bytes of a chunk file) of resid_post (compression: none)."""
+    arr = store / "layers" / "resid_post" / "resid_post"
+    rows = json.loads((arr / "zarr.json").read_text())["chunk_grid"]["configuration"]["chunk_shape"][0]
+    files = [f for f in (arr / "c").rglob("*") if f.is_file()]
+    assert files and len({f.stat().st_size for f in files}) == 1
+    return rows, files[0].stat().st_size
+
+
+def test_a_bf16_store_resumes_bit_exact(encoded, write_spec, tmp_path):
+    """Resume reads the open bfloat16 chunk back and appends after it: every row of both runs
+    equals the unpatched model's."""
+    model = build_tiny_model("tiny-qwen3", dtype=torch.bfloat16)
+    ref = build_tiny_model("tiny-qwen3", dtype=torch.bfloat16)
+    spec = write_spec("capture: [{sites: [final_norm]}]\nstore: {chunk_bytes: 4KiB}\n")
+    valid = torch.from_numpy(encoded["attention_mask"].bool().reshape(-1).numpy())
+    want = []
+    for resume, ids in ((False, encoded["input_ids"]), (True, encoded["input_ids"].flip(1))):
+        batch = dict(encoded, input_ids=ids)
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "s.zarr", resume=resume) as run:
+            run.model(**batch)
+            hidden = ref(**batch, output_hidden_states=True).hidden_states[-1]
+        want.append(hidden.reshape(-1, hidden.shape[-1])[valid])
+    got = dmi.open(tmp_path / "s.zarr")["final_norm"].dataset.final_norm.values
+    assert got.dtype == BF16 and got.shape[0] == 2 * int(valid.sum())
+    _equal_bits(got, torch.cat(want))
