@@ -272,6 +272,8 @@ def format_summary(info: dict) -> str:
             layers = _layers_text(s["layers"]) if s["layers"] is not None else "-"
             arrays = "; ".join(f"{a['name']} {_shape(a)} {a['dtype']}" for a in s["arrays"])
             lines.append(f"  {s['group']:<{w}}  {s['tokens']:>7}  {layers:<8}  {human_bytes(s['bytes']):>10}  {arrays}")
+    if any(a["dtype"] == "bfloat16" for s in info["sites"] for a in s["arrays"]):
+        lines.append("readers   bfloat16 arrays: dmi.open reads them; plain zarr-python or xarray after `import dmi.zdtype`")
     return "\n".join(lines)
 
 

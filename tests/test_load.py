@@ -9,6 +9,7 @@ import torch
 
 import dmi
 from dmi.models import build_tiny_model, tiny_config
+from dmi.inspect_store import format_summary, summarize
 from dmi.zdtype import BF16
 from conftest import model_pair
 
@@ -136,6 +137,8 @@ def test_bf16_is_stored_as_bf16_bits_or_widened_to_float32(encoded, write_spec, 
         resid = tree["layers/resid_post"].dataset.resid_post.values       # [token, layer, hidden]
         norm = tree["final_norm"].dataset.final_norm.values
         assert resid.dtype == stored and norm.dtype == stored
+        # dmi inspect tells a reader what opens bf16 arrays
+        assert ("import dmi.zdtype" in format_summary(summarize(store))) == (dtype == "native")
         for layer in range(n - 1):     # HF's last hidden state is after the final norm
             expect = want[layer + 1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)]
             _equal_bits(resid[:, layer], expect)
