@@ -18,7 +18,8 @@ def expected_rows(per_step, mask, pick):
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
+    from dmi.zdtype import BF16        # bfloat16 (ml_dtypes) is not of kind "f"
+    return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" or a.dtype == BF16 else a
 
 
 def assert_stores_equal(a_path, b_path) -> int:
