@@ -1,16 +1,17 @@
 """Exporter throughput: how fast drained steps become Zarr chunks (CPU only, no model).
 
 Feeds the real ZarrExporter synthetic drained steps shaped like Qwen3-8B hidden-states capture
-(36 x resid_post + final_norm, bf16 captured, stored float32) and prints GB/s of captured bytes
-for each compression setting and ``store.writer`` (thread: the exporter in this process; process:
+(36 x resid_post + final_norm, bf16 captured; stored as bf16, ``store.dtype: native``, or widened,
+``--dtypes float32``) and prints GB/s of captured bytes for each compression setting, stored dtype
+and ``store.writer`` (thread: the exporter in this process; process:
 in its own), from the first step to the store closed (every chunk on disk and committed), and the
 CPU time per step of the thread that hands the steps over: what the model's process pays (the
 run's exporter thread, holding the GIL the model's thread needs), and how late a thread that
 wakes every 200 us gets the GIL back meanwhile (:class:`GilProbe`). The exporter writes chunk files from a pool of one thread per core: run it on the
 machine that captures. Run: python perf/exporter_bench.py [--steps 64] [--tokens 256] [--dir /dev/shm/eb]
 
-16-core GPU host, --steps 24 --tokens 256: none 2.3, lz4 1.9, zstd 0.6 GB/s (zarr-python writes
-before: 0.31, 0.30, 0.18).
+16-core GPU host, --steps 24 --tokens 256, stored float32: none 2.3, lz4 1.9, zstd 0.6 GB/s
+(zarr-python writes before: 0.31, 0.30, 0.18).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class GilProbe:
         return statistics.fmean(self.waits) * 1e6 if self.waits else float("nan")
 
 
-def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "thread") -> tuple[float, float]:
+def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "thread",
+          dtype: str = "native") -> tuple[float, float]:
     """(captured GB/s from the first step to the store closed, CPU ms per step of the calling thread)."""
     import transformers as tf
     from dmi.exporter import ZarrExporter
@@ -66,7 +68,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     cfg = tf.Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, intermediate_size=12288, vocab_size=151936)
     hook = load_hook_spec({"capture": [{"sites": ["resid_post", "final_norm"]}],
-                           "store": {"compression": compression}, "policy": {"ring_bytes": "4GiB"}})
+                           "store": {"compression": compression, "dtype": dtype}, "policy": {"ring_bytes": "4GiB"}})
     plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, cfg, model_dtype_itemsize=2)
     shutil.rmtree(out, ignore_errors=True)
     exp = (ZarrExporter if writer == "thread" else ProcessExporter)(out, plan, "bfloat16", {}, overwrite=True)
@@ -100,24 +102,26 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--writers", default="thread,process", help="store.writer settings to time")
     ap.add_argument("--compressions", default="lz4,none,zstd")
+    ap.add_argument("--dtypes", default="native", help="store.dtype settings to time (native: bf16 as bf16)")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="dmi-exporter-bench-"))
     with GilProbe() as idle:
         time.sleep(1.0)
     print(f"GIL probe, idle: {idle.mean_us():.0f} us late per wake-up (sleep granularity)")
-    print("| writer | compression | captured GB/s (median) | caller CPU ms/step (median) | probe us late (median) "
-          "| runs (GB/s) |")
-    print("| --- | --- | ---: | ---: | ---: | --- |")
+    print("| writer | compression | stored | captured GB/s (median) | caller CPU ms/step (median) | "
+          "probe us late (median) | runs (GB/s) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- |")
     for writer in args.writers.split(","):
-        for comp in args.compressions.split(","):
-            runs, late = [], []
-            for _ in range(args.repeats):
-                with GilProbe() as probe:
-                    runs.append(bench(comp, args.steps, args.tokens, base / f"{comp}.zarr", writer))
-                late.append(probe.mean_us())
-            gbs, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-            print(f"| {writer} | {comp} | {gbs:.2f} | {cpu:.2f} | {statistics.median(late):.0f} | "
-                  f"{[round(r[0], 2) for r in runs]} |", flush=True)
+        for dtype in args.dtypes.split(","):
+            for comp in args.compressions.split(","):
+                runs, late = [], []
+                for _ in range(args.repeats):
+                    with GilProbe() as probe:
+                        runs.append(bench(comp, args.steps, args.tokens, base / f"{comp}.zarr", writer, dtype))
+                    late.append(probe.mean_us())
+                gbs, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+                print(f"| {writer} | {comp} | {dtype} | {gbs:.2f} | {cpu:.2f} | {statistics.median(late):.0f} | "
+                      f"{[round(r[0], 2) for r in runs]} |", flush=True)
     shutil.rmtree(base, ignore_errors=True)
 
 
