@@ -124,6 +124,9 @@ class KernelRing(Ring):
         self._host_ctrl = [torch.zeros(self.ctrl_words, dtype=torch.int64, pin_memory=self.is_cuda)
                            for _ in range(CTRL_BUFFERS)]
         self._host_ctrl_np = [t.numpy() for t in self._host_ctrl]
+        # the global words' views, made once: a steady step copies only them (no slicing per step)
+        self._ctrl_head = self.ctrl[:K.G_WORDS]
+        self._host_heads = [t[:K.G_WORDS] for t in self._host_ctrl]
         self._host_sites = [a[K.G_WORDS:self.site_words].reshape(n_sites, K.S_WORDS) for a in self._host_ctrl_np]
         self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
@@ -186,7 +189,10 @@ class KernelRing(Ring):
             ctrl.dev_rows_start = rows_start
             self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
         h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
-        self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
+        if pos == K.G_WORDS:
+            self._ctrl_head.copy_(self._host_heads[k], non_blocking=True)
+        else:
+            self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
         self._ctrl_events[k].record()
 
     def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
