@@ -61,7 +61,7 @@ case "$part" in
   profile) # GPU tests of the ring, dmi's host calls inside generate(), and py-spy on the model thread (vanilla vs
            # the host row, compiled Qwen3-8B): carry [".whl"] with py-spy in it (perf/fetch_wheels.sh)
     TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
-    TAIL=2 step ingen 60 python3 perf/hostcost.py --in-generate 64
+    TAIL=2 step ingen 150 python3 perf/hostcost.py --in-generate 64   # (60 s was too short on a fresh machine: Triton compiles)
     TAIL=60 step pyspy "${PERF_LIMIT:-240}" python3 perf/ablate.py --model qwen3-8b --batch 32 --new 96 --repeats 3 \
       --only-stores --pyspy 8 "$@"
     ;;
