@@ -118,7 +118,7 @@ class StepLayout:
     exactly the same captures (decode steps of one batch): the per-step host work is then one
     reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
     GPU waits for it between decode steps)."""
-    __slots__ = ("wanted", "sizes", "rel", "total", "sites", "site_ids", "index", "cache")
+    __slots__ = ("wanted", "sizes", "rel", "total", "site_ids", "index", "cache")
 
     def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
         self.wanted = wanted
@@ -130,7 +130,6 @@ class StepLayout:
         self.total = int(sizes.sum())
         self.site_ids = np.fromiter((w[0] for w in wanted), np.int64, n)
         self.index = {site: i for i, site in enumerate(self.site_ids.tolist())}   # site -> its capture
-        self.sites = frozenset(self.index)
         self.cache: dict = {}                  # backends keep what they derive from the layout here
 
 
@@ -165,7 +164,7 @@ class _LaidOutSlots(collections.abc.Mapping):
         return len(self.layout.wanted)
 
     def __contains__(self, site) -> bool:
-        return site in self.layout.sites
+        return site in self.layout.index
 
 
 @dataclass

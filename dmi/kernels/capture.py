@@ -67,6 +67,7 @@ _ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.
 _BASE, _FIRST_SEQ = tl.constexpr(G_BASE), tl.constexpr(G_FIRST_SEQ)
 _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.constexpr(S_SEQ), tl.constexpr(S_ROWS),
                                                 tl.constexpr(S_ROWS_START), tl.constexpr(S_ENABLED))
+_LISTED, _ARANGE = tl.constexpr(ENABLED), tl.constexpr(ENABLED_ARANGE)
 
 
 @triton.jit
@@ -136,9 +137,9 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
             if seq_arg >= 0:
                 seq = seq_arg.to(tl.int64)
             # rows 0 .. c-1 (enabled 2): the row is its own index, no read (a masked-off load waits for nothing)
-            listed = tl.where(enabled == 1, c, 0)      # rows to read: none when flagged 0 .. c-1
+            listed = tl.where(enabled == _LISTED, c, 0)      # rows to read: none when flagged 0 .. c-1
             rr = tl.load(ctrl + start + r, mask=r < listed, other=0)
-            rr = tl.where(enabled == 2, r.to(tl.int64), rr)
+            rr = tl.where(enabled == _ARANGE, r.to(tl.int64), rr)
             b = rr // seq
             s = rr % seq - (seq - src_seq)
             roff = b * stride_b + s * stride_s

@@ -184,7 +184,7 @@ class KernelRing(Ring):
             else:
                 f, rows_start, pos = self._site_words(ctrl, h, pos)
             hs = self._host_sites[k]
-            hs[:, K.S_ENABLED] = 0
+            hs[:, K.S_ENABLED] = K.OFF
             hs[f[:, 0]] = f[:, 1:]
             ctrl.dev_rows_start = rows_start
             self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
@@ -227,25 +227,23 @@ class KernelRing(Ring):
         """Each capture's row indices into the control words at ``pos`` on, once per rows array
         (sites of one token filter share it): (start of each capture's rows, [(start, rows)], next
         pos, each capture's enabled word: ENABLED_ARANGE where its rows are 0 .. n-1)."""
-        starts: dict[int, int] = {}
-        arange: dict[int, bool] = {}
+        placed: dict[int, tuple[int, int]] = {}       # id(rows) -> (start, enabled word)
         start_of, rows_at, enabled = [], [], []
         for site, rows in site_rows:
-            start = starts.get(id(rows))
-            if start is None:
+            got = placed.get(id(rows))
+            if got is None:
                 n = len(rows)
-                arange[id(rows)] = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (
-                    n < 3 or bool(np.all(np.diff(rows) == 1)))
-                if len(rows) > self.max_rows or pos + len(rows) > self.ctrl_words:
-                    raise PolicyError(f"step {ctrl.step} selects {len(rows)} rows for {self.plan.sites[site].name}, "
+                if n > self.max_rows or pos + n > self.ctrl_words:
+                    raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
                                       f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
                                       f"policy.max_step_tokens")
-                h[pos:pos + len(rows)] = rows
-                start = starts[id(rows)] = pos
+                h[pos:pos + n] = rows
+                arange = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (n < 3 or bool(np.all(np.diff(rows) == 1)))
+                got = placed[id(rows)] = (pos, K.ENABLED_ARANGE if arange else K.ENABLED)
                 rows_at.append((pos, rows))
-                pos += len(rows)
-            start_of.append(start)
-            enabled.append(K.ENABLED_ARANGE if arange[id(rows)] else K.ENABLED)
+                pos += n
+            start_of.append(got[0])
+            enabled.append(got[1])
         return start_of, rows_at, pos, enabled
 
     def device_end(self) -> None:
