@@ -111,6 +111,7 @@ class StepControl:
     base: int = 0             # the step's block in the payload ring: offset and reserved bytes
     nbytes: int = 0
     copied: object = None     # backends that copy a step out early mark it here (CudaRing)
+    dev_rows: dict = field(default_factory=dict)   # kernel rings: rows start -> its device view (eager captures)
 
 
 class StepLayout:

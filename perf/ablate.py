@@ -137,6 +137,14 @@ def profiled(fn, steps: int) -> str:
     return f"dmi kernels {dmi_us / steps:.1f} us/step, graph launches {graphs / steps:.2f}/step"
 
 
+def kernel_times(run, dgen, steps: int) -> None:
+    """The GPU time of dmi's kernels per step, capturing and in null mode."""
+    print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, steps)}", flush=True)
+    run.set_enabled(False)
+    print(f"dmi null: {profiled(dgen, steps)}", flush=True)
+    run.set_enabled(True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -210,6 +218,8 @@ def main(argv=None) -> None:
                     if args.profile:
                         base = host_profile(gen, args.new)
                         print(profile_diff(host_profile(flushed, args.new), base), flush=True)
+                    if torch.cuda.is_available():
+                        kernel_times(run, dgen, args.new)
                 else:
                     run.set_enabled(False)
                     dgen(), dgen()
@@ -254,10 +264,7 @@ def main(argv=None) -> None:
                             sys.setswitchinterval(interval)
                         run.ring.copy_at_step = False
                     if torch.cuda.is_available():
-                        print(f"dmi hidden ({len(run.plan.sites)} sites): {profiled(dgen, args.new)}", flush=True)
-                        run.set_enabled(False)
-                        print(f"dmi null: {profiled(dgen, args.new)}", flush=True)
-                        run.set_enabled(True)
+                        kernel_times(run, dgen, args.new)
             if hasattr(run.ring, "copy_at_step") and not args.only_stores:      # the exporter writing the store, beside decoding
                 run.ring.copy_at_step = True
                 flushed()

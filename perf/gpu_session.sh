@@ -8,10 +8,10 @@ set -u
 [ "${1:-}" = vllm ] && { shift; exec bash perf/gpu_vllm.sh "$@"; }
 OUT=${OUT:-/tmp/dmi-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .whl ]; then   # own folder (vLLM's staged tree is /tmp/site), shared with perf/gpu_vllm.sh
+  [ -f /tmp/dmi-whl/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/dmi-whl .whl/*.whl && touch /tmp/dmi-whl/.done; } || exit 1
+  export PYTHONPATH=/tmp/dmi-whl${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
 {
@@ -64,6 +64,12 @@ case "$part" in
     TAIL=2 step ingen 150 python3 perf/hostcost.py --in-generate 64   # (60 s was too short on a fresh machine: Triton compiles)
     TAIL=60 step pyspy "${PERF_LIMIT:-240}" python3 perf/ablate.py --model qwen3-8b --batch 32 --new 96 --repeats 3 \
       --only-stores --pyspy 8 "$@"
+    ;;
+  hostvllm) # the ring's GPU tests, then a vLLM engine step's host work without vLLM (perf/hostcost.py --engine vllm:
+            # steady decode with eager captures as a mixed step makes them, and fresh layouts), and the end marker's launch
+    TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+    TAIL=2 step hostvllm 100 python3 perf/hostcost.py --engine vllm --batch 32 --eager "$@"
+    TAIL=1 step hostfresh 60 python3 perf/hostcost.py --engine vllm --batch 32 --fresh "$@"
     ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)
     TAIL=14 step budget "${PERF_LIMIT:-300}" python3 perf/budget.py "$@"

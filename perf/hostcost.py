@@ -71,6 +71,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
     ap.add_argument("--internals", action="store_true", help="capture the internals spec (7 sites per layer)")
     ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
+    ap.add_argument("--eager", action="store_true", help="vllm: each step also captures its sites through the eager "
+                    "path (a step run without a CUDA graph: mixed prefill steps above the largest graph size)")
     ap.add_argument("--in-generate", type=int, default=0, metavar="N",
                     help="hf: time the step's host calls inside a real generate() of N new tokens (static cache: "
                          "caches as cold as the model leaves them), not in a loop")
@@ -159,7 +161,10 @@ def vllm_steps(run, args) -> None:
     sched = np.array([args.chunk] * k + [1] * (n - k), np.int64)
     computed = np.array([0] * k + [200] * (n - k), np.int64)
     prompt = np.full(n, 200 + args.chunk, np.int64)
-    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0, "device_end": 0.0, "end_wall": 0.0}
+    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0, "device_end": 0.0, "end_wall": 0.0, "eager": 0.0}
+    eager_sites = [s for s in run.plan.sites if s.canonical != "logits"] if args.eager else []
+    hidden = run.plan.sites[0].shape[-1]
+    xs = torch.randn(1, int(sched.sum()), hidden, device=DEV)    # [batch 1, flat tokens, hidden]: HF's site layout
 
     def step():
         computed[:] += sched       # the next step's positions (requests never finish: no re-admission)
@@ -174,6 +179,10 @@ def vllm_steps(run, args) -> None:
         t = time.thread_time()
         run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
         spent["begin"] += time.thread_time() - t
+        t = time.thread_time()
+        for site in eager_sites:      # what the dmi::capture op does for each site of an eager step
+            run.capture(site.index, xs)
+        spent["eager"] += time.thread_time() - t
         t, w = time.thread_time(), time.perf_counter()
         if DEV == "cuda":
             ring.device_end()
@@ -193,6 +202,13 @@ def vllm_steps(run, args) -> None:
         with Skip(run), torch.no_grad(), CpuClock(run, total) as cpu:
             per_call_us(step, calls)
             run.flush()
+        if DEV == "cuda":      # the end marker launched through Triton (before it was a replayed graph), disarmed
+            from dmi.kernels import capture as K
+            launch = per_call_us(lambda: K.launch_end(ring.ctrl, ring.meta_dev, ring.counters, meta_records=ring.meta_records,
+                                                      fence_idx=ring.fence_idx), 2000)
+            graph = per_call_us(ring._end_graph.replay, 2000) if ring._end_graph is not None else float("nan")
+            torch.cuda.synchronize()
+            print(f"end marker: Triton launch {launch:.1f} us, graph replay {graph:.1f} us (wall, per call)")
     finally:
         run.close()
     rows, begin, end, dev_end, end_wall = (spent[key] / total * 1e6
@@ -200,7 +216,9 @@ def vllm_steps(run, args) -> None:
     print(f"{DEV} vllm step: {len(run.plan.sites)} sites, {n} requests ({k} prefill chunks of {args.chunk}, "
           f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us "
           f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), "
-          f"total {rows + begin + end:.1f} us; {cpu.text.split(', ', 1)[1]} (thread CPU us/step)")
+          f"total {rows + begin + end:.1f} us; {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
+          + (f"; eager captures {spent['eager'] / total * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites)"
+             if eager_sites else ""))
 
 
 if __name__ == "__main__":

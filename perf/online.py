@@ -280,7 +280,7 @@ class Server:
         else:
             cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": args.graph_sizes})]
         if args.trace:       # vLLM's torch profiler, started and stopped through its HTTP endpoints
-            self.trace_dir = Path(os.environ.get("OUT", work)).resolve() / f"trace-{name}"
+            self.trace_dir = Path(work).resolve() / f"trace-{name}"   # not $OUT: a device call returns 8 files at most
             cmd += ["--profiler-config", json.dumps({
                 "profiler": "torch", "torch_profiler_dir": str(self.trace_dir), "torch_profiler_with_stack": False,
                 "torch_profiler_use_gzip": True, "ignore_frontend": True, "max_iterations": args.trace})]
@@ -352,7 +352,8 @@ def store_stats(store: Path | None) -> dict | None:
     a = json.loads(meta.read_text()).get("attributes", {})
     keys = ("steps", "records", "bytes_drained", "dropped_captures", "dropped_bytes", "stall_seconds", "not_run")
     return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
-            "padding_rows_skipped": (a.get("vllm") or {}).get("padding_rows_skipped")}
+            "padding_rows_skipped": (a.get("vllm") or {}).get("padding_rows_skipped"),
+            "host_us_per_step": (a.get("vllm") or {}).get("host_us_per_step")}
 
 
 # --- configurations -----------------------------------------------------------------------------------
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pyspy-rate", type=float, default=None, help="the rate sampled (default: the second one)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="torch.profiler trace of N engine steps of each server, 2 s into the sampled rate "
-                         "(--pyspy-rate), into $OUT/trace-CONFIG (perf/trace_steps.py compares them)")
+                         "(--pyspy-rate), into WORK/trace-CONFIG (compared by perf/trace_steps.py, printed)")
     ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
@@ -582,7 +583,7 @@ def main(argv=None) -> int:
                 print(pyspy.compare(spy_files["vanilla"], path), flush=True)
     if traced:
         from trace_steps import compare_dirs
-        dirs = {name: Path(os.environ.get("OUT", work)).resolve() / f"trace-{name}" for name in names}
+        dirs = {name: Path(work).resolve() / f"trace-{name}" for name in names}
         print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0

@@ -15,6 +15,7 @@ largest time per step.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -70,6 +71,17 @@ def summarize(events: list[dict], top: int = 8) -> dict:
     else:
         annotations = collections.Counter(e["name"] for e in marks)
         stepish = [(n, c) for n, c in annotations.most_common() if any(h in n.lower() for h in STEP_HINTS)]
+    # the GPU's span of each step (vLLM's annotations on the GPU timeline), by kind, with the decode
+    # batch (requests) and dmi's kernels inside it: what a step costs the GPU, host effects aside
+    gpu_steps = {"decode": [], "prefill": []}
+    gpu_marks = [(e, VLLM_STEP.match(e["name"])) for e in events if e.get("cat") == "gpu_user_annotation"]
+    starts = sorted((e["ts"], e["ts"] + e["dur"], any(k in e["name"] for k in DMI_KERNELS)) for e in kernels)
+    for e, m in ((e, m) for e, m in gpu_marks if m):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        lo, hi = bisect.bisect_left(starts, (a,)), bisect.bisect_right(starts, (b, float("inf")))
+        inside = starts[lo:hi]
+        dmi_in = sum(y - x for x, y, d in inside if d)
+        gpu_steps["prefill" if int(m.group(2)) else "decode"].append((e["dur"], int(m.group(3)), dmi_in))
     steps = stepish[0][1] if stepish else 1
     by_kernel = collections.Counter()
     for e in kernels:
@@ -88,7 +100,9 @@ def summarize(events: list[dict], top: int = 8) -> dict:
             "busy_us": busy, "compute_us": compute, "idle_us": (t1 - t0) - busy, "dmi_us": dmi, "dmi_launches": dmi_n,
             "kernels": len(kernels), "top_kernels": by_kernel.most_common(top), "top_runtime": runtime.most_common(top),
             "top_ops": ops.most_common(top),
-            "host_steps": {k: (len(v), statistics.median(v) if v else 0.0) for k, v in host.items()}}
+            "host_steps": {k: (len(v), statistics.median(v) if v else 0.0) for k, v in host.items()},
+            "gpu_steps": {k: (len(v), *(statistics.median(x[i] for x in v) if v else 0.0 for i in range(3)))
+                          for k, v in gpu_steps.items()}}
 
 
 def summarize_dir(d: Path) -> dict:
@@ -121,6 +135,9 @@ def compare(summaries: dict[str, dict]) -> str:
     for kind in ("decode", "prefill"):      # vLLM's annotations: the host's span of each step
         row(f"host span, {kind} steps (median, count)",
             lambda n, s: "{1:.0f} ({0})".format(*s.get("host_steps", {}).get(kind, (0, 0.0))))
+    for kind in ("decode", "prefill"):      # the GPU's span of each step, its decode requests, dmi's kernels in it
+        row(f"GPU span, {kind} steps (median, count; decode requests; dmi µs)",
+            lambda n, s: "{1:.0f} ({0}; {2:.0f}; {3:.0f})".format(*s.get("gpu_steps", {}).get(kind, (0, 0.0, 0.0, 0.0))))
     out = ["\n".join(lines)]
     for n, s in summaries.items():
         out.append(f"{n} ({s['file']}, steps by {s['step_annotation']!r}): CUDA runtime µs/step: "

@@ -57,7 +57,7 @@ def section_kernel() -> None:
 
     from dmi.gather import gather
     from dmi.kernels import capture as K
-    from dmi.kernels.cuda_ring import _SiteLaunch
+    from dmi.kernels.cuda_ring import KernelRing, _SiteLaunch
     from dmi.plan import Output
     from dmi.ring import META_DTYPE, Ring
 
@@ -90,6 +90,7 @@ def section_kernel() -> None:
         r.arange, r.geometry, r.null = torch.arange(512), (batch, step_seq), False
         r.payload_t, r.meta_view = ring, (lambda: meta)
         r.publish_record = types.MethodType(Ring.publish_record, r)      # eager steps: the host writes records
+        r._payload_views, r.payload_as = {}, types.MethodType(KernelRing.payload_as, r)   # eager gathers
         launcher = launcher or _SiteLaunch(site, dtype, torch.device("cpu"))
 
         class Step:                                # the host's view of the step (eager launches)
@@ -101,6 +102,7 @@ def section_kernel() -> None:
         st.slots[site.index].rows = rows
         st.slots[site.index].offset, st.slots[site.index].seq, st.step = 1024, seq_no, 11
         st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
+        st.dev_rows = {}                           # (StepControl.dev_rows: the rows views of eager captures)
         # device flags off only matter to graph launches (eager ones are skipped on the host)
         for eager in (st, None) if enabled and armed else (None,):
             if eager is None and enabled == K.ENABLED_ARANGE:    # rows 0..n-1: the kernel must not read them

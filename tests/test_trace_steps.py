@@ -58,3 +58,17 @@ def test_vllm_step_annotations_split_decode_from_prefill_steps():
     s = trace_steps.summarize(events)
     assert s["steps"] == 4 and s["host_steps"] == {"decode": (3, 120), "prefill": (1, 900)}
     assert "| host span, prefill steps (median, count) | 900 (1) |" in trace_steps.compare({"x": s | {"file": "f"}})
+
+
+def test_gpu_span_of_vllm_steps_with_their_batch_and_dmi_kernels():
+    events = [_x("execute_context_0(0)_generation_4(4)", "gpu_user_annotation", 0, 100),
+              _x("execute_context_0(0)_generation_6(6)", "gpu_user_annotation", 200, 140),
+              _x("execute_context_2(300)_generation_4(4)", "gpu_user_annotation", 400, 900),
+              _x("gemm", "kernel", 10, 50), _x("capture_kernel", "kernel", 70, 3), _x("end_kernel", "kernel", 90, 1),
+              _x("gemm", "kernel", 210, 100), _x("capture_kernel", "kernel", 320, 5),
+              _x("capture_kernel", "kernel", 410, 7), _x("gemm", "kernel", 500, 700)]
+    s = trace_steps.summarize(events)
+    # decode: spans 100 and 140 (median 120), requests 4 and 6 (5), dmi 4 and 5 µs (4.5); prefill: its one step
+    assert s["gpu_steps"] == {"decode": (2, 120, 5, 4.5), "prefill": (1, 900, 4, 7)}
+    table = trace_steps.compare({"x": s | {"file": "f"}})
+    assert "| GPU span, decode steps (median, count; decode requests; dmi µs) | 120 (2; 5; 4) |" in table

@@ -244,6 +244,9 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
         run.shutdown()
     tree = dmi.open(tmp_path / "v.zarr")
     assert tree.attrs["vllm"]["recomputed_rows_skipped"] > 0, "no preemption happened: the test lost its point"
+    host = tree.attrs["vllm"]["host_us_per_step"]     # dmi's own host cost per engine step, by hook
+    assert set(host) == {"wall", "cpu"} and all(set(d) == {"batch", "begin", "end"} for d in host.values()), host
+    assert all(0 < host["cpu"][k] <= host["wall"][k] * 1.1 + 5 for k in host["cpu"]), host
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}
     assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
     assert_accounting(tree)

@@ -132,6 +132,8 @@ class KernelRing(Ring):
         self._ctrl_next = 0
         self._on_device: tuple = (None, None)   # (layout, pad) whose words the device's ctrl holds
         self.end_warm = False               # launching_without_step has compiled the end-marker kernel
+        self._end_graph = None              # the end-marker launch as a CUDA graph (device_end)
+        self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
@@ -247,7 +249,31 @@ class KernelRing(Ring):
         return start_of, rows_at, pos, enabled
 
     def device_end(self) -> None:
+        """The end-marker kernel, on the current stream. Outside a graph capture (vLLM ends every
+        step from the host; eager HF forwards) a one-kernel CUDA graph of it is replayed: its
+        arguments never change (it reads the step from ``ctrl``), and a replay costs the host a
+        few µs where Triton's Python launcher took 130 µs a step in a serving engine."""
+        if self._end_graph is not None and not torch.cuda.is_current_stream_capturing():
+            self._end_graph.replay()
+            return
         K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
+        if self.is_cuda and self._end_graph is None and not torch.cuda.is_current_stream_capturing():
+            self._end_graph = self._capture_end()     # launched once above: compiled and loaded
+
+    def _capture_end(self):
+        """A CUDA graph of the end-marker launch, captured on a side stream (thread-local capture
+        mode: the drain thread's CUDA calls meanwhile are not part of it and stay legal)."""
+        graph, side, cur = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.torch_device), torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records,
+                             fence_idx=self.fence_idx)
+            finally:
+                graph.capture_end()
+        cur.wait_stream(side)
+        return graph
 
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
         """Host-published end marker (an aborted step or a forward that never finished): wait for
@@ -266,7 +292,16 @@ class KernelRing(Ring):
         if not capturing and (cur is None or site.index not in cur.slots):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
-        self.sites[site.index].launch(self, x.detach(), eager)     # detached: no autograd graph
+        self.sites[site.index].launch(self, x.detach() if x.requires_grad else x, eager)   # no autograd graph
+
+    def payload_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The payload ring as a flat tensor of ``dtype`` (made once per dtype: eager captures
+        gather straight into it)."""
+        t = self._payload_views.get(dtype)
+        if t is None:
+            whole = self.payload_t.numel() // dtype.itemsize * dtype.itemsize     # any ring_bytes, even odd
+            t = self._payload_views[dtype] = self.payload_t[:whole].view(dtype)
+        return t
 
 
 class CudaRing(KernelRing):
@@ -465,6 +500,7 @@ class CudaRing(KernelRing):
             return
         self._closed = True
         rt = self._rt
+        self._end_graph = None
         try:
             torch.cuda.synchronize(self.torch_device)
             _ok(rt.cudaStreamSynchronize(self._stream))
@@ -572,13 +608,17 @@ class _SiteLaunch:
         rows = slot.rows
         if src_seq < seq:                      # x holds only the last src_seq positions
             rows, idx = self._held_rows(rows, seq, src_seq, x.device)
-        else:
-            idx = ring.ctrl.narrow(0, st.dev_rows_start[site.index], len(rows))
+        else:     # the step's rows on the device; sites of one token filter share them (one view a step)
+            start = st.dev_rows_start[site.index]
+            idx = st.dev_rows.get(start)
+            if idx is None or len(idx) != len(rows):
+                idx = st.dev_rows[start] = ring.ctrl.narrow(0, start, len(rows))
         n = len(rows)
         if self.plain and x.dtype == self.dtype:      # one kernel: gather the rows into the ring
             nb = n * self.row_bytes[0]
             if n:
-                dst = ring.payload_t.narrow(0, slot.offset, nb).view(x.dtype).view(n, -1)
+                isz = x.element_size()      # (slot offsets are aligned to ALIGN bytes)
+                dst = ring.payload_as(x.dtype).narrow(0, slot.offset // isz, nb // isz).view(n, -1)
                 torch.index_select(flat.reshape(flat.shape[0], -1), 0, idx, out=dst)
             ring.publish_record(slot.seq, st.step, site.index, slot.offset, nb, n, src_seq)
             return

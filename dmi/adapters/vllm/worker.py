@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,17 +52,29 @@ class Session:
         self.padded_steps = 0                   # steps run on a CUDA graph padded past their real tokens
         self.padding_rows = 0                   # those padding rows (never selected, never copied)
         self.rank = 0                           # tensor parallel rank (0: no tensor parallelism)
+        self.clock = HookClock()                # host time in the step hooks below
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
-    def on_batch(self, runner, batch) -> None:
+    def on_batch(self, runner, scheduler_output) -> None:
+        t0 = self.clock.now()
+        batch = compat.read_batch(runner, scheduler_output)
         if batch.spec_decode:      # refused at load (_check_engine); a guard against a config that changed
             raise DmiError("dmi: a step with draft tokens (speculative decoding) is not supported")
         self._batch = batch
+        self.clock.add("batch", t0)
 
     def on_forward(self, num_tokens_padded: int) -> None:
         batch, self._batch = self._batch, None
         if batch is None or self.closed:
             return
+        t0 = self.clock.now()
+        self.clock.steps += 1
+        try:
+            self._begin(batch, num_tokens_padded)
+        finally:
+            self.clock.add("begin", t0)
+
+    def _begin(self, batch, num_tokens_padded: int) -> None:
         real = int(batch.num_scheduled.sum())
         if num_tokens_padded > real:
             self.padded_steps += 1
@@ -97,10 +110,12 @@ class Session:
     def on_step_end(self) -> None:
         if self.closed:
             return
+        t0 = self.clock.now()
         # the device side of the end marker (CUDA ring), called directly: this runs after
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
         self.run.end_step()
+        self.clock.add("end", t0)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -120,7 +135,8 @@ class Session:
                     "recomputed_rows_skipped": self.steps.recomputed_rows,
                     "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
                     "requests_capped": sorted(self.steps.capped),
-                    "requests_refused": dict(self.gate.refused)})
+                    "requests_refused": dict(self.gate.refused),
+                    "host_us_per_step": self.clock.per_step_us()})
 
     def close_quietly(self) -> None:
         """At engine shutdown / process exit: close, log instead of raising."""
@@ -129,6 +145,30 @@ class Session:
         except BaseException as e:       # the engine is going down: report, do not mask its own exit
             self.error = e
             log.error("dmi: closing the capture store %s failed: %s", self.run.store, e)
+
+
+class HookClock:
+    """Host time per engine step in a session's step hooks (batch: reading the runner's batch;
+    begin: token bookkeeping, row selection, the control block's H2D; end: the end marker): wall
+    time, which includes waits for the GIL, and the engine thread's own CPU time."""
+    KEYS = ("batch", "begin", "end")
+
+    def __init__(self):
+        self.wall = dict.fromkeys(self.KEYS, 0.0)
+        self.cpu = dict.fromkeys(self.KEYS, 0.0)
+        self.steps = 0
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def add(self, key: str, t0: tuple[float, float]) -> None:
+        self.wall[key] += time.perf_counter() - t0[0]
+        self.cpu[key] += time.thread_time() - t0[1]
+
+    def per_step_us(self) -> dict:
+        n = max(self.steps, 1)
+        return {kind: {k: round(v * 1e6 / n, 1) for k, v in d.items()} for kind, d in (("wall", self.wall), ("cpu", self.cpu))}
 
 
 def start(worker) -> Session | None:
