@@ -178,6 +178,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "stall_seconds": attrs.get("stall_seconds"),
         "stall_bandwidth_seconds": attrs.get("stall_bandwidth_seconds"),
         "versions": attrs.get("versions", {}),
+        "vllm": attrs.get("vllm"),
     }
 
 
@@ -272,9 +273,22 @@ def format_summary(info: dict) -> str:
             layers = _layers_text(s["layers"]) if s["layers"] is not None else "-"
             arrays = "; ".join(f"{a['name']} {_shape(a)} {a['dtype']}" for a in s["arrays"])
             lines.append(f"  {s['group']:<{w}}  {s['tokens']:>7}  {layers:<8}  {human_bytes(s['bytes']):>10}  {arrays}")
+    if info.get("vllm"):
+        lines.append(_vllm_line(info["vllm"]))
     if any(a["dtype"] == "bfloat16" for s in info["sites"] for a in s["arrays"]):
         lines.append("readers   bfloat16 arrays: dmi.open reads them; plain zarr-python or xarray after `import dmi.zdtype`")
     return "\n".join(lines)
+
+
+def _vllm_line(v: dict) -> str:
+    """What the vLLM engine's scheduling did to capture, and dmi's host time per engine step."""
+    text = (f"vllm      {v.get('padded_steps', 0)} graph-padded steps ({v.get('padding_rows_skipped', 0)} padding rows "
+            f"never copied), {v.get('recomputed_rows_skipped', 0)} recomputed rows skipped")
+    host = v.get("host_us_per_step") or {}
+    wall, cpu = host.get("wall") or {}, host.get("cpu") or {}
+    if wall:
+        text += "; dmi host µs/step " + ", ".join(f"{k} {wall[k]:g} ({cpu.get(k, 0):g} CPU)" for k in wall)
+    return text
 
 
 def _stall_line(stall, bandwidth) -> str:

@@ -247,6 +247,10 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     host = tree.attrs["vllm"]["host_us_per_step"]     # dmi's own host cost per engine step, by hook
     assert set(host) == {"wall", "cpu"} and all(set(d) == {"batch", "begin", "end"} for d in host.values()), host
     assert all(0 < host["cpu"][k] <= host["wall"][k] * 1.1 + 5 for k in host["cpu"]), host
+    from dmi.inspect_store import format_summary, summarize
+    line = next(x for x in format_summary(summarize(tmp_path / "v.zarr")).splitlines() if x.startswith("vllm "))
+    assert f"{tree.attrs['vllm']['recomputed_rows_skipped']} recomputed rows skipped" in line
+    assert f"begin {host['wall']['begin']:g} ({host['cpu']['begin']:g} CPU)" in line, line
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}
     assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
     assert_accounting(tree)
