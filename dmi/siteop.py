@@ -51,7 +51,7 @@ def _op(name: str):
     (tracing: the ops return nothing and only mutate ``ticket``)."""
     def register(fn):
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"dmi::{name}", lambda *args: None, lib=_LIB)
+        torch.library.register_fake(f"dmi::{name}", lambda *args, **kwargs: None, lib=_LIB)
         return fn
     return register
 
