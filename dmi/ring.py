@@ -123,14 +123,13 @@ class StepLayout:
 
     def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
         self.wanted = wanted
-        n = len(wanted)
-        nbytes = np.fromiter((w[3] for w in wanted), np.int64, n)
-        sizes = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        site_ids, _, _, nbytes, _ = zip(*wanted) if wanted else ((),) * 5     # columns (C-level transpose)
+        sizes = (np.array(nbytes, np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
         self.sizes = sizes.tolist()
         self.rel = np.cumsum(sizes) - sizes
         self.total = int(sizes.sum())
-        self.site_ids = np.fromiter((w[0] for w in wanted), np.int64, n)
-        self.index = {site: i for i, site in enumerate(self.site_ids.tolist())}   # site -> its capture
+        self.site_ids = np.array(site_ids, np.int64)
+        self.index = dict(zip(site_ids, range(len(site_ids))))   # site -> its capture
         self.cache: dict = {}                  # backends keep what they derive from the layout here
 
 

@@ -81,6 +81,15 @@ class Run:
         # per site: index, bytes per row, token filter (and its index), priority, held rows it reads (or None)
         self._site_info = [(s.index, s.row_bytes(self.itemsize), s.tokens, filters.index(s.tokens), s.priority,
                             s.anchor.get("rows")) for s in plan.sites]
+        # the same as arrays and short tuples, for a step's selection without a per-site Python branch
+        self._filter_list = filters
+        self._site_ids = np.array([i[0] for i in self._site_info], np.int64)
+        self._site_filter = np.array([i[3] for i in self._site_info], np.int64)
+        self._site_lite = [(site, row_bytes, f, priority) for site, row_bytes, _, f, priority, _ in self._site_info]
+        self._held_at: dict[str, list[int]] = {}       # held rows name -> positions of the sites reading them
+        for i, info in enumerate(self._site_info):
+            if info[5] is not None:
+                self._held_at.setdefault(info[5], []).append(i)
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._exported = 0                   # steps the exporter thread is done with
@@ -325,15 +334,23 @@ class Run:
 
     def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, tuple]:
         """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's
-        accounting for :meth:`_count`: arrays of sites, rows selected, of those not computed."""
-        selections: list = [None] * self._n_filters
-        wanted, sites, selected, not_computed = [], [], [], []
-        for site, row_bytes, tokens, f, priority, held_rows in self._site_info:
-            base = selections[f]
-            if base is None:                  # one selection per token filter and step
-                sel = select(st, tokens, self._filters.setdefault(tokens, FilterState()))
-                base = selections[f] = (sel, st.rows[sel])
-            sel, rows = base
+        accounting for :meth:`_count`: arrays of sites, rows selected, of those not computed.
+
+        One selection per token filter (a stateful filter counts the step once); a site takes its
+        filter's rows as they are unless ``keep`` masks them or it reads ``held`` rows (below)."""
+        bases = []
+        for tokens in self._filter_list:
+            sel = select(st, tokens, self._filters.setdefault(tokens, FilterState()))
+            bases.append((sel, st.rows[sel]))
+        lens = [len(b[0]) for b in bases]
+        selected = np.asarray(lens, np.int64)[self._site_filter]
+        not_computed = np.zeros(len(selected), np.int64)
+        own: dict[int, tuple] = {}              # site position -> its own (sel, rows)
+        mine = range(len(self._site_info)) if keep is not None else [
+            i for name in (held or ()) for i in self._held_at.get(name, ())]
+        for i in mine:
+            site, _, _, f, _, held_rows = self._site_info[i]
+            sel, rows = bases[f]
             if keep is not None and site in keep:
                 sel = sel[keep[site][sel]]
                 rows = st.rows[sel]
@@ -343,12 +360,16 @@ class Run:
                 at = index[sel]
                 missing = int((at < 0).sum())
                 sel, rows = sel[at >= 0], st.seq - n + at[at >= 0]
-            sites.append(site)
-            selected.append(len(sel) + missing)
-            not_computed.append(missing)
+            own[i] = (sel, rows)
+            selected[i] = len(sel) + missing
+            not_computed[i] = missing
+        wanted = []
+        append = wanted.append
+        for i, (site, row_bytes, f, priority) in enumerate(self._site_lite):
+            sel, rows = own.get(i) or bases[f] if own else bases[f]
             if len(sel):
-                wanted.append((site, sel, rows, len(sel) * row_bytes, priority))
-        return wanted, tuple(np.array(v, np.int64) for v in (sites, selected, not_computed))
+                append((site, sel, rows, len(sel) * row_bytes, priority))
+        return wanted, (self._site_ids, selected, not_computed)
 
     def capture(self, site_index: int, x: torch.Tensor) -> None:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x``."""

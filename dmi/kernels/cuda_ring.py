@@ -230,23 +230,22 @@ class KernelRing(Ring):
         (sites of one token filter share it): (start of each capture's rows, [(start, rows)], next
         pos, each capture's enabled word: ENABLED_ARANGE where its rows are 0 .. n-1)."""
         placed: dict[int, tuple[int, int]] = {}       # id(rows) -> (start, enabled word)
-        start_of, rows_at, enabled = [], [], []
-        for site, rows in site_rows:
-            got = placed.get(id(rows))
-            if got is None:
-                n = len(rows)
-                if n > self.max_rows or pos + n > self.ctrl_words:
-                    raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
-                                      f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
-                                      f"policy.max_step_tokens")
-                h[pos:pos + n] = rows
-                arange = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (n < 3 or bool(np.all(np.diff(rows) == 1)))
-                got = placed[id(rows)] = (pos, K.ENABLED_ARANGE if arange else K.ENABLED)
-                rows_at.append((pos, rows))
-                pos += n
-            start_of.append(got[0])
-            enabled.append(got[1])
-        return start_of, rows_at, pos, enabled
+        rows_at = []
+        for site, rows in site_rows:                  # each distinct rows array once
+            if id(rows) in placed:
+                continue
+            n = len(rows)
+            if n > self.max_rows or pos + n > self.ctrl_words:
+                raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
+                                  f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
+                                  f"policy.max_step_tokens")
+            h[pos:pos + n] = rows
+            arange = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (n < 3 or bool(np.all(np.diff(rows) == 1)))
+            placed[id(rows)] = (pos, K.ENABLED_ARANGE if arange else K.ENABLED)
+            rows_at.append((pos, rows))
+            pos += n
+        got = [placed[id(rows)] for _, rows in site_rows]
+        return [g[0] for g in got], rows_at, pos, [g[1] for g in got]
 
     def device_end(self) -> None:
         """The end-marker kernel, on the current stream. Outside a graph capture (vLLM ends every
