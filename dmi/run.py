@@ -73,23 +73,21 @@ class Run:
         self._last_rows = None       # (tokens, held, layout) of the last laid-out step, reused by equal rows
         self._owner = _StepOwner(self._orphaned)   # the thread driving the steps now (one generate at a time)
         filters = list(dict.fromkeys(s.tokens for s in plan.sites))
-        self._n_filters = len(filters)
         # filters whose selection in a decode step depends only on the batch (no counters, no
         # position windows): decode steps then reuse one StepLayout
         self._stateless_filters = all(f.every_n_steps <= 1 and f.max_per_request is None and f.positions is None
                                       for f in filters)
-        # per site: index, bytes per row, token filter (and its index), priority, held rows it reads (or None)
-        self._site_info = [(s.index, s.row_bytes(self.itemsize), s.tokens, filters.index(s.tokens), s.priority,
-                            s.anchor.get("rows")) for s in plan.sites]
-        # the same as arrays and short tuples, for a step's selection without a per-site Python branch
+        # per site: index, bytes per row, index of its token filter, priority, held rows it reads (or None);
+        # index and filter again as arrays, for a step's accounting without a per-site Python loop
         self._filter_list = filters
+        self._site_info = [(s.index, s.row_bytes(self.itemsize), filters.index(s.tokens), s.priority,
+                            s.anchor.get("rows")) for s in plan.sites]
         self._site_ids = np.array([i[0] for i in self._site_info], np.int64)
-        self._site_filter = np.array([i[3] for i in self._site_info], np.int64)
-        self._site_lite = [(site, row_bytes, f, priority) for site, row_bytes, _, f, priority, _ in self._site_info]
+        self._site_filter = np.array([i[2] for i in self._site_info], np.int64)
         self._held_at: dict[str, list[int]] = {}       # held rows name -> positions of the sites reading them
         for i, info in enumerate(self._site_info):
-            if info[5] is not None:
-                self._held_at.setdefault(info[5], []).append(i)
+            if info[4] is not None:
+                self._held_at.setdefault(info[4], []).append(i)
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._exported = 0                   # steps the exporter thread is done with
@@ -349,7 +347,7 @@ class Run:
         mine = range(len(self._site_info)) if keep is not None else [
             i for name in (held or ()) for i in self._held_at.get(name, ())]
         for i in mine:
-            site, _, _, f, _, held_rows = self._site_info[i]
+            site, _, f, _, held_rows = self._site_info[i]
             sel, rows = bases[f]
             if keep is not None and site in keep:
                 sel = sel[keep[site][sel]]
@@ -365,8 +363,8 @@ class Run:
             not_computed[i] = missing
         wanted = []
         append = wanted.append
-        for i, (site, row_bytes, f, priority) in enumerate(self._site_lite):
-            sel, rows = own.get(i) or bases[f] if own else bases[f]
+        for i, (site, row_bytes, f, priority, _) in enumerate(self._site_info):
+            sel, rows = own.get(i, bases[f])
             if len(sel):
                 append((site, sel, rows, len(sel) * row_bytes, priority))
         return wanted, (self._site_ids, selected, not_computed)

@@ -37,6 +37,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -226,10 +227,11 @@ def main(argv=None) -> None:
                     report("dmi null", paired(dgen, run=run))
                     run.set_enabled(True)
 
-                    sites, run._site_info = run._site_info, []
+                    tables = run._site_info, run._site_ids, run._site_filter     # what a step selects from
+                    run._site_info, run._site_ids, run._site_filter = [], np.zeros(0, np.int64), np.zeros(0, np.int64)
                     flushed(), flushed()
                     report("dmi no sites (steps only)", paired(flushed, run=run))
-                    run._site_info = sites
+                    run._site_info, run._site_ids, run._site_filter = tables
 
                     ready = run.ring.drain_ready
 

@@ -203,9 +203,7 @@ def vllm_steps(run, args) -> None:
             per_call_us(step, calls)
             run.flush()
         if DEV == "cuda":      # the end marker launched through Triton (before it was a replayed graph), disarmed
-            from dmi.kernels import capture as K
-            launch = per_call_us(lambda: K.launch_end(ring.ctrl, ring.meta_dev, ring.counters, meta_records=ring.meta_records,
-                                                      fence_idx=ring.fence_idx), 2000)
+            launch = per_call_us(ring.launch_end, 2000)
             graph = per_call_us(ring._end_graph.replay, 2000) if ring._end_graph is not None else float("nan")
             torch.cuda.synchronize()
             print(f"end marker: Triton launch {launch:.1f} us, graph replay {graph:.1f} us (wall, per call)")

@@ -280,7 +280,7 @@ class Server:
         else:
             cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": args.graph_sizes})]
         if args.trace:       # vLLM's torch profiler, started and stopped through its HTTP endpoints
-            self.trace_dir = Path(work).resolve() / f"trace-{name}"   # not $OUT: a device call returns 8 files at most
+            self.trace_dir = trace_dir(work, name)
             cmd += ["--profiler-config", json.dumps({
                 "profiler": "torch", "torch_profiler_dir": str(self.trace_dir), "torch_profiler_with_stack": False,
                 "torch_profiler_use_gzip": True, "ignore_frontend": True, "max_iterations": args.trace})]
@@ -351,9 +351,14 @@ def store_stats(store: Path | None) -> dict | None:
         return {"status": "missing"}
     a = json.loads(meta.read_text()).get("attributes", {})
     keys = ("steps", "records", "bytes_drained", "dropped_captures", "dropped_bytes", "stall_seconds", "not_run")
+    engine = a.get("vllm") or {}
     return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
-            "padding_rows_skipped": (a.get("vllm") or {}).get("padding_rows_skipped"),
-            "host_us_per_step": (a.get("vllm") or {}).get("host_us_per_step")}
+            **{k: engine.get(k) for k in ("padding_rows_skipped", "host_us_per_step")}}
+
+
+def trace_dir(work: Path, name: str) -> Path:
+    """Where a server's profiler trace goes: the work folder, not $OUT (a device call returns 8 files)."""
+    return Path(work).resolve() / f"trace-{name}"
 
 
 # --- configurations -----------------------------------------------------------------------------------
@@ -583,7 +588,7 @@ def main(argv=None) -> int:
                 print(pyspy.compare(spy_files["vanilla"], path), flush=True)
     if traced:
         from trace_steps import compare_dirs
-        dirs = {name: Path(work).resolve() / f"trace-{name}" for name in names}
+        dirs = {name: trace_dir(work, name) for name in names}
         print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0

@@ -255,7 +255,7 @@ class KernelRing(Ring):
         if self._end_graph is not None and not torch.cuda.is_current_stream_capturing():
             self._end_graph.replay()
             return
-        K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
+        self.launch_end()
         if self.is_cuda and self._end_graph is None and not torch.cuda.is_current_stream_capturing():
             self._end_graph = self._capture_end()     # launched once above: compiled and loaded
 
@@ -267,12 +267,15 @@ class KernelRing(Ring):
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records,
-                             fence_idx=self.fence_idx)
+                self.launch_end()
             finally:
                 graph.capture_end()
         cur.wait_stream(side)
         return graph
+
+    def launch_end(self) -> None:
+        """The end-marker kernel through Triton's launcher (what the graph replays)."""
+        K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
 
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
         """Host-published end marker (an aborted step or a forward that never finished): wait for

@@ -169,11 +169,12 @@ def request_extra_args(runner, req_id: str) -> dict | None:
 def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy_run=None) -> callable:
     """Instance-level wrappers on the runner's step methods; returns a function that removes them.
 
-    on_batch(runner, scheduler_output): after _prepare_inputs (``read_batch`` reads the step's batch); on_forward(num_tokens_padded): just before the
-    model runs (once per real step; warm-up/dummy runs call the model directly and are not steps);
-    on_step_end(): when execute_model returns or raises; on_shutdown(): runner.shutdown();
-    dummy_run(): a context manager around each ``_dummy_run`` (profiling, compile warm-up, and the
-    warm-up + capture of every CUDA graph: 0.25 - 0.32 capture in ``_dummy_run`` with no step open).
+    on_batch(runner, scheduler_output): after _prepare_inputs (``read_batch`` reads the step's
+    batch); on_forward(num_tokens_padded): just before the model runs (once per real step;
+    warm-up/dummy runs call the model directly and are not steps); on_step_end(): when
+    execute_model returns or raises; on_shutdown(): runner.shutdown(); dummy_run(): a context
+    manager around each ``_dummy_run`` (profiling, compile warm-up, and the warm-up + capture of
+    every CUDA graph: 0.25 - 0.32 capture in ``_dummy_run`` with no step open).
     """
     prepare, forward, execute, shutdown = (runner._prepare_inputs, runner._model_forward,
                                            runner.execute_model, runner.shutdown)
