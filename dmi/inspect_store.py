@@ -283,7 +283,8 @@ def format_summary(info: dict) -> str:
 def _vllm_line(v: dict) -> str:
     """What the vLLM engine's scheduling did to capture, and dmi's host time per engine step."""
     text = (f"vllm      {v.get('padded_steps', 0)} graph-padded steps ({v.get('padding_rows_skipped', 0)} padding rows "
-            f"never copied), {v.get('recomputed_rows_skipped', 0)} recomputed rows skipped")
+            f"never copied), {v.get('recomputed_rows_skipped', 0)} recomputed rows skipped, "
+            f"{v.get('steps_repeated', 0)} of {v.get('steps', 0)} steps repeating the last")
     host = v.get("host_us_per_step") or {}
     wall, cpu = host.get("wall") or {}, host.get("cpu") or {}
     if wall:

@@ -65,6 +65,7 @@ class Run:
         self._filters: dict = {}
         self.rows_selected = np.zeros(len(plan.sites), np.int64)   # accounting: stored + dropped == selected
         self._not_computed = np.zeros(len(plan.sites), np.int64)   # selected rows an engine tensor does not hold (held=)
+        self._counting: list = [None, 0]     # (layout, steps begun with it not yet in the two arrays above)
         self.enabled = True          # False: null mode (sites stay patched, the device flag stays off)
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
         self._external = False       # the open step was begun outside the forward (graphs, engines)
@@ -266,7 +267,7 @@ class Run:
         self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad)
 
     def begin_tokens(self, st: StepTokens, pad: np.ndarray, *, keep: dict | None = None,
-                     held: dict | None = None) -> None:
+                     held: dict | None = None, repeat: bool = False) -> None:
         """Any engine: begin a step whose real rows the adapter already knows (``st.step`` is
         ignored: the run numbers steps), from outside the forward; :meth:`end_step` closes it.
         ``pad``: per batch row, key columns before the request's first key.
@@ -277,20 +278,28 @@ class Run:
         (vLLM's logits: one per request); ``index`` (int64 over st's rows) is each row's row in it,
         -1 where the engine never computes it (counted as not computed). The ring sees such a
         tensor like HF's ``logits_to_keep`` output, the last ``n`` rows of the step: the adapter
-        sets ``st.local`` of a held row to ``st.seq - n + index``."""
+        sets ``st.local`` of a held row to ``st.seq - n + index``.
+
+        repeat: the adapter knows ``st`` has the last step's rows, requests, phases, local rows,
+        ``keep`` and ``held`` (a steady decode batch one position further): the last layout is
+        taken without comparing them."""
         self._owner.claim("a step")
         if self.enabled:
             try:
-                self._begin_tokens(st, pad, keep, held)
+                self._begin_tokens(st, pad, keep, held, repeat)
             except BaseException:
                 self._owner.release_step()
                 raise
         self._external = True
 
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
-                      held: dict | None = None) -> None:
+                      held: dict | None = None, repeat: bool = False) -> None:
         st.step = self._step
-        layout = self._same_rows_layout(st, keep, held)
+        last = self._last_rows
+        if repeat and last is not None and keep is None and last[1] is held:
+            layout = last[2]
+        else:
+            layout = self._same_rows_layout(st, keep, held)
         if layout is None:
             wanted, counts = self._wanted(st, keep, held)
             # laid out as a whole (array operations, slot objects built later by the drain); the ring
@@ -326,9 +335,20 @@ class Run:
         """Account a begun step's selection: the layout's rows selected and not computed per site.
         Only once the ring took the step, so a refused step leaves selected = stored + dropped + not
         computed."""
-        sites, selected, missing = layout.cache["counts"]       # one entry per site: a plain fancy-index add
-        self.rows_selected[sites] += selected
-        self._not_computed[sites] += missing
+        if layout is self._counting[0]:      # the same layout again (decode steps): counted when it changes
+            self._counting[1] += 1
+            return
+        self._fold_counts()
+        self._counting = [layout, 1]
+
+    def _fold_counts(self) -> None:
+        """The steps counted against one layout, into the per-site accounting (before it is read)."""
+        layout, n = self._counting
+        if n:
+            sites, selected, missing = layout.cache["counts"]     # one entry per site: a plain fancy-index add
+            self.rows_selected[sites] += selected * n
+            self._not_computed[sites] += missing * n
+        self._counting = [None, 0]
 
     def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, tuple]:
         """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's
@@ -508,6 +528,7 @@ class Run:
             self._fail(e)
         clean = self.ring.error is None and error is None
         acc = self.exporter.accounting()     # per site; a resumed store's earlier runs included
+        self._fold_counts()
         names = [s.name for s in self.plan.sites]
         summary = self.stats() | {"steps": self._step,
                                   "error": None if error is None else f"{type(error).__name__}: {error}",

@@ -65,11 +65,14 @@ case "$part" in
     TAIL=60 step pyspy "${PERF_LIMIT:-240}" python3 perf/ablate.py --model qwen3-8b --batch 32 --new 96 --repeats 3 \
       --only-stores --pyspy 8 "$@"
     ;;
-  hostvllm) # the ring's GPU tests, then a vLLM engine step's host work without vLLM (perf/hostcost.py --engine vllm:
-            # steady decode with eager captures as a mixed step makes them, and fresh layouts), and the end marker's launch
+  hostvllm) # the ring's GPU tests, then a vLLM engine step's host work without vLLM (perf/hostcost.py --engine vllm,
+            # 5 ms between steps as a serving GPU leaves the host's caches: a steady decode batch, a batch with prefill
+            # chunks, the same laid out anew each step, and with every site captured eagerly), timed per function
     TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
-    TAIL=2 step hostvllm 100 python3 perf/hostcost.py --engine vllm --batch 32 --eager "$@"
-    TAIL=1 step hostfresh 60 python3 perf/hostcost.py --engine vllm --batch 32 --fresh "$@"
+    TAIL=3 step hoststeady 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 0 --gap 5 --breakdown "$@"
+    TAIL=2 step hostmixed 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --gap 5 --breakdown "$@"
+    TAIL=2 step hostfresh 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --fresh --gap 5 --breakdown "$@"
+    TAIL=2 step hosteager 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --eager --gap 5 "$@"
     ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)
     TAIL=14 step budget "${PERF_LIMIT:-300}" python3 perf/budget.py "$@"

@@ -70,6 +70,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=4, help="vllm: requests of the batch in a prefill chunk")
     ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
     ap.add_argument("--internals", action="store_true", help="capture the internals spec (7 sites per layer)")
+    ap.add_argument("--gap", type=float, default=0.0, metavar="MS",
+                    help="vllm: sleep this long between steps, as the engine thread waits for the GPU (caches as "
+                         "cold as serving leaves them; the drain thread runs meanwhile)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="vllm: wall µs per call of the step's main functions (timers around each: their own cost "
+                         "is in the figures)")
     ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
     ap.add_argument("--eager", action="store_true", help="vllm: each step also captures its sites through the eager "
                     "path (a step run without a CUDA graph: mixed prefill steps above the largest graph size)")
@@ -161,29 +167,47 @@ def vllm_steps(run, args) -> None:
     sched = np.array([args.chunk] * k + [1] * (n - k), np.int64)
     computed = np.array([0] * k + [200] * (n - k), np.int64)
     prompt = np.full(n, 200 + args.chunk, np.int64)
-    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0, "device_end": 0.0, "end_wall": 0.0, "eager": 0.0}
+    spent = {"rows": 0.0, "begin": 0.0, "end": 0.0, "device_end": 0.0, "end_wall": 0.0, "eager": 0.0, "wall": 0.0,
+             "logits": 0.0}
     eager_sites = [s for s in run.plan.sites if s.canonical != "logits"] if args.eager else []
+    logits_site = next(s for s in run.plan.sites if s.canonical == "logits")
     hidden = run.plan.sites[0].shape[-1]
     xs = torch.randn(1, int(sched.sum()), hidden, device=DEV)    # [batch 1, flat tokens, hidden]: HF's site layout
+    logits = torch.randn(1, n, logits_site.shape[-1], device=DEV)  # one row per request (the held rows)
+    timers = _breakdown(run, builder) if args.breakdown else None
+    if DEV == "cuda":
+        ring.replay_eager = {logits_site.index}    # as the vLLM worker does (its logits, outside the graphs)
+
+    no_pad = np.zeros(1, np.int64)
 
     def step():
+        if args.gap:
+            time.sleep(args.gap / 1e3)
+        w = time.perf_counter()
         computed[:] += sched       # the next step's positions (requests never finish: no re-admission)
-        batch = Batch(ids, sched, computed.copy(), prompt, set(), False)
-        padded = int(sched.sum())
         t = time.thread_time()
-        st, keep, held = builder.build(batch, padded, lambda rid: every, len(run.plan.sites))
+        # a steady batch (every request decoding) repeats the last step, as Session.on_batch finds it
+        got = builder.repeat(n) if not args.fresh and builder.last_ids == ids else None
+        repeated = got is not None
+        if got is None:
+            batch = Batch(ids, sched, computed.copy(), prompt, set(), False)
+            got = builder.build(batch, int(sched.sum()), lambda rid: every, len(run.plan.sites))
+        st, keep, held = got
         spent["rows"] += time.thread_time() - t
         run._owner.claim("a step")
         if args.fresh:
             run._last_rows = None          # forget the last layout (Run._same_rows_layout)
         t = time.thread_time()
-        run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+        run.begin_tokens(st, no_pad, keep=keep, held=held, repeat=repeated)
         spent["begin"] += time.thread_time() - t
         t = time.thread_time()
         for site in eager_sites:      # what the dmi::capture op does for each site of an eager step
             run.capture(site.index, xs)
         spent["eager"] += time.thread_time() - t
-        t, w = time.thread_time(), time.perf_counter()
+        t = time.thread_time()
+        run.capture(logits_site.index, logits)    # every step: vLLM computes logits outside its CUDA graphs
+        spent["logits"] += time.thread_time() - t
+        t, w0, w = time.thread_time(), w, time.perf_counter()
         if DEV == "cuda":
             ring.device_end()
         else:
@@ -192,6 +216,7 @@ def vllm_steps(run, args) -> None:
         run.end_step()
         spent["end"] += time.thread_time() - t
         spent["end_wall"] += time.perf_counter() - w
+        spent["wall"] += time.perf_counter() - w0
 
     calls = max(args.calls // 10, 100)
     total = calls + min(calls, 100)
@@ -200,7 +225,14 @@ def vllm_steps(run, args) -> None:
         torch.cuda.synchronize()
     try:
         with Skip(run), torch.no_grad(), CpuClock(run, total) as cpu:
-            per_call_us(step, calls)
+            for _ in range(total - calls):    # warm-up (Triton compiles, graphs captured): not timed
+                step()
+            for key in spent:
+                spent[key] = 0.0
+            for spent_in in (timers or {}).values():
+                spent_in.clear()
+            for _ in range(calls):
+                step()
             run.flush()
         if DEV == "cuda":      # the end marker launched through Triton (before it was a replayed graph), disarmed
             launch = per_call_us(ring.launch_end, 2000)
@@ -209,14 +241,45 @@ def vllm_steps(run, args) -> None:
             print(f"end marker: Triton launch {launch:.1f} us, graph replay {graph:.1f} us (wall, per call)")
     finally:
         run.close()
-    rows, begin, end, dev_end, end_wall = (spent[key] / total * 1e6
+    rows, begin, end, dev_end, end_wall = (spent[key] / calls * 1e6
                                            for key in ("rows", "begin", "end", "device_end", "end_wall"))
     print(f"{DEV} vllm step: {len(run.plan.sites)} sites, {n} requests ({k} prefill chunks of {args.chunk}, "
           f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us "
-          f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), "
-          f"total {rows + begin + end:.1f} us; {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
-          + (f"; eager captures {spent['eager'] / total * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites)"
+          f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), logits capture {spent['logits'] / calls * 1e6:.1f} us, "
+          f"total {rows + begin + end:.1f} us (wall {spent['wall'] / calls * 1e6:.1f}); {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
+          + (f"; eager captures {spent['eager'] / calls * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites)"
              if eager_sites else ""))
+    if timers is not None:
+        print("breakdown (wall us per call, nested calls included in their callers): " + ", ".join(
+            f"{name} {sum(v) / len(v) * 1e6:.1f}" for name, v in sorted(timers.items(), key=lambda kv: -sum(kv[1])) if v))
+
+
+def _breakdown(run, builder) -> dict:
+    """Wall-clock timers around the main functions of a vLLM step's host side (instance attributes:
+    the run's own objects only)."""
+    import functools
+    timers: dict = {}
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        spent = timers.setdefault(label, [])
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent.append(time.perf_counter() - t)
+        setattr(obj, name, timed)
+    ring = run.ring
+    for obj, names in ((builder, ("build", "repeat")), (run, ("_wanted", "_same_rows_layout", "_count", "capture")),
+                       (ring, ("begin_step", "publish_control", "_publish_head", "_layout_words", "device_end",
+                               "end_step", "publish_record"))):
+        for name in names:
+            if hasattr(obj, name):
+                wrap(obj, name, f"{type(obj).__name__}.{name}")
+    return timers
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ def store_stats(store: Path | None) -> dict | None:
     keys = ("steps", "records", "bytes_drained", "dropped_captures", "dropped_bytes", "stall_seconds", "not_run")
     engine = a.get("vllm") or {}
     return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
-            **{k: engine.get(k) for k in ("padding_rows_skipped", "host_us_per_step")}}
+            **{k: engine.get(k) for k in ("padding_rows_skipped", "steps_repeated", "host_us_per_step")}}
 
 
 def trace_dir(work: Path, name: str) -> Path:

@@ -327,6 +327,26 @@ def section_control() -> None:
         np.testing.assert_array_equal(site_words(ring.ctrl), want)
         g = ring.ctrl[:K.G_WORDS].numpy()
         assert (g[K.G_BASE], g[K.G_FIRST_SEQ], g[K.G_END_SEQ]) == (ctrl.base, ctrl.first_seq, ctrl.end_seq)
+
+        # steady steps send their global words through the head slots, round and round (each slot
+        # reused once its last step's end marker is in the meta ring) ...
+        from dmi.kernels.cuda_ring import HEAD_SLOTS
+        first = ring._head_next
+        for i in range(2 * HEAD_SLOTS + 3):
+            ctrl = step(last.layout)
+            g = ring.ctrl[:K.G_WORDS].numpy()
+            assert (g[K.G_STEP], g[K.G_BASE], g[K.G_FIRST_SEQ], g[K.G_END_SEQ]) == \
+                (ctrl.step, ctrl.base, ctrl.first_seq, ctrl.end_seq), i
+        assert ring._head_next == (first + 2 * HEAD_SLOTS + 3) % HEAD_SLOTS
+        # ... but not a slot whose step the device has not ended: the buffered path sends them then
+        j = ring._head_next
+        ring._head_seq[j] = ring.next_seq + 1000           # a step still in flight, as far as the ring knows
+        ctrl = step(last.layout)
+        assert ring._head_next == j
+        g = ring.ctrl[:K.G_WORDS].numpy()
+        assert (g[K.G_STEP], g[K.G_BASE], g[K.G_END_SEQ]) == (ctrl.step, ctrl.base, ctrl.end_seq)
+        np.testing.assert_array_equal(site_words(ring.ctrl), want)
+        ring._head_seq[j] = -1
         run.flush()
     print("control ok")
 

@@ -251,6 +251,11 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     line = next(x for x in format_summary(summarize(tmp_path / "v.zarr")).splitlines() if x.startswith("vllm "))
     assert f"{tree.attrs['vllm']['recomputed_rows_skipped']} recomputed rows skipped" in line
     assert f"begin {host['wall']['begin']:g} ({host['cpu']['begin']:g} CPU)" in line, line
+    # steady decode steps (same requests, one token each) repeat the last step's rows without reading the
+    # batch (Session.on_batch): the rows below are the proof they land at the right positions
+    repeated = tree.attrs["vllm"]["steps_repeated"]
+    assert 0 < repeated < tree.attrs["vllm"]["steps"], tree.attrs["vllm"]
+    assert f"{repeated} of {tree.attrs['vllm']['steps']} steps repeating the last" in line, line
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}
     assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))
     assert_accounting(tree)

@@ -5,10 +5,12 @@ each rule on hand-made batches, and every refusal of the operator policy, in mil
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from dmi.adapters.vllm.compat import Batch
+from dmi.adapters.vllm.compat import Batch, repeats_last_step
 from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, Want, check, options, resolve
 from dmi.adapters.vllm.steps import StepBuilder
 from dmi.tokens import RequestTable
@@ -187,6 +189,74 @@ def test_steady_decode_steps_reuse_the_last_rows_and_match_the_reference(seed):
         for r, k in zip(ids, sched):
             live[r][0] += k
     assert steady > 20
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_repeated_steps_match_the_reference(seed):
+    """The session's fastest path: when the engine's step is the last one's requests decoding one
+    token each (``compat.repeats_last_step``), ``StepBuilder.repeat`` gives the rows without
+    reading the batch, and the per-request positions are settled when a general step comes. Every
+    step's rows, repeated or built, equal the per-request reference, through joins, finishes,
+    preemptions and row caps."""
+    rng = np.random.default_rng(200 + seed)
+    table, state = RequestTable(), {}
+    sb = StepBuilder(table)
+    wants: dict = {}
+    live: dict[str, list[int]] = {}
+    repeated = 0
+    for step in range(150):
+        churn = rng.random() < 0.1
+        finished = [r for r in live if churn and rng.random() < 0.3]
+        for r in finished:
+            del live[r]
+        if churn or not live:
+            rid = f"r{seed}-{step}"
+            live[rid] = [0, int(rng.integers(1, 10))]
+            wants[rid] = [ALL, ALL, Want(None, int(rng.integers(5, 30)))][rng.integers(0, 3)]
+        if churn and rng.random() < 0.3:
+            live[next(iter(live))][0] = 0                     # preempted: recomputed from the start
+        ids = list(live)
+        sched = [1 if live[r][0] >= live[r][1] else min(3, live[r][1] - live[r][0]) for r in ids]
+        b = batch(ids, sched, [live[r][0] for r in ids], [live[r][1] for r in ids], finished)
+        expected = reference_rows(state, b, wants.__getitem__)
+        got = None
+        so = SimpleNamespace(total_num_scheduled_tokens=sum(sched), num_scheduled_tokens=dict(zip(ids, sched)),
+                             scheduled_new_reqs=[], finished_req_ids=set(finished), preempted_req_ids=None,
+                             scheduled_spec_decode_tokens={})
+        runner = SimpleNamespace(input_batch=SimpleNamespace(num_reqs=len(ids), req_ids=ids))
+        # (a churn step here may preempt a request in place; vLLM takes it out of the batch, which the check sees)
+        if sb.last_ids is not None and not churn and repeats_last_step(runner, so, sb.last_ids):
+            got = sb.repeat(len(ids))
+            repeated += got is not None
+        st, _, held = got or sb.build(b, len(ids), wants.__getitem__, 3)
+        assert [(table.ids[r], int(p), int(row)) for r, p, row in zip(st.request, st.position, st.rows)] == \
+            [e[:3] for e in expected], step
+        assert held["sampled"][1] == len(ids)
+        for r, k in zip(ids, sched):
+            live[r][0] += k
+    assert repeated > 30
+
+
+def test_repeats_last_step_only_for_the_same_requests_decoding_one_token_each():
+    ids = ["a", "b", "c"]
+
+    def check(**changes):
+        so = dict(total_num_scheduled_tokens=3, num_scheduled_tokens=dict.fromkeys(ids, 1), scheduled_new_reqs=[],
+                  finished_req_ids=set(), preempted_req_ids=None, scheduled_spec_decode_tokens={})
+        batch_ids = changes.pop("batch_ids", ids)
+        so.update(changes)
+        runner = SimpleNamespace(input_batch=SimpleNamespace(num_reqs=len(batch_ids), req_ids=list(batch_ids)))
+        return repeats_last_step(runner, SimpleNamespace(**so), ids)
+    assert check()
+    assert not check(batch_ids=["b", "a", "c"])                                  # reordered
+    assert not check(batch_ids=["a", "b", "c", "d"])                             # one joined
+    assert not check(batch_ids=["a", "b"])                                       # one left
+    assert not check(scheduled_new_reqs=["d"])
+    assert not check(finished_req_ids={"x"})
+    assert not check(preempted_req_ids={"x"})
+    assert not check(total_num_scheduled_tokens=4, num_scheduled_tokens={"a": 2, "b": 1, "c": 1})   # a chunk
+    assert not check(num_scheduled_tokens={"a": 2, "b": 1})                      # c not scheduled
+    assert not check(scheduled_spec_decode_tokens={"a": [5]})
 
 
 def test_steady_path_is_left_when_requests_swap_places_or_jump_ahead():

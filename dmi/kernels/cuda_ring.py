@@ -44,6 +44,10 @@ from . import capture as K
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 CTRL_BUFFERS = 4              # pinned control buffers in flight
+HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
+SITE_KEYS = 8                 # eager tensors a site remembers (and keeps graphs of: _replayed) ...
+CAPTURE_GAP = 8               # ... capturing one at most every this many steps
+_UNSEEN = object()
 ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied as one span
 PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
 
@@ -130,14 +134,28 @@ class KernelRing(Ring):
         self._host_sites = [a[K.G_WORDS:self.site_words].reshape(n_sites, K.S_WORDS) for a in self._host_ctrl_np]
         self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
+        # a step whose layout the device holds needs only its global words: each step takes the next
+        # of these slots, reused once the step that last took it has ended on the device (its end
+        # marker is in the meta ring, so the copy queued before its forward has run): no event per step
+        self._heads = torch.zeros((HEAD_SLOTS, K.G_WORDS), dtype=torch.int64, pin_memory=self.is_cuda)
+        self._heads_np = self._heads.numpy()
+        self._head_next = 0
+        self._head_seq = [-1] * HEAD_SLOTS     # end seq of the step that last took each slot
         self._on_device: tuple = (None, None)   # (layout, pad) whose words the device's ctrl holds
         self.end_warm = False               # launching_without_step has compiled the end-marker kernel
         self._end_graph = None              # the end-marker launch as a CUDA graph (device_end)
+        # sites whose eager captures may replay as graphs (_replayed): an engine names those it runs
+        # in plain PyTorch between its graphs every step (vLLM's logits); never under torch.compile,
+        # whose cudagraph warm-up runs the site ops eagerly inside its own capture bookkeeping
+        self.replay_eager: set[int] = set()
+        self._site_graphs: dict = {}        # site -> {key of an eager tensor: its launch as a graph, or None}
+        self._graphs_made: dict = {}        # site -> graphs captured for it (_replayed)
+        self._capture_after: dict = {}      # site -> the step from which it may capture again
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
-        self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8
+        self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8 + self._heads.numel() * 8
 
     @contextlib.contextmanager
     def launching_without_step(self, batch: int = 1):
@@ -157,10 +175,6 @@ class KernelRing(Ring):
 
     # --- host: per step -----------------------------------------------------------------------------
     def publish_control(self, ctrl: StepControl) -> None:
-        k = self._ctrl_next
-        self._ctrl_next = (k + 1) % CTRL_BUFFERS
-        self._ctrl_events[k].synchronize()     # that buffer's previous H2D has been consumed
-        h = self._host_ctrl_np[k]
         tok = ctrl.tokens
         batch, seq = tok.batch, tok.seq
         self.geometry = (batch, seq)
@@ -168,11 +182,21 @@ class KernelRing(Ring):
         pad, layout = ctrl.pad, ctrl.layout
         laid = layout.cache.get("ctrl") if layout is not None else None
         ctrl.dev_pad_start = pad_start
-        if laid is not None and layout is self._on_device[0] and (
-                pad is self._on_device[1] or np.array_equal(pad, self._on_device[1])):
+        words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
+        steady = laid is not None and layout is self._on_device[0] and (
+            pad is self._on_device[1] or np.array_equal(pad, self._on_device[1]))
+        if steady:
             # the last full publish put this layout's site words, rows and pad on the device: they
             # are relative to the global words, which are all that changes (64 bytes, not the block)
-            ctrl.dev_rows_start, pos = laid[2], K.G_WORDS
+            ctrl.dev_rows_start = laid[2]
+            if self._publish_head(words, ctrl.end_seq):
+                return
+        k = self._ctrl_next
+        self._ctrl_next = (k + 1) % CTRL_BUFFERS
+        self._ctrl_events[k].synchronize()     # that buffer's previous H2D has been consumed
+        h = self._host_ctrl_np[k]
+        if steady:
+            pos = K.G_WORDS
         else:
             if pos + len(pad) > self.ctrl_words:
                 raise PolicyError(f"batch of {len(pad)} rows exceeds the CUDA ring's control buffer "
@@ -190,12 +214,28 @@ class KernelRing(Ring):
             hs[f[:, 0]] = f[:, 1:]
             ctrl.dev_rows_start = rows_start
             self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
-        h[:K.G_WORDS] = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
+        h[:K.G_WORDS] = words
         if pos == K.G_WORDS:
             self._ctrl_head.copy_(self._host_heads[k], non_blocking=True)
         else:
             self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
         self._ctrl_events[k].record()
+
+    def _publish_head(self, words: tuple, end_seq: int) -> bool:
+        """A steady step's global words through the next head slot; False while that slot's last
+        step has not ended on the device (the host far ahead: the buffered path waits instead)."""
+        j = self._head_next
+        prev = self._head_seq[j]
+        if prev >= self.freed_seq and int(self.meta_view()["seq"][prev % self.meta_records]) != prev:
+            return False
+        self._head_next = (j + 1) % HEAD_SLOTS
+        self._head_seq[j] = end_seq
+        self._heads_np[j] = words
+        self._copy_head(j)
+        return True
+
+    def _copy_head(self, j: int) -> None:
+        self._ctrl_head.copy_(self._heads[j], non_blocking=True)
 
     def _site_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """Per site: (site, offset from base, seq from first_seq, rows, rows_start, enabled) words,
@@ -257,17 +297,17 @@ class KernelRing(Ring):
             return
         self.launch_end()
         if self.is_cuda and self._end_graph is None and not torch.cuda.is_current_stream_capturing():
-            self._end_graph = self._capture_end()     # launched once above: compiled and loaded
+            self._end_graph = self._capture(self.launch_end)     # launched once above: compiled and loaded
 
-    def _capture_end(self):
-        """A CUDA graph of the end-marker launch, captured on a side stream (thread-local capture
-        mode: the drain thread's CUDA calls meanwhile are not part of it and stay legal)."""
+    def _capture(self, launch):
+        """A CUDA graph of ``launch()``, captured on a side stream (thread-local capture mode: the
+        drain thread's CUDA calls meanwhile are not part of it and stay legal)."""
         graph, side, cur = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.torch_device), torch.cuda.current_stream()
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self.launch_end()
+                launch()
             finally:
                 graph.capture_end()
         cur.wait_stream(side)
@@ -294,7 +334,43 @@ class KernelRing(Ring):
         if not capturing and (cur is None or site.index not in cur.slots):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
-        self.sites[site.index].launch(self, x.detach() if x.requires_grad else x, eager)   # no autograd graph
+        x = x.detach() if x.requires_grad else x       # no autograd graph
+        if eager is not None and site.index in self.replay_eager and self._replayed(site, x):
+            return
+        self.sites[site.index].launch(self, x, eager)
+
+    def _replayed(self, site, x: torch.Tensor) -> bool:
+        """An eager capture of a tensor this site saw in an earlier step (same address, shape,
+        strides and step geometry: vLLM's logits, computed outside its CUDA graphs every step, get
+        the same block from the caching allocator): the graph-mode launch, which reads everything
+        from the control block, replayed as a captured CUDA graph. A replay costs the host a few µs;
+        the eager path's torch ops and host-written record cost 10-50 times that on a serving host.
+        The first repeat launches graph-mode directly (this step's copy; Triton loads the kernel),
+        then captures the graph for the repeats after it. A site keeps the graphs of its last
+        ``SITE_KEYS`` tensors and captures at most one every ``CAPTURE_GAP`` steps: a batch that
+        changes size every step pays the eager path, not a capture per step."""
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, self.geometry)
+        known = self._site_graphs.setdefault(site.index, {})     # key -> its graph (None: seen once), oldest first
+        graph = known.pop(key, _UNSEEN)
+        if graph is _UNSEEN:
+            known[key] = None
+            if len(known) > SITE_KEYS:         # (batch sizes come and go, the allocator alternates blocks)
+                known.pop(next(iter(known)))
+            return False
+        step = self.current.step
+        if graph is None and step < self._capture_after.get(site.index, 0):
+            known[key] = None                  # captured one a moment ago: churn pays no capture every step
+            return False
+        if graph is None:
+            launch = self.sites[site.index].launch
+            launch(self, x, None)
+            graph = self._capture(lambda: launch(self, x, None))
+            self._graphs_made[site.index] = self._graphs_made.get(site.index, 0) + 1
+            self._capture_after[site.index] = step + CAPTURE_GAP
+        else:
+            graph.replay()
+        known[key] = graph                     # the most recent last
+        return True
 
     def payload_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The payload ring as a flat tensor of ``dtype`` (made once per dtype: eager captures
@@ -346,6 +422,22 @@ class CudaRing(KernelRing):
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
         self.steps_copied_at_step = 0
+
+    def setup(self, plan, dtype, device) -> None:
+        super().setup(plan, dtype, device)
+        self._heads_ptr = self._heads.data_ptr()
+        self._ctrl_ptr = self.ctrl.data_ptr()
+        self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # (what Triton's launcher reads)
+        index = self.torch_device.index
+        self._raw_stream = (lambda: raw(index)) if raw is not None else (
+            lambda: torch.cuda.current_stream(self.torch_device).cuda_stream)
+
+    def _copy_head(self, j: int) -> None:
+        """One cudaMemcpyAsync on the model's current stream: torch's ``copy_`` of a pinned tensor
+        adds its dispatch and a host-allocator event, several times the copy's own host cost."""
+        _ok(self._rt.cudaMemcpyAsync(self._ctrl_ptr, self._heads_ptr + j * K.G_WORDS * 8, K.G_WORDS * 8,
+                                     self._h2d, self._raw_stream()))
 
     def _use_device(self) -> None:
         """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
@@ -503,6 +595,7 @@ class CudaRing(KernelRing):
         self._closed = True
         rt = self._rt
         self._end_graph = None
+        self._site_graphs.clear()
         try:
             torch.cuda.synchronize(self.torch_device)
             _ok(rt.cudaStreamSynchronize(self._stream))

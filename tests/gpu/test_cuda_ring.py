@@ -305,3 +305,32 @@ def test_null_mode_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
     assert stats["steps"] == 1 and stats["records"] == 5     # resid_post x3 layers, final_norm, logits
     tree = dmi.open(tmp_path / "n.zarr")
     assert tree["final_norm"].dataset.sizes["token"] == int(encoded["attention_mask"].sum())
+
+
+def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec, tmp_path, monkeypatch):
+    """Eager decode steps with a static cache (not compiled) allocate the same blocks step after
+    step: with every site in ``replay_eager`` (the vLLM worker names its logits) a site whose tensor
+    comes back at the same address, shape and step geometry is captured by its graph-mode launch
+    replayed as a CUDA graph. The store equals the CPU ring's bit for bit, every step its own
+    records, and the model's outputs are unchanged."""
+    enc = _enc(encoded)
+    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")
+    outs = {}
+    for ring in ("cpu", "cuda"):
+        monkeypatch.setenv("DMI_RING", ring)
+        model, ref = _pair("qwen3")
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"r-{ring}.zarr") as run:
+            if ring == "cuda":
+                run.ring.replay_eager = {s.index for s in run.plan.sites}
+            outs[ring] = run.model.generate(**enc, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                            disable_compile=True)
+            if ring == "cuda":
+                replayed = [s for s, known in run.ring._site_graphs.items() if any(g is not None for g in known.values())]
+                made = dict(run.ring._graphs_made)
+    assert replayed, "no eager capture repeated its tensor: the test lost its point"
+    assert all(n <= 2 for n in made.values()), made      # a graph per tensor a site sees, not one per step
+    with torch.no_grad():
+        want = ref.generate(**enc, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                            disable_compile=True)
+    assert torch.equal(outs["cpu"], outs["cuda"]) and torch.equal(outs["cuda"], want)
+    assert assert_stores_equal(tmp_path / "r-cpu.zarr", tmp_path / "r-cuda.zarr") > 10

@@ -152,6 +152,19 @@ def read_batch(runner, scheduler_output) -> Batch:
                  spec_decode=bool(getattr(scheduler_output, "scheduled_spec_decode_tokens", None)))
 
 
+def repeats_last_step(runner, scheduler_output, last_ids: list[str]) -> bool:
+    """Whether this step is ``last_ids`` again, each request decoding exactly one token, in the
+    same batch order: no request joined, finished or was preempted, and the scheduled tokens
+    number the requests (each has at least one, so each has exactly one). A handful of Python
+    comparisons, not :func:`read_batch`'s arrays: a serving batch's steady state (0.25 - 0.32)."""
+    so = scheduler_output
+    n = len(last_ids)
+    return (so.total_num_scheduled_tokens == n and len(so.num_scheduled_tokens) == n
+            and not so.scheduled_new_reqs and not so.finished_req_ids
+            and not getattr(so, "preempted_req_ids", None) and not so.scheduled_spec_decode_tokens
+            and runner.input_batch.num_reqs == n and runner.input_batch.req_ids[:n] == last_ids)
+
+
 def external_request_id(req_id: str) -> str:
     """The id a caller gave (``RequestOutput.request_id``) from the engine's request id, which
     0.32 makes unique by appending ``-`` and 8 random hex digits (0.25: the id itself)."""

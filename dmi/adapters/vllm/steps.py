@@ -33,6 +33,36 @@ class StepBuilder:
         self.capped: set[str] = set()               # requests that reached their row cap
         self.recomputed_rows = 0                    # rows vLLM recomputed after a preemption (not stored twice)
         self._last: tuple | None = None             # the last step, when a steady decode step may follow it
+        self._ahead = 0                             # steps repeated since _last's positions were settled
+
+    @property
+    def last_ids(self) -> list[str] | None:
+        """The requests of the last step when the next may repeat it (:meth:`repeat`), else None."""
+        return self._last[0] if self._last is not None and not self._last[6] else None
+
+    def repeat(self, num_tokens_padded: int) -> tuple[StepTokens, dict | None, dict] | None:
+        """The last steady decode step again, one position further: the adapter saw the same
+        requests decoding one token each (``compat.repeats_last_step``). The cheapest step there
+        is (the GPU waits for it): no per-request work, the positions captured so far settled
+        when a general step comes (:meth:`build`). None when a row cap (checked per step) or
+        another padded size rules it out: take :meth:`build`."""
+        last = self._last
+        if last is None or last[6] or last[2] != num_tokens_padded:
+            return None
+        prev = last[3]
+        st = StepTokens(step=0, batch=1, seq=prev.seq, rows=prev.rows, request=prev.request,
+                        position=prev.position + 1, phase=prev.phase, local=prev.local)
+        self._last = last[:3] + (st,) + last[4:]
+        self._ahead += 1
+        return st, last[4], last[5]
+
+    def _settle(self) -> None:
+        """Positions of the steps :meth:`repeat` made, into the per-request bookkeeping."""
+        if self._ahead:
+            ids, computed = self._last[0], self._last[1] + self._ahead
+            self._last = (ids, computed) + self._last[2:]
+            self.captured_upto.update(zip(ids, computed.tolist()))
+            self._ahead = 0
 
     def build(self, batch: Batch, num_tokens_padded: int, wants, n_sites: int) -> tuple[StepTokens, dict | None, dict]:
         """(tokens, keep, held) for ``Run.begin_tokens``.
@@ -44,6 +74,7 @@ class StepBuilder:
         captured), then whole-step array operations over the rows: an engine step carries up to
         hundreds of requests, and this runs on the host between two steps.
         """
+        self._settle()
         steady = self._steady(batch, num_tokens_padded)
         if steady is not None:
             return steady

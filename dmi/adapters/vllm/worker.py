@@ -34,6 +34,7 @@ from .steps import StepBuilder
 
 log = logging.getLogger("dmi.vllm")
 
+_NO_PAD = np.zeros(1, np.int64)           # a flat batch: no request is left-padded (one array: compared by identity)
 SESSIONS: dict[str, "Session"] = {}        # session token -> the session of this process
 _lock = threading.Lock()
 
@@ -51,12 +52,18 @@ class Session:
         self.error: BaseException | None = None
         self.padded_steps = 0                   # steps run on a CUDA graph padded past their real tokens
         self.padding_rows = 0                   # those padding rows (never selected, never copied)
+        self.steps_repeated = 0                 # steady decode steps begun as the last one again (StepBuilder.repeat)
         self.rank = 0                           # tensor parallel rank (0: no tensor parallelism)
         self.clock = HookClock()                # host time in the step hooks below
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, scheduler_output) -> None:
         t0 = self.clock.now()
+        last = self.steps.last_ids
+        if last is not None and compat.repeats_last_step(runner, scheduler_output, last):
+            self._batch = (runner, scheduler_output)      # read only if the step cannot repeat the last
+            self.clock.add("batch", t0)
+            return
         batch = compat.read_batch(runner, scheduler_output)
         if batch.spec_decode:      # refused at load (_check_engine); a guard against a config that changed
             raise DmiError("dmi: a step with draft tokens (speculative decoding) is not supported")
@@ -75,6 +82,17 @@ class Session:
             self.clock.add("begin", t0)
 
     def _begin(self, batch, num_tokens_padded: int) -> None:
+        if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
+            got = self.steps.repeat(num_tokens_padded)
+            if got is not None:
+                real = len(self.steps.last_ids)    # every request's one token (opted-out ones too)
+                if num_tokens_padded > real:
+                    self.padded_steps += 1
+                    self.padding_rows += num_tokens_padded - real
+                self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2], repeat=True)
+                self.steps_repeated += 1
+                return
+            batch = compat.read_batch(*batch)
         real = int(batch.num_scheduled.sum())
         if num_tokens_padded > real:
             self.padded_steps += 1
@@ -83,7 +101,7 @@ class Session:
         self.gate.forget(batch.finished)
         if batch.finished and self.keys.keys:
             self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
-        self.run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+        self.run.begin_tokens(st, _NO_PAD, keep=keep, held=held)
 
     @contextlib.contextmanager
     def on_dummy_run(self):
@@ -134,6 +152,7 @@ class Session:
                 _note_engine_stats(self.run.store, {
                     "recomputed_rows_skipped": self.steps.recomputed_rows,
                     "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
+                    "steps": self.clock.steps, "steps_repeated": self.steps_repeated,
                     "requests_capped": sorted(self.steps.capped),
                     "requests_refused": dict(self.gate.refused),
                     "host_us_per_step": self.clock.per_step_us()})
@@ -218,6 +237,11 @@ def start(worker) -> Session | None:
             shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
         raise
     run._detach = detach
+    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda:
+        # sites on engine-held rows (the logits) run outside the graphs every step: their launch replays as a
+        # graph. (Mixed steps above the largest graph size capture every site eagerly: not replayed, a step
+        # of a new size would pay a capture per site.)
+        run.ring.replay_eager = {s.index for s in plan.sites if s.anchor.get("rows")}
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
     # model's forward, not of the patched source: the key must name the graph dmi compiles (its
     # anchors, site indices and run id are baked in), and only that (no store path, no session).
