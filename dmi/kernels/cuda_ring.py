@@ -151,6 +151,7 @@ class KernelRing(Ring):
         self._site_graphs: dict = {}        # site -> {key of an eager tensor: its launch as a graph, or None}
         self._graphs_made: dict = {}        # site -> graphs captured for it (_replayed)
         self._capture_after: dict = {}      # site -> the step from which it may capture again
+        self.eager_replays = 0              # eager captures done by a graph replay
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
@@ -369,6 +370,7 @@ class KernelRing(Ring):
             self._capture_after[site.index] = step + CAPTURE_GAP
         else:
             graph.replay()
+            self.eager_replays += 1
         known[key] = graph                     # the most recent last
         return True
 

@@ -117,11 +117,17 @@ def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
         seqs = generate(run, prompts, params)
         serving = events[n_setup:]
         plan = run.plan
+        ring = run.run.ring
+        replays, graphs_made = ring.eager_replays, dict(ring._graphs_made)
     finally:
         run.shutdown()
 
     # tokens: identical with and without dmi
     assert {rid: out for rid, (_, out) in seqs.items()} == want
+    # the logits, captured outside the graphs every step, replay their launch as a graph once their tensor
+    # comes back (ring.replay_eager, set by the worker): the logits rows checked below include those replays
+    logits_index = next(s.index for s in plan.sites if s.canonical == "logits")
+    assert replays > 0 and set(graphs_made) == {logits_index}, (replays, graphs_made)
 
     tree = dmi.open(tmp_path / "v.zarr")
     assert tree.attrs["dmi_status"] == "closed"
