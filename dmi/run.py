@@ -23,6 +23,7 @@ _STOP = object()
 DRAIN_INTERVAL_S = 0.1       # the drain copies ready steps out in batches this far apart ...
 DRAIN_FAST_S = 0.0005        # ... or this far apart while a flush or close waits for it
 DRAIN_BATCH = 64             # steps per batch at most
+LAYOUTS_KEPT = 16            # laid-out steps remembered by their rows (an engine's batch sizes come and go)
 
 
 class Run:
@@ -72,6 +73,7 @@ class Run:
         self._gen_mask = None        # 2D attention mask generate() prepared for the next forward
         self._mirror: _Mirror | None = None
         self._last_rows = None       # (tokens, held, layout) of the last laid-out step, reused by equal rows
+        self._layouts: dict = {}     # the rows a selection reads -> their layout, the last LAYOUTS_KEPT (oldest first)
         self._owner = _StepOwner(self._orphaned)   # the thread driving the steps now (one generate at a time)
         filters = list(dict.fromkeys(s.tokens for s in plan.sites))
         # filters whose selection in a decode step depends only on the batch (no counters, no
@@ -301,12 +303,18 @@ class Run:
         else:
             layout = self._same_rows_layout(st, keep, held)
         if layout is None:
-            wanted, counts = self._wanted(st, keep, held)
-            # laid out as a whole (array operations, slot objects built later by the drain); the ring
-            # falls back to its per-capture path where it must drop or wait for the bandwidth cap
-            layout = StepLayout(wanted)
-            layout.cache["counts"] = counts
-            if keep is None and self._stateless_filters:
+            key = _rows_key(st, held) if keep is None and self._stateless_filters else None
+            layout = self._layouts.pop(key, None) if key is not None else None
+            if layout is None:
+                wanted, counts = self._wanted(st, keep, held)
+                # laid out as a whole (array operations, slot objects built later by the drain); the ring
+                # falls back to its per-capture path where it must drop or wait for the bandwidth cap
+                layout = StepLayout(wanted)
+                layout.cache["counts"] = counts
+            if key is not None:
+                self._layouts[key] = layout          # the most recent last
+                if len(self._layouts) > LAYOUTS_KEPT:
+                    self._layouts.pop(next(iter(self._layouts)))
                 self._last_rows = (st, held, layout)
         self.ring.begin_step(self._step, st, pad, layout)
         self._count(layout)
@@ -330,6 +338,11 @@ class Run:
                 prev_held[k][1] != n or not np.array_equal(prev_held[k][0], index) for k, (index, n) in held.items())):
             return None
         return layout
+
+    def forget_layouts(self) -> None:
+        """Lay the next step out anew (benchmarks that change what a step selects, or time fresh layouts)."""
+        self._last_rows = None
+        self._layouts.clear()
 
     def _count(self, layout: StepLayout) -> None:
         """Account a begun step's selection: the layout's rows selected and not computed per site.
@@ -644,3 +657,14 @@ def _run_attrs(model, plan: Plan) -> dict:
             "model": {"name_or_path": getattr(cfg, "_name_or_path", None), "model_type": getattr(cfg, "model_type", None),
                       "dtype": str(next(model.parameters()).dtype), "class": type(model).__name__},
             "sites": [s.name for s in plan.sites]}
+
+
+def _rows_key(st: StepTokens, held: dict | None) -> tuple:
+    """What a stateless token filter's selection reads of a step: its rows, phases, local rows,
+    where one request's rows end and the next's begin (``last``), and the engine-held rows. Steps
+    with equal keys select the same captures (HF: decode steps of one batch; vLLM: a decode batch
+    of n requests, whichever requests they are)."""
+    req = st.request
+    return (st.seq, len(st), st.rows.tobytes(), st.phase.tobytes(), st.local.tobytes(),
+            (req[1:] != req[:-1]).tobytes(),
+            None if held is None else tuple((k, n, index.tobytes()) for k, (index, n) in sorted(held.items())))

@@ -229,9 +229,11 @@ def main(argv=None) -> None:
 
                     tables = run._site_info, run._site_ids, run._site_filter     # what a step selects from
                     run._site_info, run._site_ids, run._site_filter = [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+                    run.forget_layouts()       # (a layout laid out before selects every site)
                     flushed(), flushed()
                     report("dmi no sites (steps only)", paired(flushed, run=run))
                     run._site_info, run._site_ids, run._site_filter = tables
+                    run.forget_layouts()
 
                     ready = run.ring.drain_ready
 

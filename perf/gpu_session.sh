@@ -67,11 +67,13 @@ case "$part" in
     ;;
   hostvllm) # the ring's GPU tests, then a vLLM engine step's host work without vLLM (perf/hostcost.py --engine vllm,
             # 5 ms between steps as a serving GPU leaves the host's caches: a steady decode batch, a batch with prefill
-            # chunks, the same laid out anew each step, and with every site captured eagerly), timed per function
+            # chunks, the same laid out anew each step, a churning batch whose two shapes alternate, and with every
+            # site captured eagerly), timed per function
     TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
     TAIL=3 step hoststeady 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 0 --gap 5 --breakdown "$@"
     TAIL=2 step hostmixed 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --gap 5 --breakdown "$@"
     TAIL=2 step hostfresh 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --fresh --gap 5 --breakdown "$@"
+    TAIL=2 step hostcycle 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 0 --cycle --gap 5 --breakdown "$@"
     TAIL=2 step hosteager 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --eager --gap 5 "$@"
     ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)

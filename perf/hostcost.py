@@ -73,6 +73,9 @@ def main(argv=None) -> None:
     ap.add_argument("--gap", type=float, default=0.0, metavar="MS",
                     help="vllm: sleep this long between steps, as the engine thread waits for the GPU (caches as "
                          "cold as serving leaves them; the drain thread runs meanwhile)")
+    ap.add_argument("--cycle", action="store_true",
+                    help="vllm: every other step leaves the last request unscheduled, so no step repeats the last "
+                         "one (a churning batch) while the same two row structures come back")
     ap.add_argument("--breakdown", action="store_true",
                     help="vllm: wall µs per call of the step's main functions (timers around each: their own cost "
                          "is in the figures)")
@@ -179,24 +182,29 @@ def vllm_steps(run, args) -> None:
         ring.replay_eager = {logits_site.index}    # as the vLLM worker does (its logits, outside the graphs)
 
     no_pad = np.zeros(1, np.int64)
+    short = sched.copy()
+    short[-1] = 0                  # --cycle: the last request not scheduled
+    count = [0]
 
     def step():
         if args.gap:
             time.sleep(args.gap / 1e3)
         w = time.perf_counter()
-        computed[:] += sched       # the next step's positions (requests never finish: no re-admission)
+        count[0] += 1
+        now = short if args.cycle and count[0] % 2 else sched
+        computed[:] += now         # the next step's positions (requests never finish: no re-admission)
         t = time.thread_time()
         # a steady batch (every request decoding) repeats the last step, as Session.on_batch finds it
-        got = builder.repeat(n) if not args.fresh and builder.last_ids == ids else None
+        got = builder.repeat(n) if not (args.fresh or args.cycle) and builder.last_ids == ids else None
         repeated = got is not None
         if got is None:
-            batch = Batch(ids, sched, computed.copy(), prompt, set(), False)
-            got = builder.build(batch, int(sched.sum()), lambda rid: every, len(run.plan.sites))
+            batch = Batch(ids, now, computed.copy(), prompt, set(), False)
+            got = builder.build(batch, int(now.sum()), lambda rid: every, len(run.plan.sites))
         st, keep, held = got
         spent["rows"] += time.thread_time() - t
         run._owner.claim("a step")
         if args.fresh:
-            run._last_rows = None          # forget the last layout (Run._same_rows_layout)
+            run.forget_layouts()           # lay every step out anew
         t = time.thread_time()
         run.begin_tokens(st, no_pad, keep=keep, held=held, repeat=repeated)
         spent["begin"] += time.thread_time() - t

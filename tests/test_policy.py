@@ -560,9 +560,11 @@ def test_generated_policies_run_end_to_end_or_are_refused(spec):
 
 
 def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
-    """An engine step whose rows, requests, phases and held rows equal the last laid-out step's
-    reuses its layout (a steady decode batch); any difference, or a per-request site mask, lays
-    the step out afresh. Positions may differ: stateless token filters never read them."""
+    """An engine step whose rows, request boundaries, phases and held rows equal a recently laid-out
+    step's reuses its layout (a steady decode batch; a batch shape that comes back); any
+    difference, or a per-request site mask, lays the step out afresh. Positions and which request
+    a row belongs to may differ: stateless token filters read neither (``last`` reads where one
+    request's rows end)."""
     run = dmi.load("tiny-qwen3", hook_spec={"capture": [{"sites": ["resid_post"]},
                                                         {"sites": ["logits"], "tokens": "last"}]},
                    store=tmp_path / "o.zarr")
@@ -582,9 +584,11 @@ def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
     try:
         a = step([0, 1, 2], [5, 7, 9])
         assert step([0, 1, 2], [6, 8, 10]) is a                  # next decode step: same rows, new positions
-        assert step([0, 1, 3], [6, 8, 10]) is not a              # another request
+        assert step([0, 1, 3], [6, 8, 10]) is a                  # another request in the same place
+        assert step([0, 0, 3], [6, 7, 10]) is not a              # two rows of one request: `last` differs
         b = step([0, 1, 2], [6, 8, 10], phase=0)                 # prefill rows
         assert b is not a and step([0, 1, 2], [7, 9, 11], phase=0) is b
+        assert step([4, 5, 6], [1, 2, 3]) is a                   # the decode shape again, other requests
         c = step([0, 1, 2], [6, 8, 10], held_n=3)                # rows held by an engine tensor
         assert c is not b and step([0, 1, 2], [6, 8, 10], held_n=4) is not c
         keep = {0: np.array([True, False, True])}

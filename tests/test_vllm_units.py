@@ -382,6 +382,69 @@ def test_run_held_rows_and_site_masks(tmp_path):
     assert a["rows_selected"]["logits"] == 4 and a["rows_not_computed"]["logits"] == 2 and a["rows_stored"]["logits"] == 2
 
 
+def test_run_reuses_the_layout_of_a_row_structure_seen_before(tmp_path):
+    """A churning batch (a request out of the batch every other step, another batch of the same
+    shape later) never repeats the last step, but its row structures come back: Run keeps the layouts
+    of recent ones (keyed by rows, phases, local rows, request boundaries, held rows), whichever
+    requests fill them. Every row still lands under its own request and position, ``last``
+    selects each request's last row, and the accounting holds."""
+    from dataclasses import replace
+
+    import torch
+
+    import dmi
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.run import Run
+    from dmi.spec import find_arch_spec, load_hook_spec
+
+    model = build_tiny_model("tiny-qwen3")
+    arch = find_arch_spec("qwen3")
+    hook = {"capture": [{"sites": ["final_norm", "logits"]}, {"sites": ["resid_post"], "layers": [0], "tokens": "last"}]}
+    plan = build_plan(arch, load_hook_spec(hook), model.config)
+    plan.sites = [replace(s, anchor=dict(arch.data["sites"][s.canonical]["vllm"], layout=["token"])) for s in plan.sites]
+    by = {s.canonical: s for s in plan.sites}
+    table = RequestTable()
+    run = Run(model, plan, str(tmp_path / "o.zarr"))
+    run.requests = table
+    sb = StepBuilder(table)
+    layouts, want = [], {}
+    steps = [(["a", "b", "c"], [1, 1, 1], [5, 7, 9]), (["a", "b"], [1, 1], [6, 8]),      # c not scheduled
+             (["a", "b", "c"], [1, 1, 1], [7, 9, 10]), (["a", "b"], [1, 1], [8, 10]),
+             (["d", "e"], [2, 1], [0, 3]), (["d", "e"], [1, 1], [2, 4]), (["f", "g"], [2, 1], [0, 6])]
+    for k, (ids, sched, computed) in enumerate(steps):
+        st, keep, held = sb.build(batch(ids, sched, computed, [2] * len(ids)), int(sum(sched)), lambda r: ALL, 3)
+        real = int(sum(sched))
+        hidden = torch.full((real, 64), float(k)) + torch.arange(real, dtype=torch.float32)[:, None]
+        vocab = torch.full((len(ids), 512), float(k)) + torch.arange(len(ids), dtype=torch.float32)[:, None]
+        run.begin_tokens(st, np.zeros(1, np.int64), keep=keep, held=held)
+        layouts.append(run.ring.current.layout)
+        for site in plan.sites:
+            run.capture(site.index, vocab if site.canonical == "logits" else hidden)
+        run.end_step()
+        for j, rid in enumerate(ids):
+            rows = [r for r in range(real) if sum(sched[:j]) <= r < sum(sched[:j + 1])]
+            for i, r in enumerate(rows):
+                want[(k, rid, computed[j] + i)] = (float(k + r), r == rows[-1], float(k + j) if r == rows[-1] else None)
+    run.close()
+    # steps 2, 3 repeat the structures of steps 0, 1; steps 5 and 6 (other requests) those of steps 1 and 4
+    assert layouts[2] is layouts[0] and layouts[3] is layouts[1] and layouts[6] is layouts[4]
+    assert layouts[5] is layouts[1] and len({id(x) for x in layouts}) == 3
+    tree = dmi.open(tmp_path / "o.zarr")
+    fn, lg, rp = tree["final_norm"].dataset, tree["logits"].dataset, tree["layers/resid_post"].dataset
+    got = {(int(s), str(r), int(p)): float(v[0]) for s, r, p, v in zip(fn.step.values, fn.request.values,
+                                                                    fn.position.values, fn.final_norm.values)}
+    assert got == {key: v[0] for key, v in want.items()}
+    got_last = {(int(s), str(r), int(p)) for s, r, p in zip(rp.step.values, rp.request.values, rp.position.values)}
+    assert got_last == {key for key, v in want.items() if v[1]}
+    got_logits = {(int(s), str(r), int(p)): float(v[0]) for s, r, p, v in zip(lg.step.values, lg.request.values,
+                                                                           lg.position.values, lg.logits.values)}
+    assert got_logits == {key: v[2] for key, v in want.items() if v[2] is not None}
+    a = tree.attrs
+    for site in a["rows_selected"]:
+        assert a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site] == a["rows_selected"][site]
+
+
 # --- seams added for vLLM 0.25.1 on the GPU (tests/gpu/test_vllm_gpu.py runs them for real) ---------
 def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     """vLLM warms up and captures its CUDA graphs in _dummy_run with no dmi step open: the graph
