@@ -403,7 +403,6 @@ def test_run_reuses_the_layout_of_a_row_structure_seen_before(tmp_path):
     hook = {"capture": [{"sites": ["final_norm", "logits"]}, {"sites": ["resid_post"], "layers": [0], "tokens": "last"}]}
     plan = build_plan(arch, load_hook_spec(hook), model.config)
     plan.sites = [replace(s, anchor=dict(arch.data["sites"][s.canonical]["vllm"], layout=["token"])) for s in plan.sites]
-    by = {s.canonical: s for s in plan.sites}
     table = RequestTable()
     run = Run(model, plan, str(tmp_path / "o.zarr"))
     run.requests = table
