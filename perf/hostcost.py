@@ -74,7 +74,7 @@ def main(argv=None) -> None:
                     help="vllm: sleep this long between steps, as the engine thread waits for the GPU (caches as "
                          "cold as serving leaves them; the drain thread runs meanwhile)")
     ap.add_argument("--cycle", action="store_true",
-                    help="vllm: every other step leaves the last request unscheduled, so no step repeats the last "
+                    help="vllm: every other step the last request is out of the batch, so no step repeats the last "
                          "one (a churning batch) while the same two row structures come back")
     ap.add_argument("--breakdown", action="store_true",
                     help="vllm: wall µs per call of the step's main functions (timers around each: their own cost "
@@ -182,8 +182,6 @@ def vllm_steps(run, args) -> None:
         ring.replay_eager = {logits_site.index}    # as the vLLM worker does (its logits, outside the graphs)
 
     no_pad = np.zeros(1, np.int64)
-    short = sched.copy()
-    short[-1] = 0                  # --cycle: the last request not scheduled
     count = [0]
 
     def step():
@@ -191,15 +189,15 @@ def vllm_steps(run, args) -> None:
             time.sleep(args.gap / 1e3)
         w = time.perf_counter()
         count[0] += 1
-        now = short if args.cycle and count[0] % 2 else sched
-        computed[:] += now         # the next step's positions (requests never finish: no re-admission)
+        m = n - 1 if args.cycle and count[0] % 2 else n      # --cycle: the last request out of the batch
+        computed[:m] += sched[:m]  # the next step's positions (requests never finish: no re-admission)
         t = time.thread_time()
         # a steady batch (every request decoding) repeats the last step, as Session.on_batch finds it
         got = builder.repeat(n) if not (args.fresh or args.cycle) and builder.last_ids == ids else None
         repeated = got is not None
         if got is None:
-            batch = Batch(ids, now, computed.copy(), prompt, set(), False)
-            got = builder.build(batch, int(now.sum()), lambda rid: every, len(run.plan.sites))
+            batch = Batch(ids[:m], sched[:m], computed[:m].copy(), prompt[:m], set(), False)
+            got = builder.build(batch, int(sched[:m].sum()), lambda rid: every, len(run.plan.sites))
         st, keep, held = got
         spent["rows"] += time.thread_time() - t
         run._owner.claim("a step")
@@ -213,7 +211,7 @@ def vllm_steps(run, args) -> None:
             run.capture(site.index, xs)
         spent["eager"] += time.thread_time() - t
         t = time.thread_time()
-        run.capture(logits_site.index, logits)    # every step: vLLM computes logits outside its CUDA graphs
+        run.capture(logits_site.index, logits[:, :m])    # every step: vLLM computes logits outside its CUDA graphs
         spent["logits"] += time.thread_time() - t
         t, w0, w = time.thread_time(), w, time.perf_counter()
         if DEV == "cuda":
