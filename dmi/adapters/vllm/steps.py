@@ -85,7 +85,6 @@ class StepBuilder:
         n_req = len(batch.req_ids)
         n_sched = np.asarray(batch.num_scheduled, np.int64)
         computed = np.asarray(batch.num_computed, np.int64)
-        starts = np.cumsum(n_sched) - n_sched                # each request's first flat row
         req_index = np.asarray(self.requests.intern(batch.req_ids), np.int64)
         upto_l = [0] * n_req                                 # first position not yet captured
         active = (n_sched > 0).tolist()                      # (Python lists: this loop runs per request)
@@ -107,15 +106,22 @@ class StepBuilder:
                 caps.append((j, w.max_rows))
         upto = np.asarray(upto_l, np.int64)
         js = np.flatnonzero(active)
-        counts = n_sched[js]
-        j_of = np.repeat(js, counts)                         # request of each scheduled row
-        within = np.arange(len(j_of), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        pos = computed[j_of] + within
-        fresh = pos >= upto[j_of]                            # recomputed after a preemption: stored already
+        one_each = bool((n_sched == 1).all())               # a decode batch: row j is request j's one (and last) row
+        if one_each:
+            j_of = js
+            pos = computed[js]
+            fresh = pos >= upto[js]                          # recomputed after a preemption: stored already
+            ends, grew = pos + 1, fresh                      # (one row grows the captured range iff it is fresh)
+        else:
+            counts = n_sched[js]
+            j_of = np.repeat(js, counts)                     # request of each scheduled row
+            within = np.arange(len(j_of), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            pos = computed[j_of] + within
+            fresh = pos >= upto[j_of]
+            ends = computed[js] + counts
+            grew = ends > upto[js]
         recomputed = int(len(fresh) - np.count_nonzero(fresh))
         self.recomputed_rows += recomputed
-        ends = computed[js] + counts
-        grew = ends > upto[js]
         ids = batch.req_ids
         self.captured_upto.update(zip([ids[j] for j in js[grew].tolist()], ends[grew].tolist()))
         for j, cap in caps:                                  # row caps: later rows are not captured
@@ -129,17 +135,22 @@ class StepBuilder:
                 self.capped.add(rid)
             self.rows_taken[rid] = self.rows_taken.get(rid, 0) + int(f.sum())
         j_of, pos = j_of[fresh], pos[fresh]
-        flat = starts[j_of] + within[fresh]
-        logit_at = np.where(within[fresh] == n_sched[j_of] - 1, j_of, -1)   # the request's last scheduled row
-        phase = np.where(pos < np.asarray(batch.num_prompt, np.int64)[j_of], PREFILL, DECODE).astype(np.int8)
         seq = int(num_tokens_padded)
         # a held row's local index: its place in a tensor presented as the step's last n rows (Run.begin_tokens)
-        local = np.where(logit_at >= 0, seq - n_req + logit_at, flat)
+        if one_each:
+            flat = logit_at = j_of
+            local = seq - n_req + logit_at
+        else:
+            starts = np.cumsum(n_sched) - n_sched            # each request's first flat row
+            flat = starts[j_of] + within[fresh]
+            logit_at = np.where(within[fresh] == n_sched[j_of] - 1, j_of, -1)   # the request's last scheduled row
+            local = np.where(logit_at >= 0, seq - n_req + logit_at, flat)
+        phase = np.where(pos < np.asarray(batch.num_prompt, np.int64)[j_of], PREFILL, DECODE).astype(np.int8)
         st = StepTokens(step=0, batch=1, seq=seq, rows=flat, request=req_index[j_of], position=pos, phase=phase,
                         local=local)
         keep = _site_masks(j_of, want_of, n_sites) if masked else None
         held = {"sampled": (logit_at, n_req)}
-        if not recomputed and (n_sched == 1).all() and (phase == DECODE).all():
+        if not recomputed and one_each and (phase == DECODE).all():
             # every request decodes one token: the next step may be this one again with positions one
             # further (a serving batch's steady state); the capped requests that kept their row
             # must then have room for one more, those at their cap stay without one
