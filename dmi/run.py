@@ -269,7 +269,7 @@ class Run:
         self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad)
 
     def begin_tokens(self, st: StepTokens, pad: np.ndarray, *, keep: dict | None = None,
-                     held: dict | None = None, repeat: bool = False) -> None:
+                     held: dict | None = None) -> None:
         """Any engine: begin a step whose real rows the adapter already knows (``st.step`` is
         ignored: the run numbers steps), from outside the forward; :meth:`end_step` closes it.
         ``pad``: per batch row, key columns before the request's first key.
@@ -280,28 +280,22 @@ class Run:
         (vLLM's logits: one per request); ``index`` (int64 over st's rows) is each row's row in it,
         -1 where the engine never computes it (counted as not computed). The ring sees such a
         tensor like HF's ``logits_to_keep`` output, the last ``n`` rows of the step: the adapter
-        sets ``st.local`` of a held row to ``st.seq - n + index``.
-
-        repeat: the adapter knows ``st`` has the last step's rows, requests, phases, local rows,
-        ``keep`` and ``held`` (a steady decode batch one position further): the last layout is
-        taken without comparing them."""
+        sets ``st.local`` of a held row to ``st.seq - n + index``. An adapter that repeats a step
+        passes the last step's row arrays and ``held`` themselves: the last layout is then taken
+        without comparing them (:meth:`_same_rows_layout`)."""
         self._owner.claim("a step")
         if self.enabled:
             try:
-                self._begin_tokens(st, pad, keep, held, repeat)
+                self._begin_tokens(st, pad, keep, held)
             except BaseException:
                 self._owner.release_step()
                 raise
         self._external = True
 
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
-                      held: dict | None = None, repeat: bool = False) -> None:
+                      held: dict | None = None) -> None:
         st.step = self._step
-        last = self._last_rows
-        if repeat and last is not None and keep is None and last[1] is held:
-            layout = last[2]
-        else:
-            layout = self._same_rows_layout(st, keep, held)
+        layout = self._same_rows_layout(st, keep, held)
         if layout is None:
             key = _rows_key(st, held) if keep is None and self._stateless_filters else None
             layout = self._layouts.pop(key, None) if key is not None else None
@@ -321,23 +315,17 @@ class Run:
         self._step += 1
 
     def _same_rows_layout(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout | None:
-        """The layout of the last laid-out step if this one has exactly its rows (HF's decode steps of
-        one batch; an engine's steady decode batch: same requests, one token each). Stateless token filters select from the rows,
-        their requests and phases, never from positions, so equal rows mean equal captures; the
-        ring then reuses what it derived from the layout, as for HF's decode steps."""
+        """The last laid-out step's layout when this step carries that step's very row arrays and
+        held rows (HF's decode steps of one batch; an engine repeating a steady decode step): a few
+        identity checks. Rows merely equal in value find their layout by key (:func:`_rows_key`)."""
         last = self._last_rows
         if last is None or keep is not None or not self._stateless_filters:
             return None
         prev, prev_held, layout = last
-        if prev.seq != st.seq or len(prev) != len(st) or (prev_held is None) != (held is None):
-            return None
-        if not all(a is b or np.array_equal(a, b) for a, b in ((prev.rows, st.rows), (prev.request, st.request),
-                                                                (prev.phase, st.phase), (prev.local, st.local))):
-            return None
-        if held is not None and (prev_held.keys() != held.keys() or any(
-                prev_held[k][1] != n or not np.array_equal(prev_held[k][0], index) for k, (index, n) in held.items())):
-            return None
-        return layout
+        if (prev_held is held and prev.seq == st.seq and prev.rows is st.rows and prev.request is st.request
+                and prev.phase is st.phase and prev.local is st.local):
+            return layout
+        return None
 
     def forget_layouts(self) -> None:
         """Lay the next step out anew (benchmarks that change what a step selects, or time fresh layouts)."""

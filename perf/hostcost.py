@@ -194,7 +194,6 @@ def vllm_steps(run, args) -> None:
         t = time.thread_time()
         # a steady batch (every request decoding) repeats the last step, as Session.on_batch finds it
         got = builder.repeat(n) if not (args.fresh or args.cycle) and builder.last_ids == ids else None
-        repeated = got is not None
         if got is None:
             batch = Batch(ids[:m], sched[:m], computed[:m].copy(), prompt[:m], set(), False)
             got = builder.build(batch, int(sched[:m].sum()), lambda rid: every, len(run.plan.sites))
@@ -204,7 +203,7 @@ def vllm_steps(run, args) -> None:
         if args.fresh:
             run.forget_layouts()           # lay every step out anew
         t = time.thread_time()
-        run.begin_tokens(st, no_pad, keep=keep, held=held, repeat=repeated)
+        run.begin_tokens(st, no_pad, keep=keep, held=held)
         spent["begin"] += time.thread_time() - t
         t = time.thread_time()
         for site in eager_sites:      # what the dmi::capture op does for each site of an eager step

@@ -85,23 +85,22 @@ class Session:
         if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
             got = self.steps.repeat(num_tokens_padded)
             if got is not None:
-                real = len(self.steps.last_ids)    # every request's one token (opted-out ones too)
-                if num_tokens_padded > real:
-                    self.padded_steps += 1
-                    self.padding_rows += num_tokens_padded - real
-                self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2], repeat=True)
+                self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
+                self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
                 self.steps_repeated += 1
                 return
             batch = compat.read_batch(*batch)
-        real = int(batch.num_scheduled.sum())
-        if num_tokens_padded > real:
-            self.padded_steps += 1
-            self.padding_rows += num_tokens_padded - real
+        self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
         st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites))
         self.gate.forget(batch.finished)
         if batch.finished and self.keys.keys:
             self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
         self.run.begin_tokens(st, _NO_PAD, keep=keep, held=held)
+
+    def _count_padding(self, real: int, num_tokens_padded: int) -> None:
+        if num_tokens_padded > real:
+            self.padded_steps += 1
+            self.padding_rows += num_tokens_padded - real
 
     @contextlib.contextmanager
     def on_dummy_run(self):
