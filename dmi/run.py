@@ -98,6 +98,7 @@ class Run:
         self._closed = False
         self._detach = None
         self.drain_interval = DRAIN_INTERVAL_S
+        self.thread_cpu_s: dict[str, float] = {}     # CPU seconds of the drain and export threads, once ended
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
         self._drain.start()
@@ -418,6 +419,7 @@ class Run:
         except BaseException as e:    # surfaces in the caller's next step or close
             self._fail(e)
         finally:
+            self.thread_cpu_s["drain"] = time.thread_time()
             self._queue.put(_STOP)
 
     def _export_loop(self) -> None:
@@ -448,6 +450,7 @@ class Run:
                         self._queued_bytes -= item[2]
                         self._exported += 1
                         self._queue_cond.notify_all()
+        self.thread_cpu_s["export"] = time.thread_time()
 
     def _fail(self, e: BaseException) -> None:
         if self.ring.error is None:

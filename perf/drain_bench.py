@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmi.kernels.cuda_ring import PACED_PIECE, CudaRing, _ok, cudart   # noqa: E402
+from dmi.kernels.cuda_ring import DRAIN_PIECE, PACED_PIECE, CudaRing, _ok, cudart   # noqa: E402
 from dmi.plan import Output, Plan, Policy, SitePlan, TokenFilter   # noqa: E402
 from dmi.tokens import StepTokens   # noqa: E402
 
@@ -221,6 +221,7 @@ def main(argv=None) -> dict:
         print("| --- | ---: | ---: | ---: | ---: |")
         for label, chunk, paced in (("none", None, False), ("1 GiB in one copy", 0, False),
                                     ("8 MiB pieces, queued at once", 8 << 20, False),
+                                    ("16 MiB pieces, one at a time (the drain's default)", DRAIN_PIECE, True),
                                     ("64 MiB pieces, one at a time (copy_at_step's drain)", PACED_PIECE, True)):
             r = small_copy_latency(big, chunk, paced=paced)
             gbs = f"{r['copy_gbs']:.1f}" if r["copy_gbs"] else ""

@@ -188,3 +188,51 @@ def test_store_opens_with_open_zarr_and_datatree(encoded, write_spec, tmp_path):
     tree = xr.open_datatree(tmp_path / "o.zarr", engine="zarr")
     assert tree.attrs["family"] == "qwen3" and tree.attrs["dmi_status"] == "closed"
     assert tree["layers/resid_post"].dataset.sizes["token"] != tree["logits"].dataset.sizes["token"]
+
+
+def test_eager_replay_captures_a_tensor_once_it_came_back_and_keeps_the_graphs_of_recent_ones(monkeypatch):
+    """KernelRing._replayed's bookkeeping (the CUDA graphs themselves: tests/gpu): a tensor seen
+    ``SEEN_TO_CAPTURE`` times is launched graph-mode and captured, later sightings replay that
+    graph; at most one capture every ``CAPTURE_GAP`` steps per site; a site keeps the graphs of its
+    ``SITE_KEYS`` most recently seen tensors (the least recent goes first)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dmi.kernels import cuda_ring as C
+    monkeypatch.setattr(C, "SEEN_TO_CAPTURE", 3)
+    monkeypatch.setattr(C, "CAPTURE_GAP", 8)
+    monkeypatch.setattr(C, "SITE_KEYS", 2)
+
+    class Graph:                               # stands for a captured CUDA graph: counts its replays
+        def __init__(self, launch):
+            self.launch, self.replays = launch, 0
+
+        def replay(self):
+            self.replays += 1
+
+    launched = []
+    ring = SimpleNamespace(_site_graphs={}, _capture_after={}, _graphs_made={}, geometry=(1, 8),
+                           current=SimpleNamespace(step=0), _capture=Graph,
+                           sites={0: SimpleNamespace(launch=lambda r, x, eager: launched.append((x.data_ptr(), eager)))})
+    site = SimpleNamespace(index=0)
+    a, b, c = torch.zeros(4, 2), torch.zeros(5, 2), torch.zeros(6, 2)
+
+    def see(x, step):
+        ring.current.step = step
+        return C.KernelRing._replayed(ring, site, x)
+
+    assert [see(a, s) for s in range(5)] == [None, None, "capture", "replay", "replay"]
+    assert launched == [(a.data_ptr(), None)]            # the capturing step's own copy: graph-mode, once
+    graph_a = ring._site_graphs[0][(a.data_ptr(), a.shape, a.stride(), a.dtype, (1, 8))]
+    assert graph_a.replays == 2 and ring._graphs_made == {0: 1}
+    # b comes back at once, but a capture happened 3 steps ago: eager until step 2 + CAPTURE_GAP
+    assert [see(b, s) for s in (5, 6, 7, 9)] == [None, None, None, None]
+    assert see(b, 10) == "capture" and ring._graphs_made == {0: 2}
+    ring.geometry = (1, 9)                     # another step geometry: another key, even for a's block
+    assert see(a, 11) is None
+    # two keys kept: a's (1, 8) graph was the least recently seen, it is gone; b's stays
+    ring.geometry = (1, 8)
+    assert see(b, 12) == "replay"
+    assert [see(a, s) for s in (13, 14)] == [None, None]
+    assert see(c, 15) is None and len(ring._site_graphs[0]) == 2

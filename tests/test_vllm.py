@@ -255,6 +255,11 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     # batch (Session.on_batch): the rows below are the proof they land at the right positions
     repeated = tree.attrs["vllm"]["steps_repeated"]
     assert 0 < repeated < tree.attrs["vllm"]["steps"], tree.attrs["vllm"]
+    kinds = tree.attrs["vllm"]["begin_us_by_step_kind"]      # a repeat's begin and any other step's
+    assert kinds["repeat"] > 0 and kinds["other"] > 0, kinds
+    assert {"gen0", "gen1", "gen2", "tracked", "top_types"} <= set(tree.attrs["vllm"]["process_gc"]), tree.attrs["vllm"]
+    assert set(tree.attrs["vllm"]["thread_cpu_s"]) == {"drain", "export"}, tree.attrs["vllm"]
+    assert "eager_captures" not in tree.attrs["vllm"]            # CPU ring: no kernel launches to split
     assert f"{repeated} of {tree.attrs['vllm']['steps']} steps repeating the last" in line, line
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}
     assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))

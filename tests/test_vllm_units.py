@@ -539,3 +539,30 @@ def test_a_step_larger_than_the_kernel_rings_control_block_is_refused_at_load():
     assert e.value.line == 7 and "max_step_tokens: 8192" in str(e.value)
     _check_step_tokens(types.SimpleNamespace(ring=types.SimpleNamespace(max_rows=8192)), config, hook)
     _check_step_tokens(types.SimpleNamespace(ring=types.SimpleNamespace()), config, hook)     # the CPU ring: no bound
+
+
+def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
+    """Session.clock: the begin time of steps that repeated the last one apart from the others, and
+    the process's garbage-collection pauses while the session is open (a pause stops every thread)."""
+    import gc
+    import time
+    from dmi.adapters.vllm.worker import HookClock
+    clock = HookClock()
+    try:
+        for repeated, sleep in ((True, 0.002), (False, 0.006), (True, 0.002)):
+            clock.steps += 1
+            clock.repeated = repeated
+            t0 = clock.now()
+            time.sleep(sleep)
+            clock.add("begin", t0)
+        kinds = clock.begin_by_kind_us(2)
+        assert 1500 < kinds["repeat"] < kinds["other"] and kinds["other"] > 5500, kinds
+        gc.collect()                           # a full collection: generation 2
+        summary = clock.gc_summary()
+        assert summary["gen2"]["count"] >= 1 and summary["gen2"]["total_ms"] > 0, summary
+    finally:
+        clock.stop()
+    before = clock.gc_summary()["gen2"]
+    gc.collect()                               # after stop(): no longer counted
+    after = clock.gc_summary()
+    assert after["gen2"] == before and after["tracked"] > 0 and after["top_types"], after

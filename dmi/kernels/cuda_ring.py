@@ -11,7 +11,8 @@ Copy-out timing. The engine's own small D2H copies (HF's stop check, vLLM's samp
 the device-to-host copy engine with the drain, which serves queued copies in order: a drain batch
 of ~100 ms of steps (hundreds of MB) queued just before such a copy holds the model's step back for
 the whole batch (`perf/drain_bench.py --hol`: a 4-byte copy waited ~19 ms behind 1 GiB, also when
-that GiB was queued as 8 MiB pieces). With ``copy_at_step`` (``DMI_COPY_AT_STEP=1``; not the
+that GiB was queued as 8 MiB pieces). So the drain queues its copies one ``DRAIN_PIECE`` (16 MiB,
+~0.3 ms) at a time, each once the one before it is done. With ``copy_at_step`` (``DMI_COPY_AT_STEP=1``; not the
 default: on the H200 its paced drain cut that wait to 12 µs at the median, but neither offline nor
 online throughput improved, perf/RESULTS.md) the model's thread instead queues each step's copy when the next
 step begins, on the drain stream behind an event recorded where the step ended: by then the
@@ -33,6 +34,7 @@ import contextlib
 import ctypes
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -45,11 +47,13 @@ from . import capture as K
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
-SITE_KEYS = 8                 # eager tensors a site remembers (and keeps graphs of: _replayed) ...
-CAPTURE_GAP = 8               # ... capturing one at most every this many steps
-_UNSEEN = object()
+SITE_KEYS = 64                # eager tensors a site remembers (and keeps graphs of: _replayed) ...
+SEEN_TO_CAPTURE = 3           # ... capturing one's graph once it came this many times ...
+CAPTURE_GAP = 8               # ... and at most one every this many steps
 ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied as one span
 PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
+DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each span in one copy): ~0.3 ms of
+                              # the copy engine, the longest an engine's own small D2H waits behind the drain
 
 
 def cudart():
@@ -151,7 +155,9 @@ class KernelRing(Ring):
         self._site_graphs: dict = {}        # site -> {key of an eager tensor: its launch as a graph, or None}
         self._graphs_made: dict = {}        # site -> graphs captured for it (_replayed)
         self._capture_after: dict = {}      # site -> the step from which it may capture again
-        self.eager_replays = 0              # eager captures done by a graph replay
+        # captures outside a graph, by how: the eager path, a replay, a launch + graph capture: [count, host s]
+        self.eager_time = {how: [0, 0.0] for how in ("eager", "replay", "capture")}
+        self._graph_pool = None             # one memory pool for the graphs _capture makes (their temporaries)
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
@@ -304,9 +310,11 @@ class KernelRing(Ring):
         """A CUDA graph of ``launch()``, captured on a side stream (thread-local capture mode: the
         drain thread's CUDA calls meanwhile are not part of it and stay legal)."""
         graph, side, cur = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.torch_device), torch.cuda.current_stream()
+        if self._graph_pool is None:           # shared: the graphs replay one at a time on one stream, and
+            self._graph_pool = torch.cuda.graph_pool_handle()     # their temporaries die inside each replay
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
             try:
                 launch()
             finally:
@@ -336,43 +344,55 @@ class KernelRing(Ring):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
         x = x.detach() if x.requires_grad else x       # no autograd graph
-        if eager is not None and site.index in self.replay_eager and self._replayed(site, x):
+        if eager is None:
+            self.sites[site.index].launch(self, x, None)
             return
-        self.sites[site.index].launch(self, x, eager)
+        t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
+        how = self._replayed(site, x) if site.index in self.replay_eager else None
+        if how is None:
+            self.sites[site.index].launch(self, x, eager)
+        spent = self.eager_time[how or "eager"]
+        spent[0] += 1
+        spent[1] += time.perf_counter() - t0
 
-    def _replayed(self, site, x: torch.Tensor) -> bool:
-        """An eager capture of a tensor this site saw in an earlier step (same address, shape,
+    def _replayed(self, site, x: torch.Tensor) -> str | None:
+        """An eager capture of a tensor this site saw in earlier steps (same address, shape,
         strides and step geometry: vLLM's logits, computed outside its CUDA graphs every step, get
         the same block from the caching allocator): the graph-mode launch, which reads everything
-        from the control block, replayed as a captured CUDA graph. A replay costs the host a few µs;
-        the eager path's torch ops and host-written record cost 10-50 times that on a serving host.
-        The first repeat launches graph-mode directly (this step's copy; Triton loads the kernel),
-        then captures the graph for the repeats after it. A site keeps the graphs of its last
-        ``SITE_KEYS`` tensors and captures at most one every ``CAPTURE_GAP`` steps: a batch that
-        changes size every step pays the eager path, not a capture per step."""
+        from the control block, replayed as a captured CUDA graph (``"replay"``). A replay costs the
+        host a few µs; the eager path's torch ops and host-written record cost 10-50 times that on a
+        serving host. A capture costs milliseconds (serving, H200: the eager captures' mean host time
+        was 165 µs with 122 captures among 9082): a tensor's graph is captured only once the tensor
+        came ``SEEN_TO_CAPTURE`` times (that step launches graph-mode, then captures: ``"capture"``),
+        at most one every ``CAPTURE_GAP`` steps, and a site keeps the graphs of its last
+        ``SITE_KEYS`` tensors, so the batch sizes of a serving engine, which come back, are
+        captured once each. None: take the eager path."""
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, self.geometry)
-        known = self._site_graphs.setdefault(site.index, {})     # key -> its graph (None: seen once), oldest first
-        graph = known.pop(key, _UNSEEN)
-        if graph is _UNSEEN:
-            known[key] = None
-            if len(known) > SITE_KEYS:         # (batch sizes come and go, the allocator alternates blocks)
-                known.pop(next(iter(known)))
-            return False
+        known = self._site_graphs.setdefault(site.index, {})     # key -> times seen, or its graph; oldest first
+        got = known.pop(key, 0)
+        if not isinstance(got, int):
+            got.replay()
+            known[key] = got                   # the most recent last
+            return "replay"
         step = self.current.step
-        if graph is None and step < self._capture_after.get(site.index, 0):
-            known[key] = None                  # captured one a moment ago: churn pays no capture every step
-            return False
-        if graph is None:
+        if got + 1 < SEEN_TO_CAPTURE or step < self._capture_after.get(site.index, 0):
+            known[key] = got + 1
+            how = None
+        else:
             launch = self.sites[site.index].launch
             launch(self, x, None)
-            graph = self._capture(lambda: launch(self, x, None))
+            known[key] = self._capture(lambda: launch(self, x, None))
             self._graphs_made[site.index] = self._graphs_made.get(site.index, 0) + 1
             self._capture_after[site.index] = step + CAPTURE_GAP
-        else:
-            graph.replay()
-            self.eager_replays += 1
-        known[key] = graph                     # the most recent last
-        return True
+            how = "capture"
+        if len(known) > SITE_KEYS:             # (the least recently seen goes, its graph with it)
+            known.pop(next(iter(known)))
+        return how
+
+    @property
+    def eager_replays(self) -> int:
+        """Eager captures done by a graph replay."""
+        return self.eager_time["replay"][0]
 
     def payload_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The payload ring as a flat tensor of ``dtype`` (made once per dtype: eager captures
@@ -420,6 +440,7 @@ class CudaRing(KernelRing):
         self._closed = False
         # copy each step out from the model's thread when the next one begins (module doc)
         self.copy_at_step = os.environ.get("DMI_COPY_AT_STEP", "0") == "1"
+        self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
         self._copy_lock = threading.Lock()     # who copies a step: the model's thread or the drain
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
@@ -558,12 +579,13 @@ class CudaRing(KernelRing):
         return out
 
     def _copy(self, host: int, lo: int, nbytes: int) -> None:
-        """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream. With ``copy_at_step`` in
-        pieces of ``PACED_PIECE``, each queued once the one before it is done: the copy engine
-        serves queued copies in order, so the engine's own small D2H waits for one piece at most,
-        not for the whole span (pieces queued at once did not help: module doc)."""
+        """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream, in pieces of
+        ``drain_piece`` (``PACED_PIECE`` with ``copy_at_step``), each queued once the one before it
+        is done: the copy engine serves queued copies in order, so the engine's own small D2H
+        (vLLM's sampled tokens, every step) waits for one piece at most, not for a whole drain batch
+        of hundreds of MB (pieces queued at once did not help: module doc)."""
         rt, d2h = self._rt, self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        piece = PACED_PIECE if self.copy_at_step else nbytes
+        piece = PACED_PIECE if self.copy_at_step else (self.drain_piece or nbytes)
         for at in range(0, nbytes, piece):
             if at:
                 _ok(rt.cudaEventRecord(self._event, self._stream))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -76,6 +78,7 @@ class Session:
             return
         t0 = self.clock.now()
         self.clock.steps += 1
+        self.clock.repeated = False
         try:
             self._begin(batch, num_tokens_padded)
         finally:
@@ -88,6 +91,7 @@ class Session:
                 self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
                 self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
                 self.steps_repeated += 1
+                self.clock.repeated = True
                 return
             batch = compat.read_batch(*batch)
         self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
@@ -144,6 +148,7 @@ class Session:
             SESSIONS_BY_RUN.pop(self.run.id, None)
         if self._unwrap is not None:
             self._unwrap()
+        self.clock.stop()
         try:
             self.run.close()
         finally:
@@ -154,7 +159,10 @@ class Session:
                     "steps": self.clock.steps, "steps_repeated": self.steps_repeated,
                     "requests_capped": sorted(self.steps.capped),
                     "requests_refused": dict(self.gate.refused),
-                    "host_us_per_step": self.clock.per_step_us()})
+                    "host_us_per_step": self.clock.per_step_us(),
+                    "begin_us_by_step_kind": self.clock.begin_by_kind_us(self.steps_repeated),
+                    "process_gc": self.clock.gc_summary(),
+                    **_run_stats(self.run)})
 
     def close_quietly(self) -> None:
         """At engine shutdown / process exit: close, log instead of raising."""
@@ -168,25 +176,79 @@ class Session:
 class HookClock:
     """Host time per engine step in a session's step hooks (batch: reading the runner's batch;
     begin: token bookkeeping, row selection, the control block's H2D; end: the end marker): wall
-    time, which includes waits for the GIL, and the engine thread's own CPU time."""
+    time, which includes waits for the GIL, and the engine thread's own CPU time. Also the begin
+    time of steps that repeated the last one, and the process's garbage-collection pauses while the
+    session is open (every thread's: a pause stops the engine's thread too)."""
     KEYS = ("batch", "begin", "end")
 
     def __init__(self):
         self.wall = dict.fromkeys(self.KEYS, 0.0)
         self.cpu = dict.fromkeys(self.KEYS, 0.0)
         self.steps = 0
+        self.repeated = False                  # the step being begun repeats the last one
+        self.repeat_wall = 0.0                 # begin wall time of those steps
+        self.gc_pauses = [[0, 0.0, 0.0] for _ in range(3)]     # per generation: count, total s, longest s
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
 
     @staticmethod
     def now() -> tuple[float, float]:
         return time.perf_counter(), time.thread_time()
 
     def add(self, key: str, t0: tuple[float, float]) -> None:
-        self.wall[key] += time.perf_counter() - t0[0]
+        dt = time.perf_counter() - t0[0]
+        self.wall[key] += dt
         self.cpu[key] += time.thread_time() - t0[1]
+        if key == "begin" and self.repeated:
+            self.repeat_wall += dt
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if not self.steps:                     # the engine's start-up (compile, graph capture) is not serving
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        dt, g = time.perf_counter() - self._gc_t0, self.gc_pauses[min(info.get("generation", 0), 2)]
+        g[0] += 1
+        g[1] += dt
+        g[2] = max(g[2], dt)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
 
     def per_step_us(self) -> dict:
         n = max(self.steps, 1)
         return {kind: {k: round(v * 1e6 / n, 1) for k, v in d.items()} for kind, d in (("wall", self.wall), ("cpu", self.cpu))}
+
+    def begin_by_kind_us(self, repeated: int) -> dict:
+        """Mean begin wall time of a step that repeated the last one and of any other step."""
+        other = self.steps - repeated
+        return {"repeat": round(self.repeat_wall * 1e6 / max(repeated, 1), 1),
+                "other": round((self.wall["begin"] - self.repeat_wall) * 1e6 / max(other, 1), 1)}
+
+    def gc_summary(self) -> dict:
+        """Pauses per generation since the first step, and what the collector tracks now (objects
+        frozen by the engine at start-up are not scanned: ``frozen``)."""
+        from collections import Counter
+        out = {f"gen{i}": {"count": c, "total_ms": round(t * 1e3, 1), "longest_ms": round(m * 1e3, 2)}
+               for i, (c, t, m) in enumerate(self.gc_pauses)}
+        tracked = gc.get_objects()
+        out.update(tracked=len(tracked), frozen=gc.get_freeze_count(),
+                   top_types=dict(Counter(type(o).__qualname__ for o in tracked).most_common(8)))
+        return out
+
+
+def _run_stats(run) -> dict:
+    """The drain's and exporter's CPU time (threads that share the engine's GIL) and, on a kernel
+    ring, the captures outside CUDA graphs by how they ran (the eager path, a graph replay, a
+    launch + graph capture): how many and their mean host time."""
+    out = {"thread_cpu_s": {k: round(v, 3) for k, v in run.thread_cpu_s.items()}}
+    ring = run.ring
+    if getattr(ring, "eager_time", None) is not None:
+        out["eager_captures"] = {how: {"count": n, "us": round(t * 1e6 / max(n, 1), 1)} for how, (n, t) in ring.eager_time.items()}
+        out["replay_graphs"] = sum(ring._graphs_made.values())
+    return out
 
 
 def start(worker) -> Session | None:
@@ -236,7 +298,7 @@ def start(worker) -> Session | None:
             shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
         raise
     run._detach = detach
-    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda:
+    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and os.environ.get("DMI_REPLAY_EAGER", "1") != "0":
         # sites on engine-held rows (the logits) run outside the graphs every step: their launch replays as a
         # graph. (Mixed steps above the largest graph size capture every site eagerly: not replayed, a step
         # of a new size would pay a capture per site.)
