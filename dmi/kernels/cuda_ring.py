@@ -152,7 +152,7 @@ class KernelRing(Ring):
         # in plain PyTorch between its graphs every step (vLLM's logits); never under torch.compile,
         # whose cudagraph warm-up runs the site ops eagerly inside its own capture bookkeeping
         self.replay_eager: set[int] = set()
-        self._site_graphs: dict = {}        # site -> {key of an eager tensor: its launch as a graph, or None}
+        self._site_graphs: dict = {}        # site -> {key of an eager tensor: times seen, or its launch as a graph}
         self._graphs_made: dict = {}        # site -> graphs captured for it (_replayed)
         self._capture_after: dict = {}      # site -> the step from which it may capture again
         # captures outside a graph, by how: the eager path, a replay, a launch + graph capture: [count, host s]
@@ -361,8 +361,8 @@ class KernelRing(Ring):
         the same block from the caching allocator): the graph-mode launch, which reads everything
         from the control block, replayed as a captured CUDA graph (``"replay"``). A replay costs the
         host a few µs; the eager path's torch ops and host-written record cost 10-50 times that on a
-        serving host. A capture costs milliseconds (serving, H200: the eager captures' mean host time
-        was 165 µs with 122 captures among 9082): a tensor's graph is captured only once the tensor
+        serving host. A capture costs far more (serving, H200: the eager captures' mean host time was
+        165 µs with 122 captures among 9082, so milliseconds each): a tensor's graph is captured only once the tensor
         came ``SEEN_TO_CAPTURE`` times (that step launches graph-mode, then captures: ``"capture"``),
         at most one every ``CAPTURE_GAP`` steps, and a site keeps the graphs of its last
         ``SITE_KEYS`` tensors, so the batch sizes of a serving engine, which come back, are
