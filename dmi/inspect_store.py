@@ -289,6 +289,15 @@ def _vllm_line(v: dict) -> str:
     wall, cpu = host.get("wall") or {}, host.get("cpu") or {}
     if wall:
         text += "; dmi host µs/step " + ", ".join(f"{k} {wall[k]:g} ({cpu.get(k, 0):g} CPU)" for k in wall)
+    kinds = v.get("begin_us_by_step_kind")
+    if kinds:
+        text += f"; begin µs: repeated steps {kinds['repeat']:g}, others {kinds['other']:g}"
+    eager = {k: e for k, e in (v.get("eager_captures") or {}).items() if e.get("count")}
+    if eager:
+        text += "; captures outside graphs: " + ", ".join(f"{k} {e['count']} x {e['us']:g} µs" for k, e in eager.items())
+    threads = v.get("thread_cpu_s")
+    if threads:
+        text += "; " + ", ".join(f"{k} thread {t:g} s CPU" for k, t in threads.items())
     return text
 
 

@@ -31,6 +31,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -165,6 +166,25 @@ class _LaidOutSlots(collections.abc.Mapping):
 
     def __contains__(self, site) -> bool:
         return site in self.layout.index
+
+    def views(self) -> list[SiteView]:
+        """Each capture's (site, sel) in seq order, made once per layout and shared by its steps."""
+        views = self.layout.cache.get("views")
+        if views is None:
+            views = self.layout.cache["views"] = [SiteView(w[0], w[1]) for w in self.layout.wanted]
+        return views
+
+
+class SiteView(NamedTuple):
+    """What a drained record's consumers (exporter, writer process) read of its :class:`SiteSlot`."""
+    site: int
+    sel: np.ndarray
+
+
+def slot_views(slots) -> list:
+    """A step's captures in seq order as objects with ``site`` and ``sel``: for a laid-out step the
+    layout's shared :class:`SiteView` list (the drain builds no per-step :class:`SiteSlot`)."""
+    return slots.views() if isinstance(slots, _LaidOutSlots) else list(slots.values())
 
 
 @dataclass
@@ -502,7 +522,7 @@ class Ring:
         for ctrl in ctrls:
             a, b = ctrl.first_seq - first, ctrl.end_seq - first
             recs, hit = meta[a:b], ok[a:b]
-            slots = list(ctrl.slots.values())
+            slots = slot_views(ctrl.slots)
             if not hit.all():                  # a planned site whose module did not run
                 self.stats.not_run += len(slots) - int(hit.sum())
                 slots = [s for s, k in zip(slots, hit.tolist()) if k]

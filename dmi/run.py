@@ -397,7 +397,7 @@ class Run:
 
     # --- threads ----------------------------------------------------------------------------------
     def _drain_loop(self) -> None:
-        ring = self.ring
+        ring, budget = self.ring, self.plan.policy.host_bytes
         try:
             while True:
                 # sleep without the GIL until the next batch is due or the ring needs room now
@@ -405,15 +405,23 @@ class Run:
                 ring.urgent.wait(DRAIN_FAST_S if hurry else self.drain_interval)
                 ring.urgent.clear()
                 while ctrls := ring.drain_ready(DRAIN_BATCH):
+                    # the steps go to the exporter in chunks, one handover (queue, wake-ups) a chunk,
+                    # not a step: both threads take the engine's GIL for it
+                    chunk = []
                     for ctrl, records in zip(ctrls, ring.drain_steps(ctrls)):
                         nbytes = sum(len(r[2]) for r in records)
                         with self._queue_cond:   # host budget: wait for the exporter before staging more
-                            while self._queued_bytes and self._queued_bytes + nbytes > self.plan.policy.host_bytes:
+                            if chunk and self._queued_bytes + nbytes > budget:
+                                self._queue.put(chunk)    # (what the exporter can free meanwhile)
+                                chunk = []
+                            while self._queued_bytes and self._queued_bytes + nbytes > budget:
                                 if ring.error:
                                     return
                                 self._queue_cond.wait(0.05)
                             self._queued_bytes += nbytes
-                        self._queue.put((ctrl, records, nbytes))
+                        chunk.append((ctrl, records, nbytes))
+                    if chunk:
+                        self._queue.put(chunk)
                 if self._closed and not ring.pending:
                     break
         except BaseException as e:    # surfaces in the caller's next step or close
@@ -431,26 +439,37 @@ class Run:
                 item = None
             if item is _STOP:
                 break
+            if isinstance(item, list):         # a chunk of drained steps: (step, records, bytes) in step order
+                self._export_steps(item)
+                continue
             try:
                 if item is None:
                     exporter.tick()
-                elif isinstance(item, threading.Event):      # flush(): commit what was handed over
+                else:                          # flush(): commit what was handed over
                     try:
                         exporter.sync()
                     finally:
                         item.set()
-                else:   # after a failure the exporter accounts the step as dropped instead of writing it
-                    exporter.write_step(item[0], item[1], self.requests.ids, self.ring.stats.drops)
             except BaseException as e:     # surfaces in the caller's next step, flush or close
                 self._fail(e)
-            finally:
-                if isinstance(item, tuple):
-                    self.ring.release_host(item[0])
-                    with self._queue_cond:
-                        self._queued_bytes -= item[2]
-                        self._exported += 1
-                        self._queue_cond.notify_all()
         self.thread_cpu_s["export"] = time.thread_time()
+
+    def _export_steps(self, steps: list) -> None:
+        """Write a chunk of drained steps (after a failure the exporter accounts each as dropped
+        instead), freeing each one's staging as it goes."""
+        try:
+            for ctrl, records, _ in steps:
+                try:
+                    self.exporter.write_step(ctrl, records, self.requests.ids, self.ring.stats.drops)
+                except BaseException as e:     # surfaces in the caller's next step, flush or close
+                    self._fail(e)
+                finally:
+                    self.ring.release_host(ctrl)
+        finally:
+            with self._queue_cond:
+                self._queued_bytes -= sum(n for *_, n in steps)
+                self._exported += len(steps)
+                self._queue_cond.notify_all()
 
     def _fail(self, e: BaseException) -> None:
         if self.ring.error is None:

@@ -48,7 +48,7 @@ import numpy as np
 
 from .errors import StoreError
 from .exporter import TICK_S, lower_priority, sink_policy
-from .ring import META_DTYPE, ByteRing
+from .ring import META_DTYPE, ByteRing, slot_views
 
 log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
@@ -138,7 +138,7 @@ class ProcessExporter:
             for (_, _, data), n in zip(records, sizes):
                 np.copyto(self._buf[at:at + n], _bytes(data))
                 at += n
-        slots = {site: slot.sel for site, slot in ctrl.slots.items()}
+        slots = {v.site: v.sel for v in slot_views(ctrl.slots)}
         recs = np.array([rec for _, rec, _ in records], META_DTYPE) if records else np.zeros(0, META_DTYPE)
         sites = [slot.site for slot, _, _ in records]
         self._seq += 1

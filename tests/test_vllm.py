@@ -259,6 +259,8 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     assert kinds["repeat"] > 0 and kinds["other"] > 0, kinds
     assert {"gen0", "gen1", "gen2", "tracked", "top_types"} <= set(tree.attrs["vllm"]["process_gc"]), tree.attrs["vllm"]
     assert set(tree.attrs["vllm"]["thread_cpu_s"]) == {"drain", "export"}, tree.attrs["vllm"]
+    assert f"begin µs: repeated steps {kinds['repeat']:g}, others {kinds['other']:g}" in line, line
+    assert f"drain thread {tree.attrs['vllm']['thread_cpu_s']['drain']:g} s CPU" in line, line
     assert "eager_captures" not in tree.attrs["vllm"]            # CPU ring: no kernel launches to split
     assert f"{repeated} of {tree.attrs['vllm']['steps']} steps repeating the last" in line, line
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}

@@ -566,3 +566,18 @@ def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
     gc.collect()                               # after stop(): no longer counted
     after = clock.gc_summary()
     assert after["gen2"] == before and after["tracked"] > 0 and after["top_types"], after
+
+
+def test_inspect_vllm_line_reports_step_kinds_captures_outside_graphs_and_thread_cpu():
+    """`dmi inspect`'s vllm line: what the store's vllm attribute says about where a step's host time
+    went (a CUDA ring's captures outside graphs by kind; kinds that never ran are left out)."""
+    from dmi.inspect_store import _vllm_line
+    line = _vllm_line({"steps": 10, "steps_repeated": 7, "host_us_per_step": {"wall": {"begin": 200.0}, "cpu": {"begin": 190.0}},
+                       "begin_us_by_step_kind": {"repeat": 96.2, "other": 574.3},
+                       "eager_captures": {"eager": {"count": 40, "us": 48.5}, "replay": {"count": 9, "us": 6.1},
+                                          "capture": {"count": 0, "us": 0.0}},
+                       "thread_cpu_s": {"drain": 0.763, "export": 0.324}})
+    assert "7 of 10 steps repeating the last" in line and "begin 200 (190 CPU)" in line, line
+    assert "begin µs: repeated steps 96.2, others 574.3" in line, line
+    assert "captures outside graphs: eager 40 x 48.5 µs, replay 9 x 6.1 µs;" in line and "capture 0" not in line, line
+    assert "drain thread 0.763 s CPU, export thread 0.324 s CPU" in line, line
