@@ -549,6 +549,8 @@ def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
     from dmi.adapters.vllm.worker import HookClock
     clock = HookClock()
     try:
+        gc.collect()                           # before the first step: the engine's start-up, not counted
+        assert clock.gc_summary()["gen2"]["count"] == 0
         for repeated, sleep in ((True, 0.002), (False, 0.006), (True, 0.002)):
             clock.steps += 1
             clock.repeated = repeated

@@ -63,10 +63,12 @@ ATOL, RTOL = 1e-4, 1e-3
 
 def workload():
     """Prompts of several lengths (one longer than a step: chunked prefill) and output lengths, so
-    the decode batch shrinks 5 -> 1 (padded 5 -> 8, 3 -> 4) and prefill chunks mix with decodes."""
+    the decode batch shrinks 5 -> 1 (padded 5 -> 8, 3 -> 4) and prefill chunks mix with decodes;
+    the longest request decodes alone for 18 steps, so its logits tensor comes back often enough
+    for the logits capture to be replayed as a graph (``SEEN_TO_CAPTURE``)."""
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(3, 300, size=n).tolist()} for n in (5, 11, 2, 70, 23)]
-    params = [vllm.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 9, 12, 7, 14)]
+    params = [vllm.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 9, 12, 7, 30)]
     return prompts, params
 
 

@@ -188,7 +188,7 @@ class HookClock:
         self.repeated = False                  # the step being begun repeats the last one
         self.repeat_wall = 0.0                 # begin wall time of those steps
         self.gc_pauses = [[0, 0.0, 0.0] for _ in range(3)]     # per generation: count, total s, longest s
-        self._gc_t0 = 0.0
+        self._gc_t0: float | None = None       # when the running collection started (None: not counted)
         gc.callbacks.append(self._on_gc)
 
     @staticmethod
@@ -203,10 +203,10 @@ class HookClock:
             self.repeat_wall += dt
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        if not self.steps:                     # the engine's start-up (compile, graph capture) is not serving
+        if phase == "start":                   # (the engine's start-up, compile and graph capture, is not serving)
+            self._gc_t0 = time.perf_counter() if self.steps else None
             return
-        if phase == "start":
-            self._gc_t0 = time.perf_counter()
+        if self._gc_t0 is None:
             return
         dt, g = time.perf_counter() - self._gc_t0, self.gc_pauses[min(info.get("generation", 0), 2)]
         g[0] += 1
