@@ -553,10 +553,9 @@ def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
         assert clock.gc_summary()["gen2"]["count"] == 0
         for repeated, sleep in ((True, 0.002), (False, 0.006), (True, 0.002)):
             clock.steps += 1
-            clock.repeated = repeated
             t0 = clock.now()
             time.sleep(sleep)
-            clock.add("begin", t0)
+            clock.add("begin", t0, repeated=repeated)
         kinds = clock.begin_by_kind_us(2)
         assert 1500 < kinds["repeat"] < kinds["other"] and kinds["other"] > 5500, kinds
         gc.collect()                           # a full collection: generation 2

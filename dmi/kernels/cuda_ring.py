@@ -361,12 +361,12 @@ class KernelRing(Ring):
         the same block from the caching allocator): the graph-mode launch, which reads everything
         from the control block, replayed as a captured CUDA graph (``"replay"``). A replay costs the
         host a few µs; the eager path's torch ops and host-written record cost 10-50 times that on a
-        serving host. A capture costs far more (serving, H200: the eager captures' mean host time was
-        165 µs with 122 captures among 9082, so milliseconds each): a tensor's graph is captured only once the tensor
-        came ``SEEN_TO_CAPTURE`` times (that step launches graph-mode, then captures: ``"capture"``),
-        at most one every ``CAPTURE_GAP`` steps, and a site keeps the graphs of its last
-        ``SITE_KEYS`` tensors, so the batch sizes of a serving engine, which come back, are
-        captured once each. None: take the eager path."""
+        serving host. A capture costs far more (serving, H200: the eager captures' mean host time
+        was 165 µs with 122 captures among 9082, so milliseconds each): a tensor's graph is
+        captured only once the tensor came ``SEEN_TO_CAPTURE`` times (that step launches
+        graph-mode, then captures: ``"capture"``), at most one every ``CAPTURE_GAP`` steps, and a
+        site keeps the graphs of its last ``SITE_KEYS`` tensors, so the batch sizes of a serving
+        engine, which come back, are captured once each. None: take the eager path."""
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype, self.geometry)
         known = self._site_graphs.setdefault(site.index, {})     # key -> times seen, or its graph; oldest first
         got = known.pop(key, 0)

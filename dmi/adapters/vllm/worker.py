@@ -78,11 +78,11 @@ class Session:
             return
         t0 = self.clock.now()
         self.clock.steps += 1
-        self.clock.repeated = False
+        repeated = self.steps_repeated
         try:
             self._begin(batch, num_tokens_padded)
         finally:
-            self.clock.add("begin", t0)
+            self.clock.add("begin", t0, repeated=self.steps_repeated > repeated)
 
     def _begin(self, batch, num_tokens_padded: int) -> None:
         if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
@@ -91,7 +91,6 @@ class Session:
                 self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
                 self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
                 self.steps_repeated += 1
-                self.clock.repeated = True
                 return
             batch = compat.read_batch(*batch)
         self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
@@ -185,8 +184,7 @@ class HookClock:
         self.wall = dict.fromkeys(self.KEYS, 0.0)
         self.cpu = dict.fromkeys(self.KEYS, 0.0)
         self.steps = 0
-        self.repeated = False                  # the step being begun repeats the last one
-        self.repeat_wall = 0.0                 # begin wall time of those steps
+        self.repeat_wall = 0.0                 # begin wall time of the steps that repeated the last one
         self.gc_pauses = [[0, 0.0, 0.0] for _ in range(3)]     # per generation: count, total s, longest s
         self._gc_t0: float | None = None       # when the running collection started (None: not counted)
         gc.callbacks.append(self._on_gc)
@@ -195,11 +193,12 @@ class HookClock:
     def now() -> tuple[float, float]:
         return time.perf_counter(), time.thread_time()
 
-    def add(self, key: str, t0: tuple[float, float]) -> None:
+    def add(self, key: str, t0: tuple[float, float], repeated: bool = False) -> None:
+        """Time since ``t0`` in hook ``key``; ``repeated``: a begin that repeated the last step."""
         dt = time.perf_counter() - t0[0]
         self.wall[key] += dt
         self.cpu[key] += time.thread_time() - t0[1]
-        if key == "begin" and self.repeated:
+        if repeated:
             self.repeat_wall += dt
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -247,7 +246,7 @@ def _run_stats(run) -> dict:
     ring = run.ring
     if getattr(ring, "eager_time", None) is not None:
         out["eager_captures"] = {how: {"count": n, "us": round(t * 1e6 / max(n, 1), 1)} for how, (n, t) in ring.eager_time.items()}
-        out["replay_graphs"] = sum(ring._graphs_made.values())
+        out["replay_graphs"] = ring.eager_time["capture"][0]      # (each capture makes one graph)
     return out
 
 
