@@ -12,7 +12,8 @@
 #                                          test and what does
 #
 # Carry: [".vbundle/tools", ".whl"]. Environment: OUT, DEADLINE_S (default 585: the call's 600 s
-# less the margin for copying $OUT back), T_TESTS (default 260), ONLINE_ARGS (for `all`).
+# less the margin for copying $OUT back), T_TESTS (default 260), TESTS_K (a pytest -k expression: some
+# of the tests), ONLINE_ARGS (for `all`).
 set -u
 START=$SECONDS
 OUT=${OUT:-/tmp/dmi-out}
@@ -55,7 +56,7 @@ step() {   # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.log
 tests() {
   local limit=$1
   step vllm-tests "$limit" python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py -q -ra -p no:cacheprovider \
-    --durations=8 --junitxml "$OUT/vllm-tests.xml"
+    --durations=8 --junitxml "$OUT/vllm-tests.xml" ${TESTS_K:+-k "$TESTS_K"}
   # the summary lines and the first failure's tail, not the whole log
   grep -E "^(FAILED|ERROR|PASSED|SKIPPED)|passed|failed|skipped|error|slowest|s (call|setup|teardown) " "$OUT/vllm-tests.log" | tail -n 20
   grep -n -m1 -A40 "^____" "$OUT/vllm-tests.log" | tail -n 45

@@ -82,6 +82,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
     ap.add_argument("--eager", action="store_true", help="vllm: each step also captures its sites through the eager "
                     "path (a step run without a CUDA graph: mixed prefill steps above the largest graph size)")
+    ap.add_argument("--no-range-copy", action="store_true",
+                    help="vllm: the logits rows (one range) captured through the eager path's torch ops or their "
+                         "replayed graph, not by one strided copy (ring.range_copy off): the A/B of copy_rows")
     ap.add_argument("--in-generate", type=int, default=0, metavar="N",
                     help="hf: time the step's host calls inside a real generate() of N new tokens (static cache: "
                          "caches as cold as the model leaves them), not in a loop")
@@ -180,6 +183,7 @@ def vllm_steps(run, args) -> None:
     timers = _breakdown(run, builder) if args.breakdown else None
     if DEV == "cuda":
         ring.replay_eager = {logits_site.index}    # as the vLLM worker does (its logits, outside the graphs)
+    ring.range_copy = not args.no_range_copy
 
     no_pad = np.zeros(1, np.int64)
     count = [0]
@@ -254,6 +258,8 @@ def vllm_steps(run, args) -> None:
           f"total {rows + begin + end:.1f} us (wall {spent['wall'] / calls * 1e6:.1f}); {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
           + (f"; eager captures {spent['eager'] / calls * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites)"
              if eager_sites else ""))
+    print("captures outside graphs (count, mean host us): " + ", ".join(
+        f"{how} {n} x {t / max(n, 1) * 1e6:.1f}" for how, (n, t) in ring.eager_time.items() if n))
     if timers is not None:
         print("breakdown (wall us per call, nested calls included in their callers): " + ", ".join(
             f"{name} {sum(v) / len(v) * 1e6:.1f}" for name, v in sorted(timers.items(), key=lambda kv: -sum(kv[1])) if v))

@@ -10,6 +10,8 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   same with ``DMI_COPY_AT_STEP=1`` (each step copied out as the next begins); ``dmi-hidden-noreplay``:
   the same without replaying the logits capture as a CUDA graph (``DMI_REPLAY_EAGER=0``);
   ``dmi-hidden-unpaced``: the drain copying each span at once (``DMI_DRAIN_PIECE_MB=0``);
+  ``dmi-hidden-ops``: eager captures (the logits every step) through torch ops or their replayed graph
+  where one strided copy of a row range would do (``DMI_RANGE_COPY=0``);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -389,6 +391,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-step": _with(dmi("dmi-hidden-step", hidden, args.ring_gib), DMI_COPY_AT_STEP="1"),
         # the same without replaying the logits capture as a CUDA graph (same spec file: vLLM's compile cache hits)
         "dmi-hidden-noreplay": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_REPLAY_EAGER="0"),
+        # ... and with eager captures through torch ops (or their replay) where one strided copy would do
+        "dmi-hidden-ops": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_RANGE_COPY="0"),
         # ... and with the drain's copies in one piece per span (before: pieces of 16 MiB, one at a time)
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),

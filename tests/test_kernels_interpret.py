@@ -225,18 +225,25 @@ def section_generate() -> None:
     }
     for family, spec in specs.items():
         outs = {}
-        for kind in ("cpu", "eager", "graph"):
+        for kind in ("cpu", "eager", "eager-ops", "graph"):
             os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
             model, _ = model_pair(family, attn="sdpa")
             with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
                 if kind == "graph":
                     run.ring.graph_mode = True     # launches read everything from the device control tensor
+                if kind == "eager-ops":
+                    run.ring.range_copy = False    # every eager capture through the torch ops
                 outs[kind] = run.model.generate(**enc, max_new_tokens=3, do_sample=False)
                 # another batch, then the first again: decode steps that reuse their layout send the
                 # device only the global words, so every change of layout must send it all again
                 run.model.generate(**{k: v[:2] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
                 run.model.generate(**enc, max_new_tokens=4, do_sample=False)
-        for kind in ("eager", "graph"):
+                how = {k: n for k, (n, _) in run.ring.eager_time.items()} if kind != "cpu" else {}
+            if kind == "eager":    # row ranges (every decode row of a plain site) by one copy, the rest by torch ops
+                assert how["copy"] > 0 and how["eager"] > 0, how
+            if kind == "eager-ops":
+                assert how["copy"] == 0 and how["eager"] > 0, how
+        for kind in ("eager", "eager-ops", "graph"):
             assert torch.equal(outs["cpu"], outs[kind])
             n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
             print(family, kind, "arrays equal:", n)

@@ -155,8 +155,11 @@ class KernelRing(Ring):
         self._site_graphs: dict = {}        # site -> {key of an eager tensor: times seen, or its launch as a graph}
         self._graphs_made: dict = {}        # site -> graphs captured for it (_replayed)
         self._capture_after: dict = {}      # site -> the step from which it may capture again
-        # captures outside a graph, by how: the eager path, a replay, a launch + graph capture: [count, host s]
-        self.eager_time = {how: [0, 0.0] for how in ("eager", "replay", "capture")}
+        # an eager capture whose selected rows are one range of x's rows is one strided copy (copy_rows)
+        self.range_copy = True
+        # captures outside a graph, by how: one copy of a row range, the eager path's torch ops, a replay, a
+        # launch + graph capture: [count, host s]
+        self.eager_time = {how: [0, 0.0] for how in ("copy", "eager", "replay", "capture")}
         self._graph_pool = None             # one memory pool for the graphs _capture makes (their temporaries)
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
@@ -222,10 +225,12 @@ class KernelRing(Ring):
             ctrl.dev_rows_start = rows_start
             self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
         h[:K.G_WORDS] = words
-        if pos == K.G_WORDS:
-            self._ctrl_head.copy_(self._host_heads[k], non_blocking=True)
-        else:
-            self.ctrl[:pos].copy_(self._host_ctrl[k][:pos], non_blocking=True)
+        self._copy_block(k, pos)
+
+    def _copy_block(self, k: int, words: int) -> None:
+        """The first ``words`` of host control buffer ``k`` to the device's control block, then
+        that buffer's event (the next use of the buffer waits for it)."""
+        self.ctrl[:words].copy_(self._host_ctrl[k][:words], non_blocking=True)
         self._ctrl_events[k].record()
 
     def _publish_head(self, words: tuple, end_seq: int) -> bool:
@@ -348,9 +353,12 @@ class KernelRing(Ring):
             self.sites[site.index].launch(self, x, None)
             return
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
-        how = self._replayed(site, x) if site.index in self.replay_eager else None
+        launcher = self.sites[site.index]
+        how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager) else None
+        if how is None and site.index in self.replay_eager:
+            how = self._replayed(site, x)
         if how is None:
-            self.sites[site.index].launch(self, x, eager)
+            launcher.launch(self, x, eager)
         spent = self.eager_time[how or "eager"]
         spent[0] += 1
         spent[1] += time.perf_counter() - t0
@@ -393,6 +401,14 @@ class KernelRing(Ring):
     def eager_replays(self) -> int:
         """Eager captures done by a graph replay."""
         return self.eager_time["replay"][0]
+
+    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
+        """Rows ``start .. start + n`` of ``x`` (``pitch`` elements apart, ``row_bytes`` each) to
+        payload ``offset``, on the current stream: torch here, one driver call on CUDA."""
+        isz = x.element_size()
+        row = row_bytes // isz
+        src = x.as_strided((n, row), (pitch, 1), x.storage_offset() + start * pitch)
+        self.payload_as(x.dtype).narrow(0, offset // isz, n * row).view(n, row).copy_(src)
 
     def payload_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The payload ring as a flat tensor of ``dtype`` (made once per dtype: eager captures
@@ -451,6 +467,9 @@ class CudaRing(KernelRing):
         self._heads_ptr = self._heads.data_ptr()
         self._ctrl_ptr = self.ctrl.data_ptr()
         self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self._host_ctrl_ptrs = [t.data_ptr() for t in self._host_ctrl]
+        self._ctrl_events = [_RtEvent(self._rt) for _ in self._host_ctrl]     # (torch's: made in setup above)
+        self._d2d = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # (what Triton's launcher reads)
         index = self.torch_device.index
         self._raw_stream = (lambda: raw(index)) if raw is not None else (
@@ -461,6 +480,20 @@ class CudaRing(KernelRing):
         adds its dispatch and a host-allocator event, several times the copy's own host cost."""
         _ok(self._rt.cudaMemcpyAsync(self._ctrl_ptr, self._heads_ptr + j * K.G_WORDS * 8, K.G_WORDS * 8,
                                      self._h2d, self._raw_stream()))
+
+    def _copy_block(self, k: int, words: int) -> None:
+        """Through cuda-python on the model's current stream, as :meth:`_copy_head` (no torch
+        dispatch, no host-allocator event)."""
+        rt, stream = self._rt, self._raw_stream()
+        _ok(rt.cudaMemcpyAsync(self._ctrl_ptr, self._host_ctrl_ptrs[k], words * 8, self._h2d, stream))
+        self._ctrl_events[k].record_on(stream)
+
+    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
+        """One ``cudaMemcpy2DAsync`` (device to device) on the model's current stream: a serving
+        host pays a few µs for it where the torch ops of the eager path cost tens."""
+        isz = x.element_size()
+        _ok(self._rt.cudaMemcpy2DAsync(self._payload_ptr + offset, row_bytes, x.data_ptr() + start * pitch * isz,
+                                       pitch * isz, row_bytes, n, self._d2d, self._raw_stream()))
 
     def _use_device(self) -> None:
         """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
@@ -543,8 +576,9 @@ class CudaRing(KernelRing):
                     bases[i] = ctrl.copied
                 else:
                     ctrl.copied = "drain"
-            spans = [(int(r["offset"].min()), int((r["offset"] + r["nbytes"]).max())) if len(r) and i not in bases
-                     else None for i, r in enumerate(recs)]
+            # each step's reserved block (its records lie in it): no per-step reductions over records
+            spans = [(c.base, c.base + c.nbytes) if c.nbytes and len(r) and i not in bases else None
+                     for i, (c, r) in enumerate(zip(ctrls, recs))]
             groups: list[list[int]] = []           # indices of steps copied together
             lo = hi = 0
             for i, span in enumerate(spans):
@@ -647,6 +681,62 @@ class _SiteLaunch:
         # on a tensor holding only some of the step's rows (vLLM's logits, every step, outside the
         # graph): steady decode repeats them, and the upload is most of that launch's host time
         self._held: tuple | None = None
+        self._range: tuple | None = None      # (step rows, seq, src_seq, first source row or None, rows) of the last
+        self._pitches: dict = {}              # (shape, strides) of x -> (src_seq, row pitch) or None (copied_as_range)
+
+    def copied_as_range(self, ring, x: torch.Tensor, st: StepControl) -> bool:
+        """An eager capture whose selected rows are consecutive rows of ``x`` (every request's
+        logits row; every token of a hidden state), copied by one strided copy (``ring.copy_rows``)
+        and published from the host: no torch ops, no index upload. False: not such a capture."""
+        if not self.plain or x.dtype != self.dtype:
+            return False
+        geometry = self._pitch(x, st.tokens.batch)
+        if geometry is None:
+            return False
+        src_seq, pitch = geometry
+        slot, seq = st.slots[self.site.index], st.tokens.seq
+        rows, r = slot.rows, self._range
+        if r is None or r[1] != seq or r[2] != src_seq or not np.array_equal(r[0], rows):
+            held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
+            src = (held // seq) * src_seq + held % seq - (seq - src_seq)
+            first = int(src[0]) if len(src) and (np.diff(src) == 1).all() else None
+            r = self._range = (rows.copy(), seq, src_seq, first, len(held))
+        first, n = r[3], r[4]
+        if first is None:
+            return False
+        nbytes = n * self.row_bytes[0]
+        if n:
+            ring.copy_rows(x, first, n, pitch, self.row_bytes[0], slot.offset)
+        ring.publish_record(slot.seq, st.step, self.site.index, slot.offset, nbytes, n, src_seq)
+        return True
+
+    def _pitch(self, x: torch.Tensor, batch: int) -> tuple[int, int] | None:
+        """(positions x holds, elements from one token-major row of x to the next) when each row's
+        features are contiguous and rows are evenly spaced; else None. Cached by shape and strides."""
+        key = (x.shape, x.stride())
+        if key in self._pitches:
+            return self._pitches[key]
+        shape, stride, layout = key[0], key[1], self.layout
+        got = None
+        if layout[0] == "token":
+            lead, src_seq, pitch = 1, shape[0] // batch, stride[0]
+        elif tuple(layout[:2]) == ("batch", "seq") and (shape[0] == 1 or stride[0] == shape[1] * stride[1]):
+            lead, src_seq, pitch = 2, shape[1], stride[1]
+        else:
+            lead = None
+        if lead is not None:
+            want = 1
+            for d in range(x.ndim - 1, lead - 1, -1):      # the features: one contiguous run
+                if shape[d] != 1 and stride[d] != want:
+                    break
+                want *= shape[d]
+            else:
+                if want * x.element_size() == self.row_bytes[0]:
+                    got = (src_seq, pitch)
+        if len(self._pitches) >= 256:          # (token counts of eager steps vary: bounded)
+            self._pitches.clear()
+        self._pitches[key] = got
+        return got
 
     def _held_rows(self, rows: np.ndarray, seq: int, src_seq: int, device) -> tuple[np.ndarray, torch.Tensor]:
         """The step rows ``x`` holds (its last ``src_seq`` of ``seq`` positions) and their row
@@ -784,6 +874,27 @@ class InterpretRing(KernelRing):
     def fetch(self, ctrl, recs: np.ndarray) -> list[np.ndarray]:
         self.stats.bytes_captured += int(recs["nbytes"].sum())     # the kernels wrote these
         return super().fetch(ctrl, recs)
+
+
+class _RtEvent:
+    """A cuda-python event with torch's Event calls used here (record, synchronize), recorded on a
+    raw stream handle: a few µs of host time less than torch's."""
+
+    def __init__(self, rt):
+        self._rt = rt
+        self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+
+    def record_on(self, stream) -> None:
+        _ok(self._rt.cudaEventRecord(self._event, stream))
+
+    def synchronize(self) -> None:
+        _ok(self._rt.cudaEventSynchronize(self._event))
+
+    def __del__(self):
+        try:
+            self._rt.cudaEventDestroy(self._event)
+        except Exception:
+            pass
 
 
 class _NoEvent:

@@ -81,6 +81,8 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
                 assert type(run.ring).__name__ == ("CudaRing" if ring == "cuda" else "CpuRing")
                 if ring == "cuda":     # eager steps end with the end marker's one-kernel graph, replayed
                     assert run.ring._end_graph is not None
+                    if name == "main":    # decode rows of plain sites: one cudaMemcpy2DAsync each (copy_rows)
+                        assert run.ring.eager_time["copy"][0] > 0, run.ring.eager_time
         assert torch.equal(outs["cpu"], outs["cuda"])
         n = assert_stores_equal(tmp_path / f"{name}-cpu.zarr", tmp_path / f"{name}-cuda.zarr")
         assert n > 10
@@ -322,6 +324,7 @@ def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec,
         with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"r-{ring}.zarr") as run:
             if ring == "cuda":
                 run.ring.replay_eager = {s.index for s in run.plan.sites}
+                run.ring.range_copy = False    # (which would copy these decode rows: one range each)
             outs[ring] = run.model.generate(**enc, max_new_tokens=12, do_sample=False, cache_implementation="static",
                                             disable_compile=True)
             if ring == "cuda":

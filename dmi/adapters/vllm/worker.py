@@ -298,10 +298,13 @@ def start(worker) -> Session | None:
         raise
     run._detach = detach
     if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and os.environ.get("DMI_REPLAY_EAGER", "1") != "0":
-        # sites on engine-held rows (the logits) run outside the graphs every step: their launch replays as a
-        # graph. (Mixed steps above the largest graph size capture every site eagerly: not replayed, a step
-        # of a new size would pay a capture per site.)
+        # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
+        # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
+        # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
+        # capture per site.)
         run.ring.replay_eager = {s.index for s in plan.sites if s.anchor.get("rows")}
+    if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
+        run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
     # model's forward, not of the patched source: the key must name the graph dmi compiles (its
     # anchors, site indices and run id are baked in), and only that (no store path, no session).
