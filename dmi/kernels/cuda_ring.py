@@ -5,7 +5,8 @@
   pointer and the drain thread polls as a numpy array (no CUDA call on the hot path);
 * host staging: ``cudaHostAlloc`` pinned memory (``policy.host_bytes``), a byte ring the drain
   copies into and the exporter frees in order;
-* the drain's own non-blocking stream and a blocking-sync event.
+* the drain's own non-blocking stream and a blocking-sync event; its copies and event records go
+  through libcuda with the GIL held (``_DrainCalls``), its waits let the GIL go.
 
 Copy-out timing. The engine's own small D2H copies (HF's stop check, vLLM's sampled tokens) share
 the device-to-host copy engine with the drain, which serves queued copies in order: a drain batch
@@ -448,6 +449,7 @@ class CudaRing(KernelRing):
         self._stage_ends: dict[int, int] = {}
         self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
         self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
+        self._d2h = _DrainCalls(rt, self._stream, self._event)
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
         self.payload_t = torch.as_tensor(_CudaBytes(self._payload_ptr, capacity), device=self.torch_device)
         self.meta_dev = DevicePointer(self._meta_dev, torch.int64)
@@ -594,13 +596,13 @@ class CudaRing(KernelRing):
             for group in groups:
                 lo, hi = spans[group[0]][0], spans[group[-1]][1]
                 buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
-                copies.append((buf.ctypes.data + dst, lo, hi - lo))
+                copies.append((buf.ctypes.data + dst, lo, hi - lo, buf is self._staging))
                 for i in group:
                     bases[i] = (buf, dst - lo)
-        for host, lo, nbytes in copies:        # outside the lock: the model's thread may copy its next step meanwhile
-            self._copy(host, lo, nbytes)
+        for host, lo, nbytes, pinned in copies:    # outside the lock: the model's thread may copy its next step meanwhile
+            self._copy(host, lo, nbytes, pinned)
         if bases:
-            _ok(rt.cudaEventRecord(self._event, self._stream))
+            self._d2h.record()
             _ok(rt.cudaEventSynchronize(self._event))
         out = []
         for i, r in enumerate(recs):
@@ -612,19 +614,19 @@ class CudaRing(KernelRing):
             out.append([buf[a:a + n] for a, n in zip((r["offset"] + shift).tolist(), r["nbytes"].tolist())])
         return out
 
-    def _copy(self, host: int, lo: int, nbytes: int) -> None:
+    def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
         """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream, in pieces of
         ``drain_piece`` (``PACED_PIECE`` with ``copy_at_step``), each queued once the one before it
         is done: the copy engine serves queued copies in order, so the engine's own small D2H
         (vLLM's sampled tokens, every step) waits for one piece at most, not for a whole drain batch
         of hundreds of MB (pieces queued at once did not help: module doc)."""
-        rt, d2h = self._rt, self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        rt, d2h = self._rt, self._d2h
         piece = PACED_PIECE if self.copy_at_step else (self.drain_piece or nbytes)
         for at in range(0, nbytes, piece):
             if at:
-                _ok(rt.cudaEventRecord(self._event, self._stream))
-                _ok(rt.cudaEventSynchronize(self._event))
-            _ok(rt.cudaMemcpyAsync(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), d2h, self._stream))
+                d2h.record()
+                _ok(rt.cudaEventSynchronize(self._event))    # (the one call a piece that lets the GIL go)
+            d2h.copy(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), pinned)
 
     def _stage_for(self, ctrl: StepControl, span: int) -> tuple[np.ndarray, int]:
         """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
@@ -874,6 +876,46 @@ class InterpretRing(KernelRing):
     def fetch(self, ctrl, recs: np.ndarray) -> list[np.ndarray]:
         self.stats.bytes_captured += int(recs["nbytes"].sum())     # the kernels wrote these
         return super().fetch(ctrl, recs)
+
+
+class _DrainCalls:
+    """The drain's non-blocking calls on its stream: the D2H copy of a piece and the event record
+    after it. Through libcuda with ``ctypes.PyDLL``, which keeps the GIL across a call that returns
+    in µs: cuda-python lets the GIL go in every call, and on a serving host each reacquire waits for
+    the engine's thread (a forced switch of it, several per drain batch). The blocking event wait
+    still lets it go. ``DMI_DRAIN_PYDLL=0``, or no libcuda to load: cuda-python's calls."""
+
+    def __init__(self, rt, stream, event):
+        self._rt, self._stream, self._event = rt, stream, event
+        self._kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._lib = None
+        if os.environ.get("DMI_DRAIN_PYDLL", "1") != "0":
+            try:
+                lib = ctypes.PyDLL("libcuda.so.1")
+                self._memcpy, self._record = lib.cuMemcpyDtoHAsync_v2, lib.cuEventRecord
+            except (OSError, AttributeError):
+                return
+            self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+            self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            self._memcpy.restype = self._record.restype = ctypes.c_int
+            self._handles = (int(stream), int(event))      # (a cudaStream_t / cudaEvent_t is the driver's handle)
+            self._lib = lib
+
+    @property
+    def holds_gil(self) -> bool:
+        return self._lib is not None
+
+    def copy(self, host: int, device: int, nbytes: int, pinned: bool = True) -> None:
+        if self._lib is None or not pinned:    # (into pageable memory the copy blocks: the GIL must go)
+            _ok(self._rt.cudaMemcpyAsync(host, device, nbytes, self._kind, self._stream))
+        elif (err := self._memcpy(host, device, nbytes, self._handles[0])) != 0:
+            raise CaptureError(f"CUDA driver error {err} in cuMemcpyDtoHAsync (drain copy of {nbytes} bytes)")
+
+    def record(self) -> None:
+        if self._lib is None:
+            _ok(self._rt.cudaEventRecord(self._event, self._stream))
+        elif (err := self._record(self._handles[1], self._handles[0])) != 0:
+            raise CaptureError(f"CUDA driver error {err} in cuEventRecord (drain event)")
 
 
 class _RtEvent:
