@@ -11,9 +11,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   the same without replaying the logits capture as a CUDA graph (``DMI_REPLAY_EAGER=0``);
   ``dmi-hidden-unpaced``: the drain copying each span at once (``DMI_DRAIN_PIECE_MB=0``);
   ``dmi-hidden-ops``: eager captures (the logits every step) through torch ops or their replayed graph
-  where one strided copy of a row range would do (``DMI_RANGE_COPY=0``); ``dmi-hidden-rtdrain``: the
-  drain's copies and event records through cuda-python, which lets the GIL go in each call
-  (``DMI_DRAIN_PYDLL=0``);
+  where one strided copy of a row range would do (``DMI_RANGE_COPY=0``); ``dmi-hidden-cudapython``: the
+  ring's async copies and event records through cuda-python, which lets the GIL go in each call
+  (``DMI_PYDLL=0``);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -395,8 +395,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-noreplay": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_REPLAY_EAGER="0"),
         # ... and with eager captures through torch ops (or their replay) where one strided copy would do
         "dmi-hidden-ops": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_RANGE_COPY="0"),
-        # ... and with the drain's copies and event records through cuda-python (which lets the GIL go each call)
-        "dmi-hidden-rtdrain": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PYDLL="0"),
+        # ... and with the ring's async copies and event records through cuda-python (which lets the GIL go each call)
+        "dmi-hidden-cudapython": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PYDLL="0"),
         # ... and with the drain's copies in one piece per span (before: pieces of 16 MiB, one at a time)
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),

@@ -5,8 +5,9 @@
   pointer and the drain thread polls as a numpy array (no CUDA call on the hot path);
 * host staging: ``cudaHostAlloc`` pinned memory (``policy.host_bytes``), a byte ring the drain
   copies into and the exporter frees in order;
-* the drain's own non-blocking stream and a blocking-sync event; its copies and event records go
-  through libcuda with the GIL held (``_DrainCalls``), its waits let the GIL go.
+* the drain's own non-blocking stream and a blocking-sync event;
+* non-blocking calls (async copies, event records) through libcuda with the GIL held
+  (:class:`_Async`); blocking ones (event waits) through cuda-python, which lets it go.
 
 Copy-out timing. The engine's own small D2H copies (HF's stop check, vLLM's sampled tokens) share
 the device-to-host copy engine with the drain, which serves queued copies in order: a drain batch
@@ -36,6 +37,7 @@ import ctypes
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -449,7 +451,8 @@ class CudaRing(KernelRing):
         self._stage_ends: dict[int, int] = {}
         self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
         self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
-        self._d2h = _DrainCalls(rt, self._stream, self._event)
+        self._calls = _Async(rt)
+        self._calls.check(self._staging, self._payload_ptr, self._stream, self._event)
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
         self.payload_t = torch.as_tensor(_CudaBytes(self._payload_ptr, capacity), device=self.torch_device)
         self.meta_dev = DevicePointer(self._meta_dev, torch.int64)
@@ -468,9 +471,8 @@ class CudaRing(KernelRing):
         super().setup(plan, dtype, device)
         self._heads_ptr = self._heads.data_ptr()
         self._ctrl_ptr = self.ctrl.data_ptr()
-        self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._host_ctrl_ptrs = [t.data_ptr() for t in self._host_ctrl]
-        self._ctrl_events = [_RtEvent(self._rt) for _ in self._host_ctrl]     # (torch's: made in setup above)
+        self._ctrl_events = [_RtEvent(self._rt, self._calls) for _ in self._host_ctrl]   # (torch's: made above)
         self._d2d = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # (what Triton's launcher reads)
         index = self.torch_device.index
@@ -478,24 +480,28 @@ class CudaRing(KernelRing):
             lambda: torch.cuda.current_stream(self.torch_device).cuda_stream)
 
     def _copy_head(self, j: int) -> None:
-        """One cudaMemcpyAsync on the model's current stream: torch's ``copy_`` of a pinned tensor
-        adds its dispatch and a host-allocator event, several times the copy's own host cost."""
-        _ok(self._rt.cudaMemcpyAsync(self._ctrl_ptr, self._heads_ptr + j * K.G_WORDS * 8, K.G_WORDS * 8,
-                                     self._h2d, self._raw_stream()))
+        """One async H2D on the model's current stream (:class:`_Async`): torch's ``copy_`` of a
+        pinned tensor adds its dispatch and a host-allocator event, several times the copy's own
+        host cost."""
+        self._calls.h2d(self._ctrl_ptr, self._heads_ptr + j * K.G_WORDS * 8, K.G_WORDS * 8, self._raw_stream())
 
     def _copy_block(self, k: int, words: int) -> None:
-        """Through cuda-python on the model's current stream, as :meth:`_copy_head` (no torch
-        dispatch, no host-allocator event)."""
-        rt, stream = self._rt, self._raw_stream()
-        _ok(rt.cudaMemcpyAsync(self._ctrl_ptr, self._host_ctrl_ptrs[k], words * 8, self._h2d, stream))
+        """As :meth:`_copy_head`, then the buffer's event."""
+        stream = self._raw_stream()
+        self._calls.h2d(self._ctrl_ptr, self._host_ctrl_ptrs[k], words * 8, stream)
         self._ctrl_events[k].record_on(stream)
 
     def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
-        """One ``cudaMemcpy2DAsync`` (device to device) on the model's current stream: a serving
-        host pays a few µs for it where the torch ops of the eager path cost tens."""
+        """One async device-to-device copy on the model's current stream (rows spaced by more than
+        their length: ``cudaMemcpy2DAsync``): a few µs of host time where the eager path's torch
+        ops cost tens."""
         isz = x.element_size()
-        _ok(self._rt.cudaMemcpy2DAsync(self._payload_ptr + offset, row_bytes, x.data_ptr() + start * pitch * isz,
-                                       pitch * isz, row_bytes, n, self._d2d, self._raw_stream()))
+        src, dst = x.data_ptr() + start * pitch * isz, self._payload_ptr + offset
+        if pitch * isz == row_bytes:
+            self._calls.d2d(dst, src, n * row_bytes, self._raw_stream())
+        else:
+            _ok(self._rt.cudaMemcpy2DAsync(dst, row_bytes, src, pitch * isz, row_bytes, n, self._d2d,
+                                           self._raw_stream()))
 
     def _use_device(self) -> None:
         """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
@@ -556,8 +562,7 @@ class CudaRing(KernelRing):
             dst, end = got
             self._stage_ends[id(ctrl)] = end
             self._drain_stream.wait_event(self._step_done)
-            _ok(self._rt.cudaMemcpyAsync(self._staging.ctypes.data + dst, self._payload_ptr + ctrl.base, ctrl.nbytes,
-                                         self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+            self._calls.d2h(self._staging.ctypes.data + dst, self._payload_ptr + ctrl.base, ctrl.nbytes, self._stream)
             ctrl.copied = (self._staging, dst - ctrl.base)
             self.steps_copied_at_step += 1
             return True
@@ -602,7 +607,7 @@ class CudaRing(KernelRing):
         for host, lo, nbytes, pinned in copies:    # outside the lock: the model's thread may copy its next step meanwhile
             self._copy(host, lo, nbytes, pinned)
         if bases:
-            self._d2h.record()
+            self._calls.record(self._event, self._stream)
             _ok(rt.cudaEventSynchronize(self._event))
         out = []
         for i, r in enumerate(recs):
@@ -620,13 +625,13 @@ class CudaRing(KernelRing):
         is done: the copy engine serves queued copies in order, so the engine's own small D2H
         (vLLM's sampled tokens, every step) waits for one piece at most, not for a whole drain batch
         of hundreds of MB (pieces queued at once did not help: module doc)."""
-        rt, d2h = self._rt, self._d2h
+        rt, calls = self._rt, self._calls
         piece = PACED_PIECE if self.copy_at_step else (self.drain_piece or nbytes)
         for at in range(0, nbytes, piece):
             if at:
-                d2h.record()
+                calls.record(self._event, self._stream)
                 _ok(rt.cudaEventSynchronize(self._event))    # (the one call a piece that lets the GIL go)
-            d2h.copy(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), pinned)
+            calls.d2h(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), self._stream, pinned)
 
     def _stage_for(self, ctrl: StepControl, span: int) -> tuple[np.ndarray, int]:
         """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
@@ -878,56 +883,109 @@ class InterpretRing(KernelRing):
         return super().fetch(ctrl, recs)
 
 
-class _DrainCalls:
-    """The drain's non-blocking calls on its stream: the D2H copy of a piece and the event record
-    after it. Through libcuda with ``ctypes.PyDLL``, which keeps the GIL across a call that returns
-    in µs: cuda-python lets the GIL go in every call, and on a serving host each reacquire waits for
-    the engine's thread (a forced switch of it, several per drain batch). The blocking event wait
-    still lets it go. ``DMI_DRAIN_PYDLL=0``, or no libcuda to load: cuda-python's calls."""
+class _Async:
+    """The ring's non-blocking CUDA calls (async copies, event records): through libcuda with
+    ``ctypes.PyDLL``, which keeps the GIL across a call that returns in µs. cuda-python lets the GIL
+    go in every call, and on a serving host the other thread is waiting for it: each call of the
+    engine's thread then waits for a slice of the drain's Python, each call of the drain's forces
+    a switch of the engine's thread (H200 host, 32-request steady step: the head slot's copy 49-68
+    µs of wall time, an eager row-range copy ~110). Blocking calls (event waits, copies into
+    pageable memory) keep cuda-python's and let the GIL go. ``DMI_PYDLL=0``, or no libcuda to
+    load (no driver): cuda-python's calls throughout."""
 
-    def __init__(self, rt, stream, event):
-        self._rt, self._stream, self._event = rt, stream, event
-        self._kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        self._lib = None
-        if os.environ.get("DMI_DRAIN_PYDLL", "1") != "0":
-            try:
-                lib = ctypes.PyDLL("libcuda.so.1")
-                self._memcpy, self._record = lib.cuMemcpyDtoHAsync_v2, lib.cuEventRecord
-            except (OSError, AttributeError):
-                return
-            self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            self._memcpy.restype = self._record.restype = ctypes.c_int
-            self._handles = (int(stream), int(event))      # (a cudaStream_t / cudaEvent_t is the driver's handle)
-            self._lib = lib
-
-    @property
-    def holds_gil(self) -> bool:
-        return self._lib is not None
-
-    def copy(self, host: int, device: int, nbytes: int, pinned: bool = True) -> None:
-        if self._lib is None or not pinned:    # (into pageable memory the copy blocks: the GIL must go)
-            _ok(self._rt.cudaMemcpyAsync(host, device, nbytes, self._kind, self._stream))
-        elif (err := self._memcpy(host, device, nbytes, self._handles[0])) != 0:
-            raise CaptureError(f"CUDA driver error {err} in cuMemcpyDtoHAsync (drain copy of {nbytes} bytes)")
-
-    def record(self) -> None:
-        if self._lib is None:
-            _ok(self._rt.cudaEventRecord(self._event, self._stream))
-        elif (err := self._record(self._handles[1], self._handles[0])) != 0:
-            raise CaptureError(f"CUDA driver error {err} in cuEventRecord (drain event)")
-
-
-class _RtEvent:
-    """A cuda-python event with torch's Event calls used here (record, synchronize), recorded on a
-    raw stream handle: a few µs of host time less than torch's."""
+    _SIGNATURES = {
+        "cuMemcpyDtoHAsync_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+    }
 
     def __init__(self, rt):
         self._rt = rt
+        self._kinds = {k: getattr(rt.cudaMemcpyKind, f"cudaMemcpy{k}") for k in ("DeviceToHost", "HostToDevice",
+                                                                                 "DeviceToDevice")}
+        self._fn = None
+        if os.environ.get("DMI_PYDLL", "1") == "0":
+            return
+        try:
+            lib = ctypes.PyDLL("libcuda.so.1")
+            fn = {name: getattr(lib, name) for name in self._SIGNATURES}
+        except (OSError, AttributeError):
+            return
+        for name, f in fn.items():
+            f.argtypes, f.restype = self._SIGNATURES[name], ctypes.c_int
+        self._fn = fn
+
+    @property
+    def holds_gil(self) -> bool:
+        return self._fn is not None
+
+    def check(self, staging: np.ndarray, device: int, stream, event) -> None:
+        """Once, at start: 16 bytes host -> device -> device -> host through libcuda on ``stream``
+        (handles and signatures as this driver takes them); on any failure, cuda-python's calls
+        from here on, with a warning."""
+        if self._fn is None:
+            return
+        pattern = np.frombuffer(b"dmi-ring-check-1", np.uint8)
+        staging[:16], staging[16:32] = pattern, 0
+        host = staging.ctypes.data
+        try:
+            self.h2d(device, host, 16, stream)
+            self.d2d(device + 16, device, 16, stream)
+            self.d2h(host + 16, device + 16, 16, stream)
+            self.record(event, stream)
+            _ok(self._rt.cudaEventSynchronize(event))
+            ok = bytes(staging[16:32]) == pattern.tobytes()
+        except Exception as e:        # (a wrong handle type: the driver says so, it does not crash)
+            ok, why = False, e
+        else:
+            why = "the bytes copied back differ"
+        if not ok:
+            self._fn = None
+            warnings.warn(f"dmi: libcuda through ctypes failed its check ({why}); the CUDA ring's async calls go "
+                          f"through cuda-python (slower on a busy host)", RuntimeWarning, stacklevel=2)
+
+    def _call(self, name: str, *args) -> None:
+        err = self._fn[name](*args)
+        if err != 0:
+            raise CaptureError(f"CUDA driver error {err} in {name}{args}")
+
+    def d2h(self, host: int, device: int, nbytes: int, stream, pinned: bool = True) -> None:
+        if self._fn is None or not pinned:     # (into pageable memory the copy blocks: the GIL must go)
+            _ok(self._rt.cudaMemcpyAsync(host, device, nbytes, self._kinds["DeviceToHost"], stream))
+        else:
+            self._call("cuMemcpyDtoHAsync_v2", host, device, nbytes, int(stream))
+
+    def h2d(self, device: int, host: int, nbytes: int, stream) -> None:
+        """(``host`` pinned: the copy does not block.)"""
+        if self._fn is None:
+            _ok(self._rt.cudaMemcpyAsync(device, host, nbytes, self._kinds["HostToDevice"], stream))
+        else:
+            self._call("cuMemcpyHtoDAsync_v2", device, host, nbytes, int(stream))
+
+    def d2d(self, dst: int, src: int, nbytes: int, stream) -> None:
+        if self._fn is None:
+            _ok(self._rt.cudaMemcpyAsync(dst, src, nbytes, self._kinds["DeviceToDevice"], stream))
+        else:
+            self._call("cuMemcpyDtoDAsync_v2", dst, src, nbytes, int(stream))
+
+    def record(self, event, stream) -> None:
+        if self._fn is None:
+            _ok(self._rt.cudaEventRecord(event, stream))
+        else:
+            self._call("cuEventRecord", int(event), int(stream))
+
+
+class _RtEvent:
+    """A cuda-python event with the torch Event calls used here (record, synchronize), recorded
+    on a raw stream handle through :class:`_Async`: a few µs of host time less than torch's."""
+
+    def __init__(self, rt, calls: _Async):
+        self._rt, self._calls = rt, calls
         self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
 
     def record_on(self, stream) -> None:
-        _ok(self._rt.cudaEventRecord(self._event, stream))
+        self._calls.record(self._event, stream)
 
     def synchronize(self) -> None:
         _ok(self._rt.cudaEventSynchronize(self._event))
