@@ -294,7 +294,9 @@ class Ring:
                        src_seq: int, flags: int = 0) -> None:
         """The host writes one meta record (host-side captures, end markers), ``seq`` last. As the
         kernels do: through the ring's int64 words (one vector write, not eight field writes)."""
-        words = self.meta_view().view(np.int64)
+        words = self._meta_words
+        if words is None:                      # (the meta ring's int64 view, made once)
+            words = self._meta_words = self.meta_view().view(np.int64)
         i = (seq % self.meta_records) * META_WORDS
         words[i + 1:i + META_WORDS] = (step, (site & 0xFFFFFFFF) | (flags << 32), offset, nbytes, rows, src_seq)
         words[i] = seq         # written last: the record is published
@@ -488,6 +490,7 @@ class Ring:
             self.cond.notify_all()
 
     device_publishes_end = False
+    _meta_words: np.ndarray | None = None      # publish_record's int64 view of the meta ring, made once
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -90,6 +90,7 @@ def section_kernel() -> None:
         r.arange, r.geometry, r.null = torch.arange(512), (batch, step_seq), False
         r.payload_t, r.meta_view = ring, (lambda: meta)
         r.publish_record = types.MethodType(Ring.publish_record, r)      # eager steps: the host writes records
+        r._meta_words = None
         r._payload_views, r.payload_as = {}, types.MethodType(KernelRing.payload_as, r)   # eager gathers
         launcher = launcher or _SiteLaunch(site, dtype, torch.device("cpu"))
 

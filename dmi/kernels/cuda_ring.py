@@ -666,6 +666,7 @@ class CudaRing(KernelRing):
             _ok(rt.cudaStreamSynchronize(self._stream))
         finally:
             self.meta = self.meta.copy()       # views stay valid for post-mortem reads
+            self._meta_words = None
             self._staging = None
             for fn, arg in ((rt.cudaEventDestroy, self._event), (rt.cudaStreamDestroy, self._stream),
                             (rt.cudaFree, self._payload_ptr), (rt.cudaFreeHost, self._meta_ptr),
@@ -688,7 +689,8 @@ class _SiteLaunch:
         # on a tensor holding only some of the step's rows (vLLM's logits, every step, outside the
         # graph): steady decode repeats them, and the upload is most of that launch's host time
         self._held: tuple | None = None
-        self._range: tuple | None = None      # (step rows, seq, src_seq, first source row or None, rows) of the last
+        # copied_as_range's last (rows copy, seq, src_seq, first source row or None, rows held, rows array)
+        self._range: tuple | None = None
         self._pitches: dict = {}              # (shape, strides) of x -> (src_seq, row pitch) or None (copied_as_range)
 
     def copied_as_range(self, ring, x: torch.Tensor, st: StepControl) -> bool:
@@ -703,11 +705,12 @@ class _SiteLaunch:
         src_seq, pitch = geometry
         slot, seq = st.slots[self.site.index], st.tokens.seq
         rows, r = slot.rows, self._range
-        if r is None or r[1] != seq or r[2] != src_seq or not np.array_equal(r[0], rows):
+        # (a reused layout hands the same rows array every step: never written after it is laid out)
+        if r is None or r[1] != seq or r[2] != src_seq or (r[5] is not rows and not np.array_equal(r[0], rows)):
             held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
             src = (held // seq) * src_seq + held % seq - (seq - src_seq)
             first = int(src[0]) if len(src) and (np.diff(src) == 1).all() else None
-            r = self._range = (rows.copy(), seq, src_seq, first, len(held))
+            r = self._range = (rows.copy(), seq, src_seq, first, len(held), rows)
         first, n = r[3], r[4]
         if first is None:
             return False
