@@ -570,6 +570,8 @@ def main(argv=None) -> int:
                     if left < 3 + args.grace + 45:
                         log(f"{name}: rate {rate:g} skipped (budget)")
                         continue
+                    if duration < args.duration:      # (the table's "sent" column shows it too)
+                        log(f"{name}: rate {rate:g} for {duration:.0f} s, not {args.duration:g} (budget)")
                 spy = None
                 if args.pyspy and rate == spy_rate:
                     spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{rate:g}.txt"
