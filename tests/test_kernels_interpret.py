@@ -64,6 +64,7 @@ def section_kernel() -> None:
     rng = np.random.default_rng(0)
     META = 8                                       # a small meta ring: sequence numbers wrap it
     seq_no = 5
+    ranged = []                                    # sites a case copied as one row range (copied_as_range)
 
     def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None):
         nonlocal seq_no
@@ -92,6 +93,7 @@ def section_kernel() -> None:
         r.publish_record = types.MethodType(Ring.publish_record, r)      # eager steps: the host writes records
         r._meta_words = None
         r._payload_views, r.payload_as = {}, types.MethodType(KernelRing.payload_as, r)   # eager gathers
+        r.copy_rows = types.MethodType(KernelRing.copy_rows, r)          # row ranges: one strided copy
         launcher = launcher or _SiteLaunch(site, dtype, torch.device("cpu"))
 
         class Step:                                # the host's view of the step (eager launches)
@@ -104,13 +106,19 @@ def section_kernel() -> None:
         st.slots[site.index].offset, st.slots[site.index].seq, st.step = 1024, seq_no, 11
         st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
         st.dev_rows = {}                           # (StepControl.dev_rows: the rows views of eager captures)
-        # device flags off only matter to graph launches (eager ones are skipped on the host)
-        for eager in (st, None) if enabled and armed else (None,):
-            if eager is None and enabled == K.ENABLED_ARANGE:    # rows 0..n-1: the kernel must not read them
+        # device flags off only matter to graph launches (eager ones are skipped on the host); an eager
+        # capture whose rows are one range of x's rows is one copy, else the eager path (below)
+        for mode in ("range", "eager", "graph") if enabled and armed else ("graph",):
+            if mode == "graph" and enabled == K.ENABLED_ARANGE:    # rows 0..n-1: the kernel must not read them
                 ctrl[start:start + len(rows)] = -7
             ring.fill_(0xAB)
             meta[:] = 0
-            launcher.launch(r, x, eager)
+            if mode == "range":
+                if not launcher.copied_as_range(r, x, st):
+                    continue
+                ranged.append(site.name)
+            else:
+                launcher.launch(r, x, st if mode == "eager" else None)
             rec = meta[seq_no % META]
             if not (enabled and armed):
                 assert int(rec["seq"]) == 0 and bool((ring == 0xAB).all()), "a disabled capture wrote"
@@ -119,7 +127,7 @@ def section_kernel() -> None:
             assert int(rec["offset"]) == 1024 and int(rec["nbytes"]) == want.numel(), (rec, want.numel())
             assert int(rec["rows"]) == outs[0].shape[0] and int(rec["src_seq"]) == src_seq
             got = ring[1024:1024 + want.numel()]
-            assert torch.equal(got, want), (site.name, "eager" if eager else "graph")
+            assert torch.equal(got, want), (site.name, mode)
             assert bool((ring[1024 + want.numel():1024 + want.numel() + 64] == 0xAB).all()), "wrote past the record"
 
     def rows_of(batch, seq, p=0.6):
@@ -165,6 +173,25 @@ def section_kernel() -> None:
                  torch.bfloat16, enabled=K.ENABLED_ARANGE)
         run_case(tok, _site("router", ["token", "expert"], ["expert"], [10], index=2), np.arange(k, dtype=np.int64),
                  B, S, torch.float32, enabled=K.ENABLED_ARANGE)
+    # row ranges copied at once: a contiguous run of a [batch, seq, ...] tensor, of a token-major one, of
+    # rows spaced wider than they are long (a slice of a fused projection), and logits rows held at the
+    # end of each sequence; a transposed tensor (features not contiguous) and scattered rows are not
+    ranged.clear()
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.arange(4, 13, dtype=np.int64), B, S,
+             torch.bfloat16)
+    run_case(tok, _site("router", ["token", "expert"], ["expert"], [10], index=2), np.arange(2, 9, dtype=np.int64),
+             B, S, torch.float32)
+    fused = torch.randn(B * S, 3 * 24)[:, 24:48]                  # v of a fused qkv: row pitch 72, length 24
+    run_case(fused, _site("v", ["token", "hidden"], ["hidden"], [24], index=4), np.arange(3, 17, dtype=np.int64),
+             B, S, torch.float32)
+    run_case(torch.randn(B, 1, 50), _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50]),
+             np.arange(B, dtype=np.int64) * S + S - 1, B, S, torch.float32)
+    assert ranged == ["resid", "router", "v", "logits"], ranged
+    run_case(torch.randn(B, 96, S).transpose(1, 2), _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]),
+             np.arange(4, 13, dtype=np.int64), B, S, torch.float32)
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.array([1, 2, 4], np.int64), B, S,
+             torch.bfloat16)
+    assert len(ranged) == 4, ranged
     # flags: a dropped capture and an unarmed step write nothing
     run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
              enabled=0)

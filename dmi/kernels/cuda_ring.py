@@ -473,7 +473,6 @@ class CudaRing(KernelRing):
         self._ctrl_ptr = self.ctrl.data_ptr()
         self._host_ctrl_ptrs = [t.data_ptr() for t in self._host_ctrl]
         self._ctrl_events = [_RtEvent(self._rt, self._calls) for _ in self._host_ctrl]   # (torch's: made above)
-        self._d2d = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # (what Triton's launcher reads)
         index = self.torch_device.index
         self._raw_stream = (lambda: raw(index)) if raw is not None else (
@@ -492,16 +491,15 @@ class CudaRing(KernelRing):
         self._ctrl_events[k].record_on(stream)
 
     def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
-        """One async device-to-device copy on the model's current stream (rows spaced by more than
-        their length: ``cudaMemcpy2DAsync``): a few µs of host time where the eager path's torch
-        ops cost tens."""
+        """Back-to-back rows: one async device-to-device copy on the model's current stream, a few
+        µs of host time where the eager path's torch ops cost tens. Rows spaced wider than they
+        are long (a slice of a fused projection, in eager steps only): torch's strided copy."""
         isz = x.element_size()
-        src, dst = x.data_ptr() + start * pitch * isz, self._payload_ptr + offset
-        if pitch * isz == row_bytes:
-            self._calls.d2d(dst, src, n * row_bytes, self._raw_stream())
-        else:
-            _ok(self._rt.cudaMemcpy2DAsync(dst, row_bytes, src, pitch * isz, row_bytes, n, self._d2d,
-                                           self._raw_stream()))
+        if pitch * isz != row_bytes:
+            super().copy_rows(x, start, n, pitch, row_bytes, offset)
+            return
+        self._calls.d2d(self._payload_ptr + offset, x.data_ptr() + start * pitch * isz, n * row_bytes,
+                        self._raw_stream())
 
     def _use_device(self) -> None:
         """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a

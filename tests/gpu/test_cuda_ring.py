@@ -81,7 +81,7 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
                 assert type(run.ring).__name__ == ("CudaRing" if ring == "cuda" else "CpuRing")
                 if ring == "cuda":     # eager steps end with the end marker's one-kernel graph, replayed
                     assert run.ring._end_graph is not None
-                    if name == "main":    # decode rows of plain sites: one cudaMemcpy2DAsync each (copy_rows)
+                    if name == "main":    # decode rows of plain sites: one async copy each (copy_rows)
                         assert run.ring.eager_time["copy"][0] > 0, run.ring.eager_time
         assert torch.equal(outs["cpu"], outs["cuda"])
         n = assert_stores_equal(tmp_path / f"{name}-cpu.zarr", tmp_path / f"{name}-cuda.zarr")

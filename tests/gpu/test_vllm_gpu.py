@@ -127,7 +127,7 @@ def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
     # tokens: identical with and without dmi
     assert {rid: out for rid, (_, out) in seqs.items()} == want
     # the logits, captured outside the graphs every step: every request's row is one range of the logits
-    # tensor, copied by one cudaMemcpy2DAsync (ring.copy_rows); other selections replay their launch as a
+    # tensor, copied by one async copy (ring.copy_rows); other selections replay their launch as a
     # graph once their tensor comes back (ring.replay_eager, set by the worker): the rows checked below
     logits_index = next(s.index for s in plan.sites if s.canonical == "logits")
     assert copies > 0 and set(graphs_made) <= {logits_index}, (copies, replays, graphs_made)
