@@ -139,7 +139,7 @@ class KernelRing(Ring):
         self._ctrl_head = self.ctrl[:K.G_WORDS]
         self._host_heads = [t[:K.G_WORDS] for t in self._host_ctrl]
         self._host_sites = [a[K.G_WORDS:self.site_words].reshape(n_sites, K.S_WORDS) for a in self._host_ctrl_np]
-        self._ctrl_events = [torch.cuda.Event() if self.is_cuda else _NoEvent() for _ in range(CTRL_BUFFERS)]
+        self._ctrl_events = [self._new_event() for _ in range(CTRL_BUFFERS)]
         self._ctrl_next = 0
         # a step whose layout the device holds needs only its global words: each step takes the next
         # of these slots, reused once the step that last took it has ended on the device (its end
@@ -229,6 +229,10 @@ class KernelRing(Ring):
             self._on_device = (layout, pad)    # (layout None: the next step publishes in full too)
         h[:K.G_WORDS] = words
         self._copy_block(k, pos)
+
+    def _new_event(self):
+        """An event a control buffer's copy records (its next use waits for it)."""
+        return torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     def _copy_block(self, k: int, words: int) -> None:
         """The first ``words`` of host control buffer ``k`` to the device's control block, then
@@ -472,11 +476,13 @@ class CudaRing(KernelRing):
         self._heads_ptr = self._heads.data_ptr()
         self._ctrl_ptr = self.ctrl.data_ptr()
         self._host_ctrl_ptrs = [t.data_ptr() for t in self._host_ctrl]
-        self._ctrl_events = [_RtEvent(self._rt, self._calls) for _ in self._host_ctrl]   # (torch's: made above)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # (what Triton's launcher reads)
         index = self.torch_device.index
         self._raw_stream = (lambda: raw(index)) if raw is not None else (
             lambda: torch.cuda.current_stream(self.torch_device).cuda_stream)
+
+    def _new_event(self):
+        return _RtEvent(self._rt, self._calls)
 
     def _copy_head(self, j: int) -> None:
         """One async H2D on the model's current stream (:class:`_Async`): torch's ``copy_`` of a
