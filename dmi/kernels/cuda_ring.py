@@ -376,8 +376,8 @@ class KernelRing(Ring):
         the same block from the caching allocator): the graph-mode launch, which reads everything
         from the control block, replayed as a captured CUDA graph (``"replay"``). A replay costs the
         host a few µs; the eager path's torch ops and host-written record cost 10-50 times that on a
-        serving host. A capture costs far more (serving, H200: the eager captures' mean host time
-        was 165 µs with 122 captures among 9082, so milliseconds each): a tensor's graph is
+        serving host. A capture costs far more (H200: 9.55 ms each in serving, 7.8 ms in a loop
+        with no engine), so ahead of this the range copy takes what it can, and a tensor's graph is
         captured only once the tensor came ``SEEN_TO_CAPTURE`` times (that step launches
         graph-mode, then captures: ``"capture"``), at most one every ``CAPTURE_GAP`` steps, and a
         site keeps the graphs of its last ``SITE_KEYS`` tensors, so the batch sizes of a serving
@@ -711,8 +711,7 @@ class _SiteLaunch:
         rows, r = slot.rows, self._range
         # (a reused layout hands the same rows array every step: never written after it is laid out)
         if r is None or r[1] != seq or r[2] != src_seq or (r[5] is not rows and not np.array_equal(r[0], rows)):
-            held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
-            src = (held // seq) * src_seq + held % seq - (seq - src_seq)
+            held, src = _held_source(rows, seq, src_seq)
             first = int(src[0]) if len(src) and (np.diff(src) == 1).all() else None
             r = self._range = (rows.copy(), seq, src_seq, first, len(held), rows)
         first, n = r[3], r[4]
@@ -758,8 +757,8 @@ class _SiteLaunch:
         h = self._held
         if h is not None and h[1] == seq and h[2] == src_seq and np.array_equal(h[0], rows):
             return h[3], h[4]
-        held = rows[rows % seq >= seq - src_seq]
-        idx = _upload((held // seq) * src_seq + held % seq - (seq - src_seq), device)
+        held, src = _held_source(rows, seq, src_seq)
+        idx = _upload(src, device)
         self._held = (rows.copy(), seq, src_seq, held, idx)
         return held, idx
 
@@ -955,7 +954,8 @@ class _Async:
     def _call(self, name: str, *args) -> None:
         err = self._fn[name](*args)
         if err != 0:
-            raise CaptureError(f"CUDA driver error {err} in {name}{args}")
+            raise CaptureError(f"CUDA driver error {err} in {name}{args}. Fix: if cuda-python's calls work where "
+                               f"libcuda's through ctypes fail, set DMI_PYDLL=0 (and report it)")
 
     def d2h(self, host: int, device: int, nbytes: int, stream, pinned: bool = True) -> None:
         if self._fn is None or not pinned:     # (into pageable memory the copy blocks: the GIL must go)
@@ -984,8 +984,9 @@ class _Async:
 
 
 class _RtEvent:
-    """A cuda-python event with the torch Event calls used here (record, synchronize), recorded
-    on a raw stream handle through :class:`_Async`: a few µs of host time less than torch's."""
+    """A control buffer's event on the CUDA ring: cuda-python's, recorded on a raw stream handle
+    through :class:`_Async` (``record_on``; a few µs of host time less than torch's Event) and
+    waited for as torch's is (``synchronize``)."""
 
     def __init__(self, rt, calls: _Async):
         self._rt, self._calls = rt, calls
@@ -1025,6 +1026,13 @@ def _device_compaction(ring: CudaRing, site, k_rows: int, seq: int, src_seq: int
     drow = torch.where(held, dst, torch.full_like(dst, -1))
     n = held.sum().reshape(1)
     return drow, n, held
+
+
+def _held_source(rows: np.ndarray, seq: int, src_seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step rows (b*seq+s) a tensor holding the last ``src_seq`` of ``seq`` positions holds,
+    and their rows in it (b*src_seq+s'): ``dmi.gather.source_rows`` on the host."""
+    held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
+    return held, (held // seq) * src_seq + held % seq - (seq - src_seq)
 
 
 def _upload(a: np.ndarray, device) -> torch.Tensor:
