@@ -113,6 +113,7 @@ class StepControl:
     nbytes: int = 0
     copied: object = None     # backends that copy a step out early mark it here (CudaRing)
     dev_rows: dict = field(default_factory=dict)   # kernel rings: rows start -> its device view (eager captures)
+    ranges: dict = field(default_factory=dict)     # kernel rings: what a rows array is as a row range (copied_as_range)
 
 
 class StepLayout:

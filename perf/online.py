@@ -41,7 +41,9 @@ TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / t
 
 Device time (H200, estimate): a compiled server start is ~60-150 s (import, dummy weights,
 torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each rate takes
-duration + <= grace + ~2 s. ``--budget-s`` skips configurations (in the order given) that would not
+duration + <= grace + ~2 s, ``--repeats`` times (the same requests each window; the table gives
+medians over the windows; ``--baseline`` takes vanilla's windows from an earlier run's ``--json``, for
+a run split over two device calls). ``--budget-s`` skips configurations (in the order given) that would not
 finish in time and shortens the last ones; results so far are printed after every configuration.
 """
 from __future__ import annotations
@@ -413,17 +415,38 @@ def _with(cfg: tuple, **env) -> tuple:
     return ({**cfg[0], **env},) + cfg[1:]
 
 
-def table(rows: list[dict], base: dict) -> str:
-    head = ("| config | rate (req/s) | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
-            "out tok/s | TPOT p50 / vanilla |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def windows_by_rate(rows: list[dict]) -> dict:
+    """(config, rate) -> that rate's windows, in the order run (``--repeats``: several each)."""
+    out: dict = {}
     for r in rows:
-        ref = base.get(r["rate"])
+        out.setdefault((r["config"], r["rate"]), []).append(r)
+    return out
+
+
+def median_row(windows: list[dict]) -> dict:
+    """One rate's windows as one row: the median of each figure over the windows (a single window: itself)."""
+    med = {k: float(np.median([w[k] for w in windows])) for k in
+           ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "out_tok_s")}
+    return {"config": windows[0]["config"], "rate": windows[0]["rate"], "windows": len(windows),
+            "sent": sum(w["sent"] for w in windows), "done": sum(w["done"] for w in windows),
+            "tpot_p50_range": (min(w["tpot_p50"] for w in windows), max(w["tpot_p50"] for w in windows)), **med}
+
+
+def table(rows: list[dict], base: dict) -> str:
+    """Per configuration and rate, the median over its windows (``sent``/``done``: summed); the
+    ratio is the median TPOT p50 over vanilla's median at that rate (``base``: rate -> its windows)."""
+    head = ("| config | rate (req/s) | windows | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
+            "TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / vanilla |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for windows in windows_by_rate(rows).values():
+        r = median_row(windows)
+        ref = median_row(base[r["rate"]]) if base.get(r["rate"]) else None
         ratio = r["tpot_p50"] / ref["tpot_p50"] if ref and ref["tpot_p50"] > 0 and r["tpot_p50"] > 0 else None
+        lo, hi = r["tpot_p50_range"]
         lines.append("| " + " | ".join([
-            r["config"], f"{r['rate']:g}", str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}",
-            f"{r['tpot_p50']:.1f}", f"{r['tpot_p99']:.1f}", f"{r['out_tok_s']:.0f}",
-            f"{ratio:.2f}" if ratio is not None else ""]) + " |")
+            r["config"], f"{r['rate']:g}", str(r["windows"]), str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}",
+            f"{r['ttft_p99']:.0f}", f"{r['tpot_p50']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{r['tpot_p99']:.1f}",
+            f"{r['out_tok_s']:.0f}", f"{ratio:.3f}" if ratio is not None else ""]) + " |")
     return "\n".join(lines)
 
 
@@ -448,6 +471,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default="1,4,16,64")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds after the last arrival before cancelling")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="windows per rate, the same requests each time (rates interleaved); the table gives medians")
+    ap.add_argument("--baseline", default=None, metavar="JSON",
+                    help="vanilla's windows from an earlier run's --json (a split run: vanilla and dmi in two calls)")
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -513,6 +540,11 @@ def main(argv=None) -> int:
     per_rate = args.duration + args.grace + 3
     est = {"compiled": 150.0, "eager": 60.0}
     rows, cfg_rows, base = [], [], {}
+    if args.baseline:                          # vanilla's windows from an earlier call (same model, rates, seeds)
+        for r in json.loads(Path(args.baseline).read_text())["rates"]:
+            if r["config"] == "vanilla":
+                rows.append(r)
+                base.setdefault(r["rate"], []).append(r)
     spy_rate = args.pyspy_rate if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
     traced = False
     spy_files: dict[str, Path] = {}
@@ -524,7 +556,9 @@ def main(argv=None) -> int:
         text = (f"## Online serving, {args.model} (vLLM OpenAI server, load_format={args.load_format}, {args.dtype}, "
                 f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
                 f"{'eager' if args.cpu else 'CUDA graphs ' + str(args.graph_sizes)}; dmi sink: {args.sink})\n\n"
-                f"Poisson arrivals for {args.duration:g} s per rate (+ up to {args.grace:g} s to finish); "
+                f"Poisson arrivals for {args.duration:g} s per rate (+ up to {args.grace:g} s to finish), "
+                f"{args.repeats} window(s) per rate with the same requests, medians over them"
+                f"{' (vanilla: ' + args.baseline + ')' if args.baseline else ''}; "
                 f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
                 f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
         if args.results:
@@ -538,10 +572,10 @@ def main(argv=None) -> int:
         env, extra, eager, store = cfgs[name]
         kind = "eager" if (eager or args.cpu) else "compiled"
         cached = kind == "compiled" and env.get("DMI_HOOK_SPEC") in compiled_specs
-        need = (max(60.0, est[kind] / 2) if cached else est[kind]) + len(rates) * per_rate + 40
+        need = (max(60.0, est[kind] / 2) if cached else est[kind]) + len(rates) * args.repeats * per_rate + 40
         left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
         if left is not None and left < need:
-            if left < need - (len(rates) - 1) * per_rate:
+            if left < need - (len(rates) * args.repeats - 1) * per_rate:
                 log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
                 cfg_rows.append({"config": name, "note": "skipped (budget)"})
                 continue
@@ -560,7 +594,8 @@ def main(argv=None) -> int:
                 compiled_specs.add(env["DMI_HOOK_SPEC"])
             log(f"{name}: up in {server.startup_s:.0f} s")
             asyncio.run(warmup(server.port, args.model, warm))
-            for i, rate in enumerate(rates):
+            for rep, i in [(rep, i) for rep in range(args.repeats) for i in range(len(rates))]:
+                rate = rates[i]
                 if server.proc.poll() is not None:
                     raise RuntimeError(f"server {name} exited with {server.proc.returncode}")
                 left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
@@ -573,11 +608,11 @@ def main(argv=None) -> int:
                     if duration < args.duration:      # (the table's "sent" column shows it too)
                         log(f"{name}: rate {rate:g} for {duration:.0f} s, not {args.duration:g} (budget)")
                 spy = None
-                if args.pyspy and rate == spy_rate:
+                if args.pyspy and rate == spy_rate and rep == 0:
                     spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{rate:g}.txt"
                     spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
                 timer = None
-                if args.trace and rate == spy_rate:
+                if args.trace and rate == spy_rate and rep == 0:
                     timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
                     timer.start()
                 res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
@@ -588,10 +623,11 @@ def main(argv=None) -> int:
                 if spy is not None and spy.wait() != 0:
                     log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
                     spy_files.pop(name, None)
-                row = {"config": name, "rate": rate, "duration": duration, **summarize(res, window, cutoff)}
+                row = {"config": name, "rate": rate, "repeat": rep, "duration": duration,
+                       **summarize(res, window, cutoff)}
                 rows.append(row)
                 if name == "vanilla":
-                    base[rate] = row
+                    base.setdefault(rate, []).append(row)
                 log(f"  {name} {rate:g} req/s: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
                     f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
                     f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))

@@ -106,6 +106,7 @@ def section_kernel() -> None:
         st.slots[site.index].offset, st.slots[site.index].seq, st.step = 1024, seq_no, 11
         st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
         st.dev_rows = {}                           # (StepControl.dev_rows: the rows views of eager captures)
+        st.ranges = {}                             # (StepControl.ranges: copied_as_range's analysis of rows arrays)
         # device flags off only matter to graph launches (eager ones are skipped on the host); an eager
         # capture whose rows are one range of x's rows is one copy, else the eager path (below)
         for mode in ("range", "eager", "graph") if enabled and armed else ("graph",):

@@ -693,7 +693,7 @@ class _SiteLaunch:
         # on a tensor holding only some of the step's rows (vLLM's logits, every step, outside the
         # graph): steady decode repeats them, and the upload is most of that launch's host time
         self._held: tuple | None = None
-        # copied_as_range's last (rows copy, seq, src_seq, first source row or None, rows held, rows array)
+        # copied_as_range's last (rows array, seq, src_seq, first source row or None, rows held)
         self._range: tuple | None = None
         self._pitches: dict = {}              # (shape, strides) of x -> (src_seq, row pitch) or None (copied_as_range)
 
@@ -709,11 +709,16 @@ class _SiteLaunch:
         src_seq, pitch = geometry
         slot, seq = st.slots[self.site.index], st.tokens.seq
         rows, r = slot.rows, self._range
-        # (a reused layout hands the same rows array every step: never written after it is laid out)
-        if r is None or r[1] != seq or r[2] != src_seq or (r[5] is not rows and not np.array_equal(r[0], rows)):
-            held, src = _held_source(rows, seq, src_seq)
-            first = int(src[0]) if len(src) and (np.diff(src) == 1).all() else None
-            r = self._range = (rows.copy(), seq, src_seq, first, len(held), rows)
+        # a rows array is never written after its step laid it out: a reused layout hands the same
+        # one every step (held here, so its id stays its own), and the sites of one token filter
+        # share theirs, analysed once a step (a mixed step's thousands of rows, for every layer)
+        if r is None or r[0] is not rows or r[1] != seq or r[2] != src_seq:
+            key = (id(rows), seq, src_seq)
+            got = st.ranges.get(key)
+            if got is None:
+                held, src = _held_source(rows, seq, src_seq)
+                got = st.ranges[key] = (int(src[0]) if len(src) and (np.diff(src) == 1).all() else None, len(held))
+            r = self._range = (rows, seq, src_seq) + got
         first, n = r[3], r[4]
         if first is None:
             return False
@@ -1031,6 +1036,8 @@ def _device_compaction(ring: CudaRing, site, k_rows: int, seq: int, src_seq: int
 def _held_source(rows: np.ndarray, seq: int, src_seq: int) -> tuple[np.ndarray, np.ndarray]:
     """The step rows (b*seq+s) a tensor holding the last ``src_seq`` of ``seq`` positions holds,
     and their rows in it (b*src_seq+s'): ``dmi.gather.source_rows`` on the host."""
+    if src_seq == seq:                         # x holds every position: its rows are the step's
+        return rows, rows
     held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
     return held, (held // seq) * src_seq + held % seq - (seq - src_seq)
 

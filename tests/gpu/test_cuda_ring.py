@@ -313,13 +313,19 @@ def test_null_mode_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
 
 
 def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec, tmp_path, monkeypatch):
-    """Eager decode steps with a static cache (not compiled) allocate the same blocks step after
-    step: with every site in ``replay_eager`` (the vLLM worker names its logits) a site whose tensor
-    comes back at the same address, shape and step geometry is captured by its graph-mode launch
+    """Eager forwards of one shape with different tokens, every site in ``replay_eager`` (the vLLM
+    worker names its logits, computed outside its graphs every step): a site whose tensor comes
+    back at the same address, shape and step geometry is captured by its graph-mode launch
     replayed as a CUDA graph. The store equals the CPU ring's bit for bit, every step its own
-    records, and the model's outputs are unchanged."""
+    records, and the model's outputs are unchanged. The inputs are made up front and garbage is
+    collected before each forward, so every forward starts from one caching-allocator state and
+    its tensors come back (``generate``'s decode steps need not: in the twelfth GPU session no
+    decode tensor came back three times in eleven steps)."""
+    import gc
     enc = _enc(encoded)
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")
+    steps = 10
+    inputs = [{**enc, "input_ids": (enc["input_ids"] * (i + 3) + i) % 97 + 3} for i in range(steps)]
     outs = {}
     for ring in ("cpu", "cuda"):
         monkeypatch.setenv("DMI_RING", ring)
@@ -327,17 +333,26 @@ def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec,
         with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"r-{ring}.zarr") as run:
             if ring == "cuda":
                 run.ring.replay_eager = {s.index for s in run.plan.sites}
-                run.ring.range_copy = False    # (which would copy these decode rows: one range each)
-            outs[ring] = run.model.generate(**enc, max_new_tokens=12, do_sample=False, cache_implementation="static",
-                                            disable_compile=True)
+                run.ring.range_copy = False    # (which would copy the logits rows: one range)
+            got = []
+            for x in inputs:
+                gc.collect()
+                got.append(run.model(**x, use_cache=False).logits[:, -1].cpu())
+                gc.collect()
+            outs[ring] = torch.stack(got)
             if ring == "cuda":
                 replayed = [s for s, known in run.ring._site_graphs.items()
                             if any(not isinstance(g, int) for g in known.values())]     # (int: times seen, no graph yet)
                 made, replays = dict(run.ring._graphs_made), run.ring.eager_replays
-    assert replayed and replays > 0, "no eager capture repeated its tensor: the test lost its point"
+                seen = {s: [(k[0], k[1], g if isinstance(g, int) else "graph") for k, g in known.items()]
+                        for s, known in run.ring._site_graphs.items()}   # (address, shape, times seen)
+                spent = dict(run.ring.eager_time)
+    assert replayed and replays > 0, f"no eager capture repeated its tensor (the test lost its point): {seen} {spent}"
     assert all(n <= 2 for n in made.values()), made      # a graph per tensor a site sees, not one per step
     with torch.no_grad():
-        want = ref.generate(**enc, max_new_tokens=12, do_sample=False, cache_implementation="static",
-                            disable_compile=True)
+        want = torch.stack([ref(**x, use_cache=False).logits[:, -1].cpu() for x in inputs])
     assert torch.equal(outs["cpu"], outs["cuda"]) and torch.equal(outs["cuda"], want)
+    assert len({bytes(o.numpy()) for o in outs["cuda"]}) == steps      # different tokens, different logits
+    fin = dmi.open(tmp_path / "r-cuda.zarr")["final_norm"].dataset
+    assert len(np.unique(fin.step.values)) == steps      # every forward its own step, each replay its own records
     assert assert_stores_equal(tmp_path / "r-cpu.zarr", tmp_path / "r-cuda.zarr") > 10
