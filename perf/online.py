@@ -43,13 +43,15 @@ Device time (H200, estimate): a compiled server start is ~60-150 s (import, dumm
 torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each rate takes
 duration + <= grace + ~2 s, ``--repeats`` times (the same requests each window; the table gives
 medians over the windows; ``--baseline`` takes vanilla's windows from an earlier run's ``--json``, for
-a run split over two device calls). ``--budget-s`` skips configurations (in the order given) that would not
+a run split over two device calls). A server that compiled leaves a marker beside vLLM's compile
+cache, so later runs on the same machine budget a cached start. ``--budget-s`` skips configurations (in the order given) that would not
 finish in time and shortens the last ones; results so far are printed after every configuration.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -410,6 +412,16 @@ def configurations(args, work: Path, stores: Path) -> dict:
     }
 
 
+def compile_key(args, env: dict) -> str:
+    """What vLLM's compile cache is keyed on, as far as these runs vary it: the model, the batch
+    and graph sizes, and the hook spec (its path and text: dmi's site ops are in the graph)."""
+    spec = env.get("DMI_HOOK_SPEC")
+    text = Path(spec).read_text() if spec and Path(spec).exists() else ""
+    key = [args.model, args.dtype, args.graph_sizes, args.max_num_batched_tokens, args.max_num_seqs,
+           args.max_model_len, spec, text]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
 def _with(cfg: tuple, **env) -> tuple:
     """A configuration with more environment for its server."""
     return ({**cfg[0], **env},) + cfg[1:]
@@ -567,11 +579,12 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"rates": rows, "configs": cfg_rows}, indent=1, default=str))
         return text
 
-    compiled_specs = set()                     # hook specs a server compiled already: the next one hits vLLM's cache
+    compiled = Path(os.environ.get("VLLM_CACHE_ROOT", work / "vllm-cache")) / "dmi-compiled"   # (markers)
     for name in names:
         env, extra, eager, store = cfgs[name]
         kind = "eager" if (eager or args.cpu) else "compiled"
-        cached = kind == "compiled" and env.get("DMI_HOOK_SPEC") in compiled_specs
+        marker = compiled / compile_key(args, env)
+        cached = kind == "compiled" and marker.exists()
         need = (max(60.0, est[kind] / 2) if cached else est[kind]) + len(rates) * args.repeats * per_rate + 40
         left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
         if left is not None and left < need:
@@ -590,8 +603,9 @@ def main(argv=None) -> int:
             cfg["startup_s"] = server.startup_s
             if not cached:
                 est[kind] = max(server.startup_s * 1.1, 30.0) if kind == "compiled" else max(est[kind], server.startup_s)
-            if env.get("DMI_HOOK_SPEC"):
-                compiled_specs.add(env["DMI_HOOK_SPEC"])
+            if kind == "compiled":             # the next server of this kind hits vLLM's compile cache, in this
+                compiled.mkdir(parents=True, exist_ok=True)     # process or a later one (a warm device machine)
+                marker.touch()
             log(f"{name}: up in {server.startup_s:.0f} s")
             asyncio.run(warmup(server.port, args.model, warm))
             for rep, i in [(rep, i) for rep in range(args.repeats) for i in range(len(rates))]:
