@@ -26,7 +26,8 @@ def token_major(x: torch.Tensor, layout: list[str], batch: int) -> tuple[torch.T
 def source_rows(rows: torch.Tensor, seq: int, src_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Map step rows b*seq+s to rows of a tensor holding only the last ``src_seq`` positions.
 
-    Returns (row indices into the tensor, mask over ``rows`` of those it holds)."""
+    Returns (row indices into the tensor, mask over ``rows`` of those it holds). Host int64
+    arrays work as well (the CUDA ring's eager launches)."""
     b, s = rows // seq, rows % seq - (seq - src_seq)
     held = s >= 0
     return (b * src_seq + s)[held], held

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureError, PolicyError
-from ..gather import check_max_keys, select_rows, site_dtype, token_major
+from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl
 from . import capture as K
 
@@ -1035,11 +1035,11 @@ def _device_compaction(ring: CudaRing, site, k_rows: int, seq: int, src_seq: int
 
 def _held_source(rows: np.ndarray, seq: int, src_seq: int) -> tuple[np.ndarray, np.ndarray]:
     """The step rows (b*seq+s) a tensor holding the last ``src_seq`` of ``seq`` positions holds,
-    and their rows in it (b*src_seq+s'): ``dmi.gather.source_rows`` on the host."""
+    and their rows in it (b*src_seq+s'): :func:`dmi.gather.source_rows` on host arrays."""
     if src_seq == seq:                         # x holds every position: its rows are the step's
         return rows, rows
-    held = rows[rows % seq >= seq - src_seq] if src_seq < seq else rows
-    return held, (held // seq) * src_seq + held % seq - (seq - src_seq)
+    src, held = source_rows(rows, seq, src_seq)
+    return rows[held], src
 
 
 def _upload(a: np.ndarray, device) -> torch.Tensor:
