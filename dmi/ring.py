@@ -306,8 +306,9 @@ class Ring:
         """Called by the ``dmi::step_end`` op (also while a CUDA graph is being captured): the
         device side of the end marker. CUDA: a tiny kernel that publishes it; CPU: nothing."""
 
-    def capture(self, site, x) -> None:
-        """Called by the ``dmi::capture`` op: copy the selected rows of ``x`` into the step's slot."""
+    def capture(self, site, x, addend=None) -> None:
+        """Called by the ``dmi::capture`` op: copy the selected rows of ``x`` (of ``x + addend``:
+        ``dmi::capture_sum``) into the step's slot."""
         raise NotImplementedError
 
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
@@ -588,12 +589,14 @@ class CpuRing(Ring):
         self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
         self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
 
-    def capture(self, site, x) -> None:
+    def capture(self, site, x, addend=None) -> None:
         import torch
         from .gather import gather
         ctrl = self.current
         if ctrl is None or ctrl.ended or site.index not in ctrl.slots:
             return
+        if addend is not None:
+            x = x + addend
         slot = ctrl.slots[site.index]
         with torch.no_grad():
             outs, src_seq = gather(x.detach(), site, self._rows[site.index], ctrl.tokens.seq, ctrl.tokens.batch,

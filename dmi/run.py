@@ -391,9 +391,10 @@ class Run:
                 append((site, sel, rows, len(sel) * row_bytes, priority))
         return wanted, (self._site_ids, selected, not_computed)
 
-    def capture(self, site_index: int, x: torch.Tensor) -> None:
-        """``dmi::capture``: the ring backend copies the step's selected rows of ``x``."""
-        self.ring.capture(self.plan.sites[site_index], x)
+    def capture(self, site_index: int, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
+        """``dmi::capture``: the ring backend copies the step's selected rows of ``x`` (``dmi::capture_sum``:
+        of ``x + addend``)."""
+        self.ring.capture(self.plan.sites[site_index], x, addend)
 
     # --- threads ----------------------------------------------------------------------------------
     def _drain_loop(self) -> None:

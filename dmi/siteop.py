@@ -1,9 +1,12 @@
 """The site ops: registered torch custom ops, opaque to torch.compile (no graph breaks).
 
-``dmi::capture(x, ticket, run, site)`` copies the selected rows of ``x`` into the run's ring.
+``dmi::capture(x, ticket, run, site)`` copies the selected rows of ``x`` into the run's ring;
+``dmi::capture_sum(x, y, ticket, run, site)`` those of ``x + y`` (a site the engine holds as two
+tensors: vLLM's residual stream), without the sum as an op of the graph: a compiled graph would
+give it an elementwise kernel of its own, where the engine fuses that add into its next norm.
 ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
 
-All three mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
+All of them mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
 graph (a capture never moves before its step's begin or after its end) and keeps them from being
 dead-code eliminated. Per-step state (offsets, row selection, enable flags) is never an argument:
 the op reads it from the run, so a compiled or graph-captured forward always sees fresh values.
@@ -41,6 +44,7 @@ def unregister_run(run_id: int) -> None:
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
 _LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site) -> ()")
+_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run) -> ()")
@@ -61,6 +65,13 @@ def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int) -> None:
     r = _RUNS.get(run)
     if r is not None:
         r.capture(site, x)
+
+
+@_op("capture_sum")
+def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int) -> None:
+    r = _RUNS.get(run)
+    if r is not None:
+        r.capture(site, x, y)
 
 
 @_op("step_begin")
@@ -100,3 +111,13 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
         if r is not None:
             r.capture(handle.site, x)
     return x
+
+
+def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
+    """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
+    if torch.compiler.is_compiling():
+        torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site)
+    else:
+        r = _RUNS.get(handle.run)
+        if r is not None:
+            r.capture(handle.site, x, y)

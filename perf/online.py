@@ -23,7 +23,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit).
 
 dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
-stalling the engine); ``--sink host`` (default) drains every capture to pinned host memory and
+stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink host`` (default) drains every capture to pinned host memory and
 skips the Zarr writes, like perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is
 measured separately); ``--sink zarr`` writes the store.
 
@@ -68,6 +68,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
 import pyspy   # noqa: E402  (perf/pyspy.py)
+import stepclock   # noqa: E402  (perf/stepclock.py)
 
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
@@ -265,11 +266,11 @@ def plugin_dir(root: Path) -> Path:
 
 
 def hook_spec(entries: list, args, ring: int, extra: dict | None = None) -> str:
-    """The operator's hook spec, as JSON (valid YAML). best_effort: a full ring drops whole captures
-    (accounted in the store) instead of stalling the engine. Pinned host staging as large as the ring
+    """The operator's hook spec, as JSON (valid YAML). best_effort (default): a full ring drops whole
+    captures (accounted in the store) instead of stalling the engine; full: the step waits. Pinned host staging as large as the ring
     (a step larger than staging is copied through pageable memory, much slower)."""
     host = int(args.host_gib * GiB) if args.host_gib else ring
-    spec = {"capture": entries, "policy": {"mode": "best_effort", "ring_bytes": ring, "host_bytes": host,
+    spec = {"capture": entries, "policy": {"mode": args.policy_mode, "ring_bytes": ring, "host_bytes": host,
                                            "meta_records": 1 << 16}, **(extra or {})}
     return json.dumps(spec, indent=1)
 
@@ -504,6 +505,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="torch.profiler trace of N engine steps of each server, 2 s into the sampled rate "
                          "(--pyspy-rate), into WORK/trace-CONFIG (compared by perf/trace_steps.py, printed)")
+    ap.add_argument("--stepclock", action="store_true",
+                    help="every server records each engine step's host and GPU times (perf/stepclock.py, no profiler); "
+                         "a table splits each window's decode steps into GPU time and the gaps the host left")
+    ap.add_argument("--policy-mode", default="best_effort", choices=["best_effort", "full"],
+                    help="dmi's policy.mode (full: lossless, a full ring stalls the engine step; stall time in the store)")
     ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
@@ -550,7 +556,9 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
     per_rate = args.duration + args.grace + 3
-    est = {"compiled": 150.0, "eager": 60.0}
+    # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
+    # vanilla's 110-130 (each is replaced by what the first server of its kind took)
+    est = {("compiled", False): 150.0, ("compiled", True): 240.0, ("eager", False): 60.0, ("eager", True): 60.0}
     rows, cfg_rows, base = [], [], {}
     if args.baseline:                          # vanilla's windows from an earlier call (same model, rates, seeds)
         for r in json.loads(Path(args.baseline).read_text())["rates"]:
@@ -573,6 +581,11 @@ def main(argv=None) -> int:
                 f"{' (vanilla: ' + args.baseline + ')' if args.baseline else ''}; "
                 f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
                 f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
+        clocked = [(r["config"], r["rate"], r.get("repeat", 0), r["stepclock"]) for r in rows if r.get("stepclock")]
+        if clocked:
+            for kind in ("decode", "mixed"):
+                text += (f"\n### Step clock: {kind} steps, median ms (perf/stepclock.py; base: vanilla)\n\n"
+                         + stepclock.table(clocked, kind=kind) + "\n")
         if args.results:
             Path(args.results).write_text(text)
         if args.json:
@@ -585,7 +598,8 @@ def main(argv=None) -> int:
         kind = "eager" if (eager or args.cpu) else "compiled"
         marker = compiled / compile_key(args, env)
         cached = kind == "compiled" and marker.exists()
-        need = (max(60.0, est[kind] / 2) if cached else est[kind]) + len(rates) * args.repeats * per_rate + 40
+        kind_key = (kind, store is not None)
+        need = (max(60.0, est[kind_key] / 2) if cached else est[kind_key]) + len(rates) * args.repeats * per_rate + 40
         left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
         if left is not None and left < need:
             if left < need - (len(rates) * args.repeats - 1) * per_rate:
@@ -594,6 +608,10 @@ def main(argv=None) -> int:
                 continue
         if store is not None and store.exists():
             shutil.rmtree(store, ignore_errors=True)
+        clock = work / f"stepclock-{name}.jsonl"
+        if args.stepclock:
+            clock.unlink(missing_ok=True)
+            env = {**env, "DMI_PERF_STEPCLOCK": str(clock)}
         server = Server(name, args, model_dir, work, env, extra, eager)
         cfg = {"config": name}
         cfg_rows.append(cfg)
@@ -602,7 +620,8 @@ def main(argv=None) -> int:
             server.start(args.startup_timeout)
             cfg["startup_s"] = server.startup_s
             if not cached:
-                est[kind] = max(server.startup_s * 1.1, 30.0) if kind == "compiled" else max(est[kind], server.startup_s)
+                est[kind_key] = (max(server.startup_s * 1.1, 30.0) if kind == "compiled"
+                                 else max(est[kind_key], server.startup_s))
             if kind == "compiled":             # the next server of this kind hits vLLM's compile cache, in this
                 compiled.mkdir(parents=True, exist_ok=True)     # process or a later one (a warm device machine)
                 marker.touch()
@@ -629,6 +648,7 @@ def main(argv=None) -> int:
                 if args.trace and rate == spy_rate and rep == 0:
                     timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
                     timer.start()
+                wall0 = time.time()
                 res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
                                                            args.grace, work_items, offsets[i], seed=1000 + i))
                 if timer is not None:
@@ -637,7 +657,7 @@ def main(argv=None) -> int:
                 if spy is not None and spy.wait() != 0:
                     log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
                     spy_files.pop(name, None)
-                row = {"config": name, "rate": rate, "repeat": rep, "duration": duration,
+                row = {"config": name, "rate": rate, "repeat": rep, "duration": duration, "wall": [wall0, time.time()],
                        **summarize(res, window, cutoff)}
                 rows.append(row)
                 if name == "vanilla":
@@ -652,6 +672,12 @@ def main(argv=None) -> int:
         finally:
             cfg["stop_s"] = server.stop()
             cfg["store"] = store_stats(store)
+            if args.stepclock:                 # each window's steps, from the engine's step clock
+                steps = stepclock.load(clock)
+                stepclock.keep(steps, name, Path(os.environ.get("OUT", work)) / "stepclock.jsonl.gz")
+                for row in rows:
+                    if row["config"] == name and "wall" in row:
+                        row["stepclock"] = stepclock.summarize(steps, *row["wall"])
             log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
             if store is not None and (cfg["store"] or {}).get("status") != "closed":
                 log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "

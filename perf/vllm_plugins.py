@@ -9,6 +9,12 @@ asked through the environment:
   capture path (kernels, ring, drain to pinned host memory) without the Zarr store, as the
   "-> host" rows of perf/offline.py. Run accounting (steps, bytes drained, drops) is still closed
   into the store's attributes.
+* ``DMI_PERF_STEPCLOCK=PATH``: the engine process appends one JSON line per engine step to PATH
+  (:class:`StepClock`): host time in ``execute_model``, ``sample_tokens`` and the wait for the
+  step's sampled tokens, and GPU timestamps (CUDA timing events on the model's stream) where the
+  step's work starts, around the model forward and where sampling ends. ``perf/stepclock.py``
+  splits a window's steps into GPU time and the gaps the host left; the same few events in every
+  configuration, vanilla too, and no profiler.
 * ``DMI_PERF_HOOKS=1``: the naive baseline. After the worker loads the model, PyTorch forward hooks
   copy every decoder layer's residual stream (``hidden_states + residual``), the final norm and the
   logits to the CPU with a blocking ``.to("cpu")``. Needs ``--enforce-eager`` (hooks do not run
@@ -17,6 +23,7 @@ asked through the environment:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 
@@ -31,6 +38,8 @@ def register() -> None:
     _done = True
     if os.environ.get("DMI_PERF_SINK") == "host":
         _host_sink()
+    if os.environ.get("DMI_PERF_STEPCLOCK"):
+        StepClock.install(os.environ["DMI_PERF_STEPCLOCK"])
     if os.environ.get("DMI_PERF_HOOKS", "") not in ("", "0"):
         from dmi.adapters.vllm.compat import WORKER_MODULE, when_imported
         when_imported(WORKER_MODULE, _hook_worker)
@@ -102,3 +111,151 @@ def _install_hooks(model) -> None:
     if getattr(model, "logits_processor", None) is not None:
         model.logits_processor.register_forward_hook(logits_hook)
     log.warning("dmi perf hooks: %d layer hooks + final norm + logits, copying to the CPU", len(layers))
+
+
+class StepClock:
+    """Per engine step (one ``execute_model`` + ``sample_tokens`` of the worker), appended as a
+    JSON line to ``path`` in batches: ``t`` (wall time at the step's start), ``reqs``, ``tokens``,
+    host ms in ``exec`` and ``sample``, ``wait`` (host ms blocked on sampled tokens after launching
+    this step: the host's slack), and GPU ms on one timeline (``g`` = [step start, forward start,
+    forward end, sampling end], from CUDA timing events recorded on the model's stream; null on a
+    CPU). An event fires when the stream reaches it: a stream that ran dry waiting for the host
+    shows as time between one step's end and the next one's start, or inside a step's span beyond
+    its kernels."""
+    FLUSH = 256
+
+    def __init__(self, path: str):
+        import collections
+        import torch
+        self.path, self.torch = path, torch
+        self.cuda = torch.cuda.is_available()
+        self.ref = None                 # the first event: time zero of the GPU timeline
+        self.pending = collections.deque()    # rows whose events have not all fired
+        self.done: list = []
+        self.free: list = []            # recycled events
+        self.cur = self.last = None     # the step being launched; the last one launched
+
+    @classmethod
+    def install(cls, path: str) -> None:
+        from dmi.adapters.vllm.compat import WORKER_MODULE, when_imported
+        clock = cls(path)
+        when_imported(WORKER_MODULE, clock._wrap_worker)
+        when_imported("vllm.v1.worker.gpu_model_runner", clock._wrap_runner)
+        import atexit
+        atexit.register(clock.flush, True)
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = self.free.pop() if self.free else self.torch.cuda.Event(enable_timing=True)
+        e.record()
+        if self.ref is None:
+            self.ref = self.torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+        return e
+
+    def _wrap_worker(self, mod) -> None:
+        """The worker's step methods (the outermost in the process that runs the model: dmi's own
+        step hooks, on the runner, fall inside)."""
+        import time
+        cls = mod.Worker
+        execute, sample, shutdown = cls.execute_model, cls.sample_tokens, cls.shutdown
+        clock = self
+
+        @functools.wraps(execute)
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            clock.resolve()
+            n = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+            if not n:
+                return execute(self, scheduler_output, *args, **kwargs)
+            row = {"t": time.time(), "reqs": len(scheduler_output.num_scheduled_tokens), "tokens": n,
+                   "wait": 0.0, "ev": [clock._event()]}
+            clock.cur = row
+            t0 = time.perf_counter()
+            try:
+                return execute(self, scheduler_output, *args, **kwargs)
+            finally:
+                row["exec"] = (time.perf_counter() - t0) * 1e3
+
+        @functools.wraps(sample)
+        def sample_tokens(self, *args, **kwargs):
+            row, t0 = clock.cur, time.perf_counter()
+            try:
+                return sample(self, *args, **kwargs)
+            finally:
+                if row is not None:
+                    row["sample"] = (time.perf_counter() - t0) * 1e3
+                    row["ev"] += [None] * (3 - len(row["ev"])) + [clock._event()]
+                    clock.pending.append(row)
+                    clock.cur, clock.last = None, row
+
+        @functools.wraps(shutdown)
+        def _shutdown(self, *args, **kwargs):
+            clock.flush(True)
+            return shutdown(self, *args, **kwargs)
+        cls.execute_model, cls.sample_tokens, cls.shutdown = execute_model, sample_tokens, _shutdown
+
+    def _wrap_runner(self, mod) -> None:
+        import time
+        forward = mod.GPUModelRunner._model_forward
+        clock = self
+
+        @functools.wraps(forward)
+        def _model_forward(self, *args, **kwargs):
+            row = clock.cur
+            if row is not None and len(row["ev"]) == 1:
+                row["ev"].append(clock._event())
+                out = forward(self, *args, **kwargs)
+                row["ev"].append(clock._event())
+                return out
+            return forward(self, *args, **kwargs)
+        mod.GPUModelRunner._model_forward = _model_forward
+        out_cls = getattr(mod, "AsyncGPUModelRunnerOutput", None)
+        if out_cls is None:
+            return
+        get_output = out_cls.get_output
+
+        @functools.wraps(get_output)
+        def timed_get_output(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return get_output(self, *args, **kwargs)
+            finally:
+                if clock.last is not None:
+                    clock.last["wait"] += (time.perf_counter() - t0) * 1e3
+        out_cls.get_output = timed_get_output
+
+    def resolve(self) -> None:
+        """Rows whose events have all fired, onto the GPU timeline (no waiting)."""
+        while self.pending:
+            row = self.pending[0]
+            if row is self.last:         # its wait is still being counted
+                break
+            evs = row["ev"]
+            if self.cuda and evs[-1] is not None and not evs[-1].query():
+                break
+            self.pending.popleft()
+            if self.cuda and self.ref is not None:
+                row["g"] = [round(self.ref.elapsed_time(e), 4) if e is not None else None for e in evs]
+                self.free.extend(e for e in evs if e is not None)
+            else:
+                row["g"] = None
+            del row["ev"]
+            self.done.append(row)
+        if len(self.done) >= self.FLUSH:
+            self.flush()
+
+    def flush(self, final: bool = False) -> None:
+        if final:                       # (every vLLM process loads the plugin; only the engine's records)
+            if self.ref is not None:
+                try:
+                    self.torch.cuda.synchronize()
+                except RuntimeError:     # CUDA already torn down at exit: unresolved rows are left out
+                    return
+            self.last = None
+            self.resolve()
+        rows, self.done = self.done, []
+        if rows:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}) + "\n"
+                                for r in rows))

@@ -66,7 +66,9 @@ def section_kernel() -> None:
     seq_no = 5
     ranged = []                                    # sites a case copied as one row range (copied_as_range)
 
-    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None):
+    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None, addend=None):
+        """``addend``: the site's value is ``x + addend`` (dmi::capture_sum): graph launches sum in
+        the kernel, eager ones are handed the sum (as KernelRing.capture does)."""
         nonlocal seq_no
         seq_no += 3
         ctrl = torch.zeros(4096, dtype=torch.int64)
@@ -80,7 +82,8 @@ def section_kernel() -> None:
         ring = torch.full((1 << 20,), 0xAB, dtype=torch.uint8)   # poisoned: every byte read must be written
         meta = np.zeros(META, META_DTYPE)
         meta_t = torch.from_numpy(meta.view(np.int64))
-        outs, src_seq = gather(x, site, torch.from_numpy(rows), step_seq, batch, pad, dtype)
+        summed = x + addend if addend is not None else x
+        outs, src_seq = gather(summed, site, torch.from_numpy(rows), step_seq, batch, pad, dtype)
         want = torch.cat([o.contiguous().reshape(-1).view(torch.uint8) for o in outs])
 
         class R:                                   # the attributes _SiteLaunch reads from a ring
@@ -115,11 +118,11 @@ def section_kernel() -> None:
             ring.fill_(0xAB)
             meta[:] = 0
             if mode == "range":
-                if not launcher.copied_as_range(r, x, st):
+                if not launcher.copied_as_range(r, summed, st):
                     continue
                 ranged.append(site.name)
             else:
-                launcher.launch(r, x, st if mode == "eager" else None)
+                launcher.launch(r, x, st if mode == "eager" else None, addend)
             rec = meta[seq_no % META]
             if not (enabled and armed):
                 assert int(rec["seq"]) == 0 and bool((ring == 0xAB).all()), "a disabled capture wrote"
@@ -151,6 +154,15 @@ def section_kernel() -> None:
     logits = torch.randn(B, 1, 50)                              # logits_to_keep=1: compaction
     run_case(logits, _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50]), rows_of(B, S, 0.8), B, S,
              torch.float32)
+    # a site held as two tensors (vLLM's residual stream, dmi::capture_sum): the kernel copies the
+    # rows of their sum, rounded as torch's add rounds; bfloat16 and float32, listed rows and rows
+    # 0 .. n-1, and two tensors of different strides (added first, then copied)
+    resid = _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96])
+    run_case(x, resid, rows_of(B, S), B, S, torch.bfloat16, addend=torch.randn(B, S, 96, dtype=torch.bfloat16) * 50)
+    run_case(tok, _site("router", ["token", "expert"], ["expert"], [10], index=2), np.arange(B * S - 2, dtype=np.int64),
+             B, S, torch.float32, enabled=K.ENABLED_ARANGE, addend=torch.randn(B * S, 10))
+    run_case(x, resid, rows_of(B, S), B, S, torch.bfloat16,
+             addend=torch.randn(B, 96, S, dtype=torch.bfloat16).transpose(1, 2))
     # the same held rows launched eagerly step after step (vLLM's logits in steady decode): their
     # index in x is uploaded once and reused; other rows or another src_seq upload again
     import dmi.kernels.cuda_ring as cr

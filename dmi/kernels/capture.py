@@ -41,6 +41,10 @@ Two copy modes:
   device (the same torch ops as the reference path, so the bytes match); the kernel copies their
   rows as raw words.
 
+A site whose value is the sum of two engine tensors (vLLM's residual stream, ``hidden_states +
+residual``) is copied as the sum of their rows (``SUM``, DIRECT only): in a compiled graph the sum
+as a tensor of its own would take an elementwise kernel per layer that the engine fuses away.
+
 Rows whose position the engine tensor does not hold (``logits`` under ``logits_to_keep``) are
 compacted with ``drow`` (destination row per candidate row, -1 to skip).
 
@@ -89,7 +93,20 @@ def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, ro
 
 
 @triton.jit
-def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2, CONTIG: tl.constexpr):
+def _rounded(v, dtype: tl.constexpr, HOST: tl.constexpr):
+    """float32 ``v`` as ``dtype``, rounded to nearest even as torch rounds on the tensors' device.
+    On a GPU that is the hardware conversion; Triton's interpreter (HOST: the CPU tests) truncates
+    to bfloat16, so there it is done on the bits, NaN as torch's CPU conversion writes it."""
+    if HOST and dtype == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = tl.where(v != v, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
+        return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2, CONTIG: tl.constexpr,
+               addend=None, SUM: tl.constexpr = False, HOST: tl.constexpr = False):
     fmask = f < F
     if CONTIG:      # one unit-stride feature dim: no per-element div/mod, so loads vectorize
         foff = f.to(tl.int64)
@@ -97,6 +114,9 @@ def _copy_rows(src, dst_base, roff, dst, rmask, f, F, F2, stride_f1, stride_f2, 
         foff = (f // F2).to(tl.int64) * stride_f1 + (f % F2).to(tl.int64) * stride_f2
     m = rmask[:, None] & fmask[None, :]
     v = tl.load(src + roff[:, None] + foff[None, :], mask=m)
+    if SUM:         # src + addend (same strides), as torch adds: in float32, rounded once
+        w = tl.load(addend + roff[:, None] + foff[None, :], mask=m)
+        v = _rounded(v.to(tl.float32) + w.to(tl.float32), src.dtype.element_ty, HOST)
     out = dst_base.to(src.dtype)
     tl.store(out + dst[:, None] * F + f[None, :], v, mask=m)
 
@@ -107,8 +127,10 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
                    stride_b, stride_s, F0, F2, stride_f1, stride_f2, F1, stride_r1,
                    row_bytes0, row_bytes1, meta_records,
                    MODE: tl.constexpr, HAS_DROW: tl.constexpr, NOUT: tl.constexpr, CONTIG: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    """Copy rows of ``src0`` (and ``src1``) into ``ring`` and publish the site's record.
+                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, SUM: tl.constexpr = False,
+                   HOST: tl.constexpr = False):
+    """Copy rows of ``src0`` (and ``src1``) into ``ring`` and publish the site's record. SUM
+    (DIRECT only): the rows of ``src0 + src1``, two tensors of one layout.
 
     Candidate rows come from ``ctrl``, output rows from ``cnt[cnt_idx]``. seq_arg: the step's seq
     when known at launch (the graph's geometry), else -1 (read from ``ctrl``)."""
@@ -146,7 +168,7 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
         else:
             roff = r.to(tl.int64) * stride_b
         if NOUT == 1:
-            _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2, CONTIG)
+            _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2, CONTIG, src1, SUM, HOST)
         else:
             if tl.program_id(2) == 0:
                 _copy_rows(src0, ring + offset, roff, dst, rmask, f, F0, F2, stride_f1, stride_f2, CONTIG)
@@ -215,10 +237,15 @@ def direct_geometry(x, layout: list[str], batch: int):
 
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,
            src_seq: int, geometry, mode: int, row_bytes0: int, src1=None, row_bytes1: int = 0,
-           cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1) -> None:
+           cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1, addend=None) -> None:
     """Launch :func:`capture_kernel` for one site. ``geometry``: DIRECT: (stride_b, stride_s, F, F2,
     stride_f1, stride_f2) of ``src0``; IDENTITY: (row stride, F) of ``src0`` [rows, F] and (row
-    stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``."""
+    stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``.
+    ``addend`` (DIRECT): a tensor of ``src0``'s shape, strides and dtype; the rows of the sum are
+    copied (the sum is never materialized: in a compiled graph that would take a kernel of its own)."""
+    if addend is not None:
+        assert mode == DIRECT and src1 is None and addend.shape == src0.shape and addend.stride() == src0.stride() \
+            and addend.dtype == src0.dtype, "a summed capture needs two tensors of one layout"
     hdr = G_WORDS + S_WORDS * site_index
     if cnt is None:
         cnt, cnt_idx = ctrl, hdr + S_ROWS
@@ -232,13 +259,14 @@ def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int
     nout = 2 if src1 is not None else 1
     contig = F2 == F0 and sf2 == 1
     grid = (max(1, math.ceil(K / BR)), max(1, math.ceil(max(F0, F1) / BF)), nout)
-    capture_kernel[grid](src0, src1 if src1 is not None else src0, ring, ctrl, meta,
+    second = addend if addend is not None else src1 if src1 is not None else src0
+    capture_kernel[grid](src0, second, ring, ctrl, meta,
                          drow if drow is not None else ctrl, cnt,
                          hdr, site_index & 0xFFFFFFFF, cnt_idx, K, src_seq, seq_arg,
                          stride_b, stride_s, F0, F2, sf1, sf2, F1, sr1,
                          row_bytes0, row_bytes1, meta_records,
                          MODE=mode, HAS_DROW=drow is not None, NOUT=nout, CONTIG=contig, BLOCK_R=BR, BLOCK_F=BF,
-                         num_warps=4)
+                         SUM=addend is not None, HOST=not src0.is_cuda, num_warps=4)
 
 
 def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int) -> None:

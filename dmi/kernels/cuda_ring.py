@@ -349,7 +349,7 @@ class KernelRing(Ring):
         rec["offset"] = rec["nbytes"] = rec["rows"] = rec["src_seq"] = 0
         rec["seq"] = ctrl.end_seq
 
-    def capture(self, site, x: torch.Tensor) -> None:
+    def capture(self, site, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
         cur = self.current if self.current is not None and not self.current.ended else None
         capturing = self.graph_mode or (self.is_cuda and torch.cuda.is_current_stream_capturing())
         if not capturing and (cur is None or site.index not in cur.slots):
@@ -357,8 +357,10 @@ class KernelRing(Ring):
         eager = cur if not capturing and cur is not None else None
         x = x.detach() if x.requires_grad else x       # no autograd graph
         if eager is None:
-            self.sites[site.index].launch(self, x, None)
+            self.sites[site.index].launch(self, x, None, addend)
             return
+        if addend is not None:                 # outside a graph the sum costs what any eager op does
+            x = x + addend
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]
         how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager) else None
@@ -778,7 +780,14 @@ class _SiteLaunch:
                                f"Fix: run one forward of the same shape (or call run.begin_step) before capturing")
         return ring.geometry[0]
 
-    def launch(self, ring: CudaRing, x: torch.Tensor, eager: StepControl | None) -> None:
+    def launch(self, ring: CudaRing, x: torch.Tensor, eager: StepControl | None,
+               addend: torch.Tensor | None = None) -> None:
+        """Copy the step's rows of ``x`` (``+ addend``: summed in the kernel where both tensors share
+        one layout and the site copies rows as they are, else added first)."""
+        if addend is not None and (eager is not None or not self.plain or x.dtype != self.dtype
+                                   or addend.shape != x.shape or addend.stride() != x.stride()
+                                   or addend.dtype != x.dtype):
+            x, addend = x + addend, None
         if eager is not None:
             self._eager(ring, x, eager)
             return
@@ -798,8 +807,10 @@ class _SiteLaunch:
                 drow, cnt, _ = _device_compaction(ring, site, k_rows, seq, src_seq)
             K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, K=k_rows, src_seq=src_seq, geometry=geo,
                      mode=K.DIRECT, row_bytes0=self.row_bytes[0], drow=drow, cnt=cnt, cnt_idx=0 if cnt is not None else -1,
-                     seq_arg=seq, **common)
+                     seq_arg=seq, addend=addend, **common)
             return
+        if addend is not None:                 # (more than two feature dims: the IDENTITY path below)
+            x = x + addend
         # IDENTITY: the reference's torch ops on the device, then a raw row copy
         flat, src_seq = token_major(x, self.layout, batch)
         seq = step_seq if step_seq is not None else src_seq

@@ -356,3 +356,48 @@ def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec,
     fin = dmi.open(tmp_path / "r-cuda.zarr")["final_norm"].dataset
     assert len(np.unique(fin.step.values)) == steps      # every forward its own step, each replay its own records
     assert assert_stores_equal(tmp_path / "r-cpu.zarr", tmp_path / "r-cuda.zarr") > 10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_summed_capture_in_a_graph_equals_torch_add(dtype):
+    """``dmi::capture_sum`` (vLLM's residual stream: two tensors) copies the rows of ``x + y`` from
+    inside a CUDA graph, bit for bit as torch adds them, for listed rows and rows 0 .. n-1."""
+    from dmi.kernels import capture as K
+    from dmi.kernels.cuda_ring import DevicePointer
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    rows, F, meta_records = 48, 4096, 64
+    x = torch.randn(rows, F, device=CUDA, generator=g).to(dtype)
+    y = (torch.randn(rows, F, device=CUDA, generator=g) * 37).to(dtype)
+    x[0, :4] = torch.tensor([1.0, -2.0, float("inf"), float("nan")])     # (inf + finite, nan + finite)
+    row_bytes = F * x.element_size()
+    listed = torch.tensor([3, 4, 9, 20, 47], dtype=torch.int64)
+    ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * 2 + 64, dtype=torch.int64)
+    ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
+    start = K.G_WORDS + K.S_WORDS * 2
+    ctrl[start:start + len(listed)] = listed
+    for site, (enabled, n) in enumerate([(K.ENABLED_ARANGE, rows), (K.ENABLED, len(listed))]):
+        h = K.G_WORDS + K.S_WORDS * site
+        ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = site * rows * row_bytes, site, n
+        ctrl[h + K.S_ROWS_START], ctrl[h + K.S_ENABLED] = start, enabled
+    ctrl = ctrl.to(CUDA)
+    ring = torch.zeros(2 * rows * row_bytes, dtype=torch.uint8, device=CUDA)
+    meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
+
+    def launches():
+        for site in range(2):
+            K.launch(x, ring, ctrl, DevicePointer(meta.data_ptr(), torch.int64), site_index=site,
+                     meta_records=meta_records, K=rows, src_seq=rows, geometry=(rows * F, F, F, F, 0, 1),
+                     mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows, addend=y)
+    launches()                               # compiled and loaded outside the capture
+    ring.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (x + y).view(torch.uint8).view(rows, row_bytes)
+    got = ring.view(2, rows, row_bytes)
+    assert torch.equal(got[0], want)
+    assert torch.equal(got[1, :len(listed)], want[listed.to(CUDA)])
+    recs = meta.view(meta_records, 7)[:2]
+    assert recs[:, 0].tolist() == [0, 1] and recs[:, 4].tolist() == [rows * row_bytes, len(listed) * row_bytes]

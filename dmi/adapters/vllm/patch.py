@@ -6,8 +6,11 @@ rewrite the class's ``forward`` from its source (``compute: attention_pattern`` 
 another method named by ``method``). ``rows: sampled`` (logits) is read by the run's step
 bookkeeping, not here. Two things vLLM needs on top:
 
-* a list under ``input``/``output`` is **summed** before capture (``None`` elements skipped):
-  vLLM carries the residual stream as two tensors, ``hidden_states + residual``;
+* a list under ``input``/``output`` is **summed** (``None`` elements skipped): vLLM carries the
+  residual stream as two tensors, ``hidden_states + residual``. Two tensors go to
+  ``dmi::capture_sum``, which copies the rows of their sum without adding them as a graph op
+  (Inductor would give that add a kernel of its own in every layer: vLLM fuses it into the next
+  RMSNorm);
 * ``order_by: N`` reorders the last axis by descending value of output ``N`` (vLLM's CPU router
   returns its top-k unsorted; the canonical order is by descending weight).
 
@@ -23,7 +26,7 @@ from collections import defaultdict
 import torch
 
 from ...errors import AnchorError
-from ...siteop import SiteHandle, site
+from ...siteop import SiteHandle, site, site_sum
 from ..hf.derived import DERIVED
 from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, rewrite_forward
 from .pattern import vllm_attention_pattern
@@ -71,6 +74,15 @@ def _summed(parts):
     return out
 
 
+def _capture_parts(handle, parts) -> None:
+    """Capture the sum of the non-None tensors: two through ``dmi::capture_sum``."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 2:
+        site_sum(handle, parts[0], parts[1])
+    else:
+        site(handle, _summed(parts))
+
+
 def _ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """x with its last axis reordered by descending ``key`` (stable: ties keep the engine's order)."""
     order = torch.sort(key.float(), dim=-1, descending=True, stable=True).indices
@@ -101,15 +113,15 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
     def wrapped(*args, **kwargs):
         for c in captures:
             if c.inputs is not None:
-                vals = [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs]
-                site(c.handle, _summed(vals))
+                _capture_parts(c.handle, [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs])
         out = inner(*args, **kwargs)
         for c in captures:
             if c.outputs is not None:
-                x = _summed([_pick_output(out, i) for i in c.outputs])
-                if c.order_by is not None:
-                    x = _ordered(x, _pick_output(out, c.order_by))
-                site(c.handle, x)
+                parts = [_pick_output(out, i) for i in c.outputs]
+                if c.order_by is None:
+                    _capture_parts(c.handle, parts)
+                else:
+                    site(c.handle, _ordered(_summed(parts), _pick_output(out, c.order_by)))
         return out
 
     setattr(obj, method, wrapped)

@@ -1,0 +1,121 @@
+"""What one capture costs inside a CUDA graph: dmi's capture kernel launched for N sites, replayed
+as one graph, against the same graph with one site (no model, no ring bookkeeping).
+
+    python perf/sitecost.py [--sites 37] [--rows 1,16,64] [--features 4096] [--replays 200]
+
+Per row count (a decode batch copies that many rows of ``features`` bf16 per site), µs per site
+(graph replay time of N sites less that of 1, over N - 1; median of 5 timings of ``--replays``
+replays each) for:
+
+* ``host meta``: as shipped, the record goes to the meta ring in mapped pinned host memory;
+* ``device meta``: the record goes to device memory instead (what publishing records from the end
+  kernel alone would leave each capture);
+* ``disarmed``: the step is not armed (null mode): the kernel reads its flags and exits;
+* ``memcpy node``: a plain device-to-device copy of the same rows per site (the floor for a
+  graph node that moves the bytes);
+* ``sum in kernel``: a site held as two tensors (vLLM's residual stream), the kernel copying the
+  rows of their sum (``dmi::capture_sum``), against ``add, then capture``: the sum made by an
+  elementwise op first (what a compiled graph ran before; the engine's own graph fuses that add
+  into its next norm, so the whole add is dmi's cost there).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dmi.kernels import capture as K   # noqa: E402
+from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
+
+
+def graph_time_us(fn, replays: int) -> float:
+    """Median µs per replay of a CUDA graph of ``fn()``."""
+    fn()                                   # compile and load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / replays)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sites", type=int, default=37)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--features", type=int, default=4096)
+    ap.add_argument("--replays", type=int, default=200)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    F, n_sites, meta_records = args.features, args.sites, 4096
+    row_bytes = F * 2
+    print(f"{torch.cuda.get_device_name()}; {n_sites} sites, {F} bf16 features a row; µs per site in a graph\n")
+    print("| rows | host meta | device meta | disarmed | memcpy node | sum in kernel | add, then capture |\n"
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        src = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
+        other = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
+        block = (rows * row_bytes + 255) // 256 * 256
+        ring = torch.zeros(block * n_sites, dtype=torch.uint8, device=dev)
+        ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * n_sites, dtype=torch.int64)
+        ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
+        for i in range(n_sites):
+            h = K.G_WORDS + K.S_WORDS * i
+            ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = i * block, i, rows
+            ctrl[h + K.S_ENABLED] = K.ENABLED_ARANGE
+        armed = ctrl.to(dev)
+        disarmed = armed.clone()
+        disarmed[K.G_ARMED] = 0
+        host_meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
+        dev_meta = torch.zeros(meta_records * 7, dtype=torch.int64, device=dev)
+        metas = {"host": DevicePointer(host_meta.data_ptr(), torch.int64), "device": dev_meta}
+
+        def captures(n, ctrl_t, meta, how=None):
+            def fn():
+                for i in range(n):
+                    x = src + other if how == "add" else src
+                    K.launch(x, ring, ctrl_t, meta, site_index=i, meta_records=meta_records, K=rows, src_seq=rows,
+                             geometry=(rows * F, F, F, F, 0, 1), mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows,
+                             addend=other if how == "sum" else None)
+            return fn
+
+        def copies(n):
+            def fn():
+                for i in range(n):
+                    ring.narrow(0, i * block, rows * row_bytes).copy_(src.view(-1).view(torch.uint8))
+            return fn
+
+        def per_site(make):
+            return (graph_time_us(make(n_sites), args.replays) - graph_time_us(make(1), args.replays)) / (n_sites - 1)
+
+        host = per_site(lambda n: captures(n, armed, metas["host"]))
+        got = torch.from_numpy(host_meta.numpy()[: n_sites * 7].reshape(n_sites, 7).copy())
+        assert (got[:, 0] == torch.arange(n_sites)).all() and (got[:, 4] == rows * row_bytes).all(), got[:3]
+        assert torch.equal(ring[: rows * row_bytes], src.view(-1).view(torch.uint8)), "capture copied wrong bytes"
+        device = per_site(lambda n: captures(n, armed, metas["device"]))
+        null = per_site(lambda n: captures(n, disarmed, metas["host"]))
+        copy = per_site(copies)
+        summed = per_site(lambda n: captures(n, armed, metas["host"], "sum"))
+        assert torch.equal(ring[: rows * row_bytes], (src + other).view(-1).view(torch.uint8)), "sum copied wrong"
+        added = per_site(lambda n: captures(n, armed, metas["host"], "add"))
+        print(f"| {rows} | {host:.2f} | {device:.2f} | {null:.2f} | {copy:.2f} | {summed:.2f} | {added:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

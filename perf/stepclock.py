@@ -1,0 +1,133 @@
+"""Where a serving engine step's time goes, without a profiler: GPU time against the gaps the host
+left, from the step clock ``perf/vllm_plugins.py`` records in the engine process
+(``DMI_PERF_STEPCLOCK``; ``perf/online.py --stepclock`` sets it for every server, vanilla too).
+
+Each step has GPU timestamps where its work starts (``g0``, the executor's ``execute_model``),
+around the model forward (``g1``, ``g2``) and where sampling ends (``g3``). An event fires when
+the stream reaches it, so over consecutive steps
+
+    period = g0(next) - g0 = prep (g1 - g0) + forward (g2 - g1) + post (g3 - g2) + gap (g0(next) - g3)
+
+where ``forward`` is GPU time (a decode step is one CUDA graph), ``prep`` and ``post`` are the GPU
+work around it plus any wait for the host to launch it, and ``gap`` is the stream idle between
+steps: the host was late. The table gives medians per part (the parts' medians need not add up
+to the period's; the means do, over the steps kept) for decode steps and mixed steps apart. Host columns: ms in ``execute_model`` and ``sample_tokens``, and
+``wait``, the host blocked on sampled tokens (its slack: near zero when the host is the bottleneck).
+
+    python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+PARTS = ("period", "prep", "forward", "post", "gap")
+IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
+HOST = ("exec", "sample", "wait")
+
+
+def load(path) -> list[dict]:
+    """The rows of a step clock file (JSON lines; gzipped when the name ends in .gz)."""
+    import gzip
+    p = Path(path)
+    if not p.exists():
+        return []
+    text = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("inf")) -> dict:
+    """Steps that started in [t0, t1] and whose next step is recorded too, as pairs (step, next),
+    per kind (``decode``: every request decodes one token; ``mixed``: a prefill chunk too; ``all``):
+    ms means and medians of each part, and steps/s. A pair whose next step started over
+    ``IDLE_MS`` later (the engine had no request) is left out: one such gap outweighs thousands
+    of steps in a mean."""
+    rows = sorted(rows, key=lambda r: r["t"])
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if t0 <= a["t"] <= t1]
+    busy = [(a, b) for a, b in pairs if (b["t"] - a["t"]) * 1e3 <= IDLE_MS]
+    out = {"steps": len(pairs), "idle_pairs": len(pairs) - len(busy), "steps_per_s": 0.0}
+    if len(pairs) > 1:
+        span = pairs[-1][0]["t"] - pairs[0][0]["t"]
+        out["steps_per_s"] = (len(pairs) - 1) / span if span > 0 else 0.0
+    for kind in ("all", "decode", "mixed"):
+        sel = [(a, b) for a, b in busy if kind == "all" or (a["tokens"] == a["reqs"]) == (kind == "decode")]
+        d = {"steps": len(sel), "reqs": _mean([a["reqs"] for a, _ in sel]), "tokens": _mean([a["tokens"] for a, _ in sel])}
+        d.update({k: _mean([a.get(k) for a, _ in sel]) for k in HOST})
+        d["host_period"] = _mean([(b["t"] - a["t"]) * 1e3 for a, b in sel])
+        gpu = [(a["g"], b["g"]) for a, b in sel if a.get("g") and b.get("g") and None not in a["g"] and b["g"][0] is not None]
+        if gpu:
+            g = np.array([ga + [gb[0]] for ga, gb in gpu], float)    # g0 g1 g2 g3 g0(next)
+            parts = {"period": g[:, 4] - g[:, 0], "prep": g[:, 1] - g[:, 0], "forward": g[:, 2] - g[:, 1],
+                     "post": g[:, 3] - g[:, 2], "gap": g[:, 4] - g[:, 3]}
+            d.update({k: float(np.mean(v)) for k, v in parts.items()})
+            d.update({f"{k}_p50": float(np.median(v)) for k, v in parts.items()})
+        out[kind] = d
+    return out
+
+
+def keep(rows: list[dict], config: str, path: Path) -> None:
+    """Add a configuration's rows (each tagged ``config``) to one gzipped JSON-lines file, replacing
+    that configuration's earlier rows: what a device call brings back for later analysis."""
+    import gzip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = []
+    if path.exists():
+        with gzip.open(path, "rt") as f:
+            old = [line for line in f if json.loads(line).get("config") != config]
+    with gzip.open(path, "wt") as f:
+        f.writelines(old)
+        f.writelines(json.dumps({"config": config, **r}) + "\n" for r in rows)
+
+
+def _mean(v) -> float | None:
+    v = [x for x in v if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", kind: str = "decode") -> str:
+    """(config, rate, window, summarize()) rows: ``kind`` steps' medians (ms) of each part and
+    their change against ``base``'s window of the same rate and index (else that rate's first)."""
+    ref = {}
+    for name, rate, rep, s in entries:
+        if name == base:
+            ref.setdefault((rate, rep), s)
+            ref.setdefault(rate, s)
+    cols = [f"{k}_p50" for k in PARTS]
+    head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
+            "period mean | host exec | host sample | host wait | period - base | forward - base | prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 19]
+    f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
+    for name, rate, rep, s in entries:
+        d = s.get(kind, {})
+        r = ref.get((rate, rep), ref.get(rate, {})).get(kind, {}) if name != base else {}
+        delta = lambda k: (d[k] - r[k]) if d.get(k) is not None and r.get(k) is not None else None   # noqa: E731
+        rest = [delta(f"{k}_p50") for k in ("prep", "post", "gap")]
+        lines.append("| " + " | ".join(
+            [name, f"{rate:g}", str(rep), f"{s['steps_per_s']:.1f}", str(d.get("steps", 0)),
+             f"{d['reqs']:.1f}" if d.get("reqs") is not None else "", f"{d['tokens']:.0f}" if d.get("tokens") is not None else ""]
+            + [f(d.get(k)) for k in cols] + [f(d.get("period"))] + [f(d.get(k)) for k in HOST]
+            + [f(delta("period_p50")), f(delta("forward_p50")), f(sum(rest)) if None not in rest else ""]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--kind", default="decode", choices=["decode", "mixed", "all"])
+    args = ap.parse_args(argv)
+    entries = []
+    for p in args.files:
+        by_config: dict = {}
+        for r in load(p):
+            by_config.setdefault(r.get("config", Path(p).name.split(".")[0]), []).append(r)
+        entries += [(name, 0.0, 0, summarize(rows)) for name, rows in by_config.items()]
+    print(table(entries, base=entries[0][0] if entries else "vanilla", kind=args.kind))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
