@@ -34,6 +34,9 @@ requests stream (``stream_options.include_usage``): TTFT = first chunk, TPOT = (
 (tokens - 1). Requests still running ``--grace`` seconds after the arrivals end are cancelled (the
 server aborts them) and counted as not done; one that had no first token by then counts with
 TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / the rate's window.
+Every window sends the same requests at the same times, so besides the ratio of TPOT medians the
+table gives the paired ratio: the median over requests of a request's TPOT against the same
+request's on vanilla (the mix of lengths cancels; what is left is the server).
 
     python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
@@ -107,11 +110,12 @@ def arrivals(rate: float, duration: float, seed: int) -> np.ndarray:
 
 # --- one streaming request (asyncio, raw HTTP/1.1: no client library needed) -------------------------
 class Result:
-    __slots__ = ("sent", "first", "last", "tokens", "chunks", "done", "error")
+    __slots__ = ("sent", "first", "last", "tokens", "chunks", "done", "error", "index")
 
-    def __init__(self, sent: float):
+    def __init__(self, sent: float, index: int = -1):
         self.sent, self.first, self.last, self.tokens, self.chunks = sent, None, None, 0, 0
         self.done, self.error = False, None
+        self.index = index               # the request's place in the rate's arrivals (paired across servers)
 
 
 async def _read_body(reader, headers: dict):
@@ -198,7 +202,7 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
         if delay > 0:
             await asyncio.sleep(delay)
         prompt, out = work[(offset + i) % len(work)]
-        res = Result(time.perf_counter())
+        res = Result(time.perf_counter(), i)
         results.append(res)
         body = {"model": model_name, "prompt": prompt, "max_tokens": out, "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -234,7 +238,9 @@ def summarize(results: list[Result], window: float, cutoff: float) -> dict:
     def pct(v, q):
         return float(np.percentile(v, q)) if v else float("nan")
     errors = [r.error for r in results if r.error]
-    return {"sent": len(results), "done": len(done), "errors": len(errors), "first_error": errors[0] if errors else None,
+    by_req = {str(r.index): round((r.last - r.first) * 1e3 / (r.tokens - 1), 4)
+              for r in done if r.tokens > 1 and r.first is not None}
+    return {"tpot_by_request": by_req, "sent": len(results), "done": len(done), "errors": len(errors), "first_error": errors[0] if errors else None,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "out_tok_s": out_tokens / window if window else 0.0, "req_s": len(done) / window if window else 0.0,
             "window_s": window}
@@ -445,21 +451,38 @@ def median_row(windows: list[dict]) -> dict:
             "tpot_p50_range": (min(w["tpot_p50"] for w in windows), max(w["tpot_p50"] for w in windows)), **med}
 
 
+def paired_ratio(windows: list[dict], base: list[dict]) -> tuple[float, int] | None:
+    """The median over requests of a request's TPOT over the same request's TPOT on vanilla (each
+    window paired with vanilla's window of the same index, else its first; every window sends the
+    same requests at the same times), and how many pairs: the request mix and its lengths cancel."""
+    ratios = []
+    for w in windows:
+        ref = next((b for b in base if b.get("repeat") == w.get("repeat")), base[0] if base else None)
+        if ref is None or "tpot_by_request" not in w or "tpot_by_request" not in ref:
+            continue
+        mine, theirs = w["tpot_by_request"], ref["tpot_by_request"]
+        ratios += [mine[k] / theirs[k] for k in mine.keys() & theirs.keys() if theirs[k] > 0]
+    return (float(np.median(ratios)), len(ratios)) if ratios else None
+
+
 def table(rows: list[dict], base: dict) -> str:
     """Per configuration and rate, the median over its windows (``sent``/``done``: summed); the
-    ratio is the median TPOT p50 over vanilla's median at that rate (``base``: rate -> its windows)."""
+    ratio is the median TPOT p50 over vanilla's median at that rate (``base``: rate -> its windows);
+    the paired ratio is :func:`paired_ratio`'s."""
     head = ("| config | rate (req/s) | windows | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
-            "TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / vanilla |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / vanilla | paired TPOT / vanilla (requests) |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for windows in windows_by_rate(rows).values():
         r = median_row(windows)
         ref = median_row(base[r["rate"]]) if base.get(r["rate"]) else None
         ratio = r["tpot_p50"] / ref["tpot_p50"] if ref and ref["tpot_p50"] > 0 and r["tpot_p50"] > 0 else None
         lo, hi = r["tpot_p50_range"]
+        paired = paired_ratio(windows, base.get(r["rate"], [])) if r["config"] != "vanilla" else None
         lines.append("| " + " | ".join([
             r["config"], f"{r['rate']:g}", str(r["windows"]), str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}",
             f"{r['ttft_p99']:.0f}", f"{r['tpot_p50']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{r['tpot_p99']:.1f}",
-            f"{r['out_tok_s']:.0f}", f"{ratio:.3f}" if ratio is not None else ""]) + " |")
+            f"{r['out_tok_s']:.0f}", f"{ratio:.3f}" if ratio is not None else "",
+            f"{paired[0]:.3f} ({paired[1]})" if paired else ""]) + " |")
     return "\n".join(lines)
 
 

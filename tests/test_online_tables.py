@@ -1,0 +1,38 @@
+"""perf/online.py's tables: the paired TPOT ratio (each request against itself on vanilla)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+
+import online  # noqa: E402
+
+
+def _window(config, rep, tpots):
+    return {"config": config, "rate": 16.0, "repeat": rep, "sent": len(tpots), "done": len(tpots),
+            "ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": float(np.median(tpots)), "tpot_p99": max(tpots),
+            "out_tok_s": 1000.0, "tpot_by_request": {str(i): t for i, t in enumerate(tpots)}}
+
+
+def test_paired_ratio_cancels_the_request_mix():
+    rng = np.random.default_rng(0)
+    vanilla = [_window("vanilla", k, list(rng.uniform(4.0, 9.0, 40))) for k in range(3)]
+    dmi = [_window("dmi-hidden", k, [t * 1.02 for t in v["tpot_by_request"].values()]) for k, v in enumerate(vanilla)]
+    dmi[1]["tpot_by_request"].pop("7")                          # a request that did not finish: no pair
+    rows = json.loads(json.dumps(vanilla + dmi))                 # as --baseline reads them back
+    base = {16.0: [r for r in rows if r["config"] == "vanilla"]}
+    ratio, n = online.paired_ratio([r for r in rows if r["config"] == "dmi-hidden"], base[16.0])
+    assert ratio == pytest.approx(1.02) and n == 119
+    text = online.table(rows, base)
+    line = next(x for x in text.splitlines() if x.startswith("| dmi-hidden"))
+    assert line.rstrip(" |").endswith("1.020 (119)")
+
+
+def test_windows_without_per_request_figures_give_no_paired_ratio():
+    old = {k: v for k, v in _window("vanilla", 0, [5.0, 6.0]).items() if k != "tpot_by_request"}
+    assert online.paired_ratio([_window("dmi-hidden", 0, [5.1, 6.1])], [old]) is None
