@@ -23,9 +23,10 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit).
 
 dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
-stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink host`` (default) drains every capture to pinned host memory and
-skips the Zarr writes, like perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is
-measured separately); ``--sink zarr`` writes the store.
+stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink
+host`` (default) drains every capture to pinned host memory and skips the Zarr writes, like
+perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is measured separately); ``--sink
+zarr`` writes the store.
 
 Load: requests arrive as a Poisson process at each rate for ``--duration`` seconds; prompts and
 output lengths are drawn once (fixed seed) from ShareGPT-like log-normal distributions (prompt
@@ -240,7 +241,8 @@ def summarize(results: list[Result], window: float, cutoff: float) -> dict:
     errors = [r.error for r in results if r.error]
     by_req = {str(r.index): round((r.last - r.first) * 1e3 / (r.tokens - 1), 4)
               for r in done if r.tokens > 1 and r.first is not None}
-    return {"tpot_by_request": by_req, "sent": len(results), "done": len(done), "errors": len(errors), "first_error": errors[0] if errors else None,
+    return {"tpot_by_request": by_req, "sent": len(results), "done": len(done), "errors": len(errors),
+            "first_error": errors[0] if errors else None,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "out_tok_s": out_tokens / window if window else 0.0, "req_s": len(done) / window if window else 0.0,
             "window_s": window}
@@ -273,8 +275,9 @@ def plugin_dir(root: Path) -> Path:
 
 def hook_spec(entries: list, args, ring: int, extra: dict | None = None) -> str:
     """The operator's hook spec, as JSON (valid YAML). best_effort (default): a full ring drops whole
-    captures (accounted in the store) instead of stalling the engine; full: the step waits. Pinned host staging as large as the ring
-    (a step larger than staging is copied through pageable memory, much slower)."""
+    captures (accounted in the store) instead of stalling the engine; full: the step waits. Pinned
+    host staging as large as the ring (a step larger than staging is copied through pageable
+    memory, much slower)."""
     host = int(args.host_gib * GiB) if args.host_gib else ring
     spec = {"capture": entries, "policy": {"mode": args.policy_mode, "ring_bytes": ring, "host_bytes": host,
                                            "meta_records": 1 << 16}, **(extra or {})}

@@ -11,8 +11,9 @@ the stream reaches it, so over consecutive steps
 where ``forward`` is GPU time (a decode step is one CUDA graph), ``prep`` and ``post`` are the GPU
 work around it plus any wait for the host to launch it, and ``gap`` is the stream idle between
 steps: the host was late. The table gives medians per part (the parts' medians need not add up
-to the period's; the means do, over the steps kept) for decode steps and mixed steps apart. Host columns: ms in ``execute_model`` and ``sample_tokens``, and
-``wait``, the host blocked on sampled tokens (its slack: near zero when the host is the bottleneck).
+to the period's; the means do, over the steps kept) for decode steps and mixed steps apart. Host
+columns: ms in ``execute_model`` and ``sample_tokens``, and ``wait``, the host blocked on sampled
+tokens (its slack: near zero when the host is the bottleneck).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
 """
