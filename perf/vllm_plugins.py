@@ -147,11 +147,11 @@ class StepClock:
     def _event(self):
         if not self.cuda:
             return None
-        e = self.free.pop() if self.free else self.torch.cuda.Event(enable_timing=True)
-        e.record()
-        if self.ref is None:
+        if self.ref is None:            # recorded before any step's event: every time is >= 0
             self.ref = self.torch.cuda.Event(enable_timing=True)
             self.ref.record()
+        e = self.free.pop() if self.free else self.torch.cuda.Event(enable_timing=True)
+        e.record()
         return e
 
     def _wrap_worker(self, mod) -> None:
