@@ -91,10 +91,10 @@ def _capture_recorder(monkeypatch):
     events = []
     inner = KernelRing.capture
 
-    def capture(self, site, x):
+    def capture(self, site, x, addend=None):
         cur = self.current if self.current is not None and not self.current.ended else None
         events.append((torch.cuda.is_current_stream_capturing(), site.index, cur.step if cur is not None else None))
-        return inner(self, site, x)
+        return inner(self, site, x, addend)
     monkeypatch.setattr(KernelRing, "capture", capture)
     return events
 
