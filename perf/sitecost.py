@@ -17,6 +17,14 @@ replays each) for:
   rows of their sum (``dmi::capture_sum``), against ``add, then capture``: the sum made by an
   elementwise op first (what a compiled graph ran before; the engine's own graph fuses that add
   into its next norm, so the whole add is dmi's cost there).
+
+``--evict-mb M`` puts before each site what a model layer does there: a kernel reading M MiB of
+its own (that layer's weights streaming through L2 and the TLBs: a Qwen3-8B layer is ~420 MiB)
+and one rewriting the site's rows (the layer's last op), so each capture finds its control words
+and ring slot cold, as in serving; µs per site is then the graph with captures less the same graph
+without them, over N. (Serving's forward grew by 2.5-4.6 µs a site, not the 1.8-2.2 measured back
+to back: this tells whether cold caches are the difference.) ~37 x M MiB of GPU memory; each
+replay streams all of it, so take fewer replays (``--evict-mb 400 --replays 40``).
 """
 from __future__ import annotations
 
@@ -60,11 +68,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--features", type=int, default=4096)
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--evict-mb", type=int, default=0, help="MiB read before each site (0: sites back to back)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     F, n_sites, meta_records = args.features, args.sites, 4096
     row_bytes = F * 2
-    print(f"{torch.cuda.get_device_name()}; {n_sites} sites, {F} bf16 features a row; µs per site in a graph\n")
+    # --evict-mb: each site's "layer" reads its own buffer, as each layer reads its own weights
+    evict = [torch.ones(args.evict_mb << 19, dtype=torch.bfloat16, device=dev) for _ in range(n_sites)] \
+        if args.evict_mb else None
+    evict_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    print(f"{torch.cuda.get_device_name()}; {n_sites} sites, {F} bf16 features a row; µs per site in a graph"
+          + (f", each after a read of its own {args.evict_mb} MiB and a rewrite of its rows" if evict else "") + "\n")
     print("| rows | host meta | device meta | disarmed | memcpy node | sum in kernel | add, then capture |\n"
           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -85,9 +99,15 @@ def main(argv=None) -> int:
         dev_meta = torch.zeros(meta_records * 7, dtype=torch.int64, device=dev)
         metas = {"host": DevicePointer(host_meta.data_ptr(), torch.int64), "device": dev_meta}
 
+        def layer(i):                      # --evict-mb: the model's work before site i
+            torch.sum(evict[i], dtype=torch.float32, out=evict_sum)
+            src.mul_(1)
+
         def captures(n, ctrl_t, meta, how=None):
             def fn():
                 for i in range(n):
+                    if evict:
+                        layer(i)
                     x = src + other if how == "add" else src
                     K.launch(x, ring, ctrl_t, meta, site_index=i, meta_records=meta_records, K=rows, src_seq=rows,
                              geometry=(rows * F, F, F, F, 0, 1), mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows,
@@ -97,10 +117,20 @@ def main(argv=None) -> int:
         def copies(n):
             def fn():
                 for i in range(n):
+                    if evict:
+                        layer(i)
                     ring.narrow(0, i * block, rows * row_bytes).copy_(src.view(-1).view(torch.uint8))
             return fn
 
+        def layers_only():
+            for i in range(n_sites):
+                layer(i)
+
+        layers_us = graph_time_us(layers_only, args.replays) if evict else 0.0
+
         def per_site(make):
+            if evict:                          # the same layers with and without the captures
+                return (graph_time_us(make(n_sites), args.replays) - layers_us) / n_sites
             return (graph_time_us(make(n_sites), args.replays) - graph_time_us(make(1), args.replays)) / (n_sites - 1)
 
         host = per_site(lambda n: captures(n, armed, metas["host"]))
