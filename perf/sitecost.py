@@ -13,6 +13,8 @@ replays each) for:
 * ``disarmed``: the step is not armed (null mode): the kernel reads its flags and exits;
 * ``memcpy node``: a plain device-to-device copy of the same rows per site (the floor for a
   graph node that moves the bytes);
+* ``PDL``, ``disarmed PDL``: the capture launched as a programmatic dependent of the kernel before
+  it (``DMI_PDL=1``: its launch and control-word read overlap that kernel's end; Hopper and later);
 * ``sum in kernel``: a site held as two tensors (vLLM's residual stream), the kernel copying the
   rows of their sum (``dmi::capture_sum``), against ``add, then capture``: the sum made by an
   elementwise op first (what a compiled graph ran before; the engine's own graph fuses that add
@@ -22,7 +24,7 @@ replays each) for:
 its own (that layer's weights streaming through L2 and the TLBs: a Qwen3-8B layer is ~420 MiB)
 and one rewriting the site's rows (the layer's last op), so each capture finds its control words
 and ring slot cold, as in serving; µs per site is then the graph with captures less the same graph
-without them, over N. (Serving's forward grew by 2.5-4.6 µs a site, not the 1.8-2.2 measured back
+without them, over N. (Serving's forward grew by 2.5-4.9 µs a site, not the 1.8-2.2 measured back
 to back: this tells whether cold caches are the difference.) ~37 x M MiB of GPU memory; each
 replay streams all of it, so take fewer replays (``--evict-mb 400 --replays 40``).
 """
@@ -77,10 +79,11 @@ def main(argv=None) -> int:
     evict = [torch.ones(args.evict_mb << 19, dtype=torch.bfloat16, device=dev) for _ in range(n_sites)] \
         if args.evict_mb else None
     evict_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    has_pdl = torch.cuda.get_device_capability(dev)[0] >= 9
     print(f"{torch.cuda.get_device_name()}; {n_sites} sites, {F} bf16 features a row; µs per site in a graph"
           + (f", each after a read of its own {args.evict_mb} MiB and a rewrite of its rows" if evict else "") + "\n")
-    print("| rows | host meta | device meta | disarmed | memcpy node | sum in kernel | add, then capture |\n"
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| rows | host meta | device meta | disarmed | memcpy node | PDL | disarmed PDL | sum in kernel | add, then capture |\n"
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in [int(r) for r in args.rows.split(",")]:
         src = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
         other = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
             torch.sum(evict[i], dtype=torch.float32, out=evict_sum)
             src.mul_(1)
 
-        def captures(n, ctrl_t, meta, how=None):
+        def captures(n, ctrl_t, meta, how=None, pdl=False):
             def fn():
                 for i in range(n):
                     if evict:
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
                     x = src + other if how == "add" else src
                     K.launch(x, ring, ctrl_t, meta, site_index=i, meta_records=meta_records, K=rows, src_seq=rows,
                              geometry=(rows * F, F, F, F, 0, 1), mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows,
-                             addend=other if how == "sum" else None)
+                             addend=other if how == "sum" else None, pdl=pdl)
             return fn
 
         def copies(n):
@@ -140,10 +143,15 @@ def main(argv=None) -> int:
         device = per_site(lambda n: captures(n, armed, metas["device"]))
         null = per_site(lambda n: captures(n, disarmed, metas["host"]))
         copy = per_site(copies)
+        ring.zero_()
+        pdl = per_site(lambda n: captures(n, armed, metas["host"], pdl=True)) if has_pdl else float("nan")
+        assert not has_pdl or torch.equal(ring[: rows * row_bytes], src.view(-1).view(torch.uint8)), "PDL copied wrong"
+        null_pdl = per_site(lambda n: captures(n, disarmed, metas["host"], pdl=True)) if has_pdl else float("nan")
         summed = per_site(lambda n: captures(n, armed, metas["host"], "sum"))
         assert torch.equal(ring[: rows * row_bytes], (src + other).view(-1).view(torch.uint8)), "sum copied wrong"
         added = per_site(lambda n: captures(n, armed, metas["host"], "add"))
-        print(f"| {rows} | {host:.2f} | {device:.2f} | {null:.2f} | {copy:.2f} | {summed:.2f} | {added:.2f} |", flush=True)
+        print(f"| {rows} | {host:.2f} | {device:.2f} | {null:.2f} | {copy:.2f} | {pdl:.2f} | {null_pdl:.2f} | {summed:.2f} "
+              f"| {added:.2f} |", flush=True)
     return 0
 
 

@@ -48,11 +48,22 @@ as a tensor of its own would take an elementwise kernel per layer that the engin
 Rows whose position the engine tensor does not hold (``logits`` under ``logits_to_keep``) are
 compacted with ``drow`` (destination row per candidate row, -1 to skip).
 
+Programmatic dependent launch (``DMI_PDL=1``, Hopper and later; off by default until measured in
+serving): the capture kernel may start while the kernel before it finishes. It loads its control
+words first (the host's H2D copy wrote them before the step, never the kernel just before; the end
+kernel, which disarms, is always followed by the next forward's own kernels or dmi's copy), then
+waits (``gdc_wait``) before reading anything a kernel wrote: the site's rows, ``drow`` and
+``cnt``. A capture's launch latency and its cold control-word read then overlap the kernel before
+it. It waits even when it captures nothing, so a kernel after it still finds every kernel before it
+complete.
+
 Under ``TRITON_INTERPRET=1`` both kernels run on the CPU (tests/test_kernels_interpret.py).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import triton
 import triton.language as tl
@@ -128,9 +139,10 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
                    row_bytes0, row_bytes1, meta_records,
                    MODE: tl.constexpr, HAS_DROW: tl.constexpr, NOUT: tl.constexpr, CONTIG: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, SUM: tl.constexpr = False,
-                   HOST: tl.constexpr = False):
+                   HOST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Copy rows of ``src0`` (and ``src1``) into ``ring`` and publish the site's record. SUM
-    (DIRECT only): the rows of ``src0 + src1``, two tensors of one layout.
+    (DIRECT only): the rows of ``src0 + src1``, two tensors of one layout. PDL: launched as a
+    programmatic dependent of the kernel before it (module doc).
 
     Candidate rows come from ``ctrl``, output rows from ``cnt[cnt_idx]``. seq_arg: the step's seq
     when known at launch (the graph's geometry), else -1 (read from ``ctrl``)."""
@@ -140,10 +152,15 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
     offset = tl.load(ctrl + hdr + _OFFSET) + tl.load(ctrl + _BASE)
     c = tl.minimum(tl.load(ctrl + hdr + _ROWS), K)
     start = tl.load(ctrl + hdr + _ROWS_START)
-    n = tl.load(cnt + cnt_idx)
+    if not (PDL and HAS_DROW):             # (with drow, cnt is a kernel's output: read after the wait)
+        n = tl.load(cnt + cnt_idx)
     seq = tl.load(ctrl + _SEQ)
     seq_no = tl.load(ctrl + hdr + _RSEQ) + tl.load(ctrl + _FIRST_SEQ)
     step = tl.load(ctrl + _STEP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()           # the kernel before this one has completed: its outputs are readable
+        if HAS_DROW:
+            n = tl.load(cnt + cnt_idx)
     if (armed != 0) & (enabled != 0):
         pid_r = tl.program_id(0)
         pid_f = tl.program_id(1)
@@ -235,14 +252,24 @@ def direct_geometry(x, layout: list[str], batch: int):
     return src_seq, stride_b, stride_s, x.shape[a] * x.shape[b], x.shape[b], x.stride(a), x.stride(b)
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch asked for (``DMI_PDL=1``) and possible: a Hopper or later GPU."""
+    if os.environ.get("DMI_PDL", "0") != "1":
+        return False
+    import torch
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,
            src_seq: int, geometry, mode: int, row_bytes0: int, src1=None, row_bytes1: int = 0,
-           cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1, addend=None) -> None:
+           cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1, addend=None, pdl: bool | None = None) -> None:
     """Launch :func:`capture_kernel` for one site. ``geometry``: DIRECT: (stride_b, stride_s, F, F2,
     stride_f1, stride_f2) of ``src0``; IDENTITY: (row stride, F) of ``src0`` [rows, F] and (row
     stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``.
     ``addend`` (DIRECT): a tensor of ``src0``'s shape, strides and dtype; the rows of the sum are
-    copied (the sum is never materialized: in a compiled graph that would take a kernel of its own)."""
+    copied (the sum is never materialized: in a compiled graph that would take a kernel of its own).
+    ``pdl``: launch as a programmatic dependent (None: as ``DMI_PDL`` says, on a GPU that has it)."""
     if addend is not None:
         assert mode == DIRECT and src1 is None and addend.shape == src0.shape and addend.stride() == src0.stride() \
             and addend.dtype == src0.dtype, "a summed capture needs two tensors of one layout"
@@ -260,13 +287,16 @@ def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int
     contig = F2 == F0 and sf2 == 1
     grid = (max(1, math.ceil(K / BR)), max(1, math.ceil(max(F0, F1) / BF)), nout)
     second = addend if addend is not None else src1 if src1 is not None else src0
+    if pdl is None:
+        pdl = src0.is_cuda and pdl_supported(src0.device.index)
     capture_kernel[grid](src0, second, ring, ctrl, meta,
                          drow if drow is not None else ctrl, cnt,
                          hdr, site_index & 0xFFFFFFFF, cnt_idx, K, src_seq, seq_arg,
                          stride_b, stride_s, F0, F2, sf1, sf2, F1, sr1,
                          row_bytes0, row_bytes1, meta_records,
                          MODE=mode, HAS_DROW=drow is not None, NOUT=nout, CONTIG=contig, BLOCK_R=BR, BLOCK_F=BF,
-                         SUM=addend is not None, HOST=not src0.is_cuda, num_warps=4)
+                         SUM=addend is not None, HOST=not src0.is_cuda, PDL=pdl, num_warps=4,
+                         **({"launch_pdl": True} if pdl else {}))
 
 
 def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int) -> None:

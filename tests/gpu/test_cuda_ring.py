@@ -401,3 +401,42 @@ def test_summed_capture_in_a_graph_equals_torch_add(dtype):
     assert torch.equal(got[1, :len(listed)], want[listed.to(CUDA)])
     recs = meta.view(meta_records, 7)[:2]
     assert recs[:, 0].tolist() == [0, 1] and recs[:, 4].tolist() == [rows * row_bytes, len(listed) * row_bytes]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper or later GPU")
+@pytest.mark.parametrize("summed", [False, True])
+def test_pdl_capture_reads_what_the_kernel_before_it_wrote(summed):
+    """``DMI_PDL=1``'s launch: a capture launched as a programmatic dependent starts before the kernel ahead
+    of it ends, so it must read that kernel's output only after its wait. Each replay of a graph
+    rewrites the rows just before capturing them; every replay's record holds that replay's values."""
+    from dmi.kernels import capture as K
+    from dmi.kernels.cuda_ring import DevicePointer
+    rows, F, meta_records, replays = 64, 4096, 64, 20
+    x = torch.randn(rows, F, device=CUDA).to(torch.bfloat16)
+    y = torch.randn(rows, F, device=CUDA).to(torch.bfloat16)
+    big = torch.ones(64 << 20, device=CUDA)          # a long kernel ahead of the rewrite: the capture would start early
+    row_bytes = F * 2
+    ctrl = torch.zeros(K.G_WORDS + K.S_WORDS, dtype=torch.int64)
+    ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
+    ctrl[K.G_WORDS + K.S_ROWS], ctrl[K.G_WORDS + K.S_ENABLED] = rows, K.ENABLED_ARANGE
+    ctrl = ctrl.to(CUDA)
+    ring = torch.zeros(rows * row_bytes, dtype=torch.uint8, device=CUDA)
+    meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
+
+    def step():
+        big.mul_(1.0)
+        x.add_(1.0)                                  # the rows, written by the kernel just before the capture
+        K.launch(x, ring, ctrl, DevicePointer(meta.data_ptr(), torch.int64), site_index=0, meta_records=meta_records,
+                 K=rows, src_seq=rows, geometry=(rows * F, F, F, F, 0, 1), mode=K.DIRECT, row_bytes0=row_bytes,
+                 seq_arg=rows, addend=y if summed else None, pdl=True)
+    step()                                           # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        want = (x + y) if summed else x
+        assert torch.equal(ring.view(rows, row_bytes), want.view(torch.uint8).view(rows, row_bytes))
+    assert meta.view(meta_records, 7)[0, 4].item() == rows * row_bytes
