@@ -23,14 +23,28 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def assert_stores_equal(a_path, b_path) -> int:
-    """Every array and coordinate of two stores equal bit for bit (NaN too); returns how many."""
+    """Every array and coordinate of two stores equal bit for bit (NaN too); returns how many. A
+    difference names every array that differs and where, so a rare one says what it was."""
     import dmi
     a, b = dmi.open(a_path), dmi.open(b_path)
-    n = 0
+    n, diffs = 0, []
     for node in a.subtree:
         for v in list(node.dataset.data_vars) + list(node.dataset.coords):
             x, y = node.dataset[v].values, b[node.path].dataset[v].values
             assert x.shape == y.shape and x.dtype == y.dtype, (node.path, v, x.shape, y.shape)
-            assert np.array_equal(_bits(x), _bits(y)), (node.path, v)
+            if not np.array_equal(_bits(x), _bits(y)):
+                diffs.append(_where(node.path, v, x, y))
             n += 1
+    assert not diffs, f"{a_path} vs {b_path}:\n" + "\n".join(diffs)
     return n
+
+
+def _where(path: str, name: str, x: np.ndarray, y: np.ndarray) -> str:
+    """Which rows (first dim) of two equal-shape arrays differ, and by how much."""
+    bx, by = _bits(x), _bits(y)
+    rows = np.flatnonzero((bx != by).reshape(len(bx), -1).any(axis=1)) if bx.ndim else np.array([0])
+    text = f"{path}/{name}: {len(rows)} of {len(bx) if bx.ndim else 1} rows differ, first {rows[:8].tolist()}"
+    if x.dtype.kind == "f" and len(rows):
+        d = np.abs(x[rows].astype(np.float64) - y[rows].astype(np.float64))
+        text += f", max |diff| {np.nanmax(d) if np.isfinite(d).any() else 'nan'}"
+    return text
