@@ -76,9 +76,9 @@ case "$part" in
     TAIL=2 step hostcycle 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 0 --cycle --gap 5 --breakdown "$@"
     TAIL=2 step hosteager 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --eager --gap 5 "$@"
     ;;
-  pdl)     # programmatic dependent launch (DMI_PDL=1) and cold caches: the ring's GPU tests with PDL on (the PDL
-           # race test among them), then perf/sitecost.py back to back and with a layer's weights read before each site
-    TAIL=12 step tests 200 env DMI_PDL=1 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+  pdl)     # programmatic dependent launch and cold caches: the ring's GPU tests with PDL off (DMI_PDL=0; on is the
+           # default on Hopper), then perf/sitecost.py back to back and with a layer's weights read before each site
+    TAIL=12 step tests 200 env DMI_PDL=0 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
     TAIL=8 step sitecost 120 python3 perf/sitecost.py
     TAIL=8 step sitecost-cold "${PERF_LIMIT:-240}" python3 perf/sitecost.py --evict-mb 400 --replays 40 "$@"
     ;;

@@ -13,8 +13,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ``dmi-hidden-ops``: eager captures (the logits every step) through torch ops or their replayed graph
   where one strided copy of a row range would do (``DMI_RANGE_COPY=0``); ``dmi-hidden-cudapython``: the
   ring's async copies and event records through cuda-python, which lets the GIL go in each call
-  (``DMI_PYDLL=0``); ``dmi-hidden-pdl``: each capture kernel a programmatic dependent launch
-  (``DMI_PDL=1``: its launch and control-word read overlap the kernel before it);
+  (``DMI_PYDLL=0``); ``dmi-hidden-nopdl``: each capture kernel an ordinary launch (``DMI_PDL=0``;
+  by default, on Hopper and later, a programmatic dependent launch whose launch and control-word
+  read overlap the kernel before it);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -414,8 +415,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-cudapython": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PYDLL="0"),
         # ... and with the drain's copies in one piece per span (before: pieces of 16 MiB, one at a time)
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
-        # ... and with each capture kernel launched as a programmatic dependent of the kernel before it
-        "dmi-hidden-pdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="1"),
+        # ... and with each capture kernel an ordinary launch (the default: a programmatic dependent, Hopper on)
+        "dmi-hidden-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),

@@ -7,14 +7,15 @@ Per row count (a decode batch copies that many rows of ``features`` bf16 per sit
 (graph replay time of N sites less that of 1, over N - 1; median of 5 timings of ``--replays``
 replays each) for:
 
-* ``host meta``: as shipped, the record goes to the meta ring in mapped pinned host memory;
+* ``host meta``: the record goes to the meta ring in mapped pinned host memory, an ordinary launch
+  (as shipped before programmatic dependent launch; ``DMI_PDL=0``);
 * ``device meta``: the record goes to device memory instead (what publishing records from the end
   kernel alone would leave each capture);
 * ``disarmed``: the step is not armed (null mode): the kernel reads its flags and exits;
 * ``memcpy node``: a plain device-to-device copy of the same rows per site (the floor for a
   graph node that moves the bytes);
 * ``PDL``, ``disarmed PDL``: the capture launched as a programmatic dependent of the kernel before
-  it (``DMI_PDL=1``: its launch and control-word read overlap that kernel's end; Hopper and later);
+  it (the default on Hopper and later: its launch and control-word read overlap that kernel's end);
 * ``sum in kernel``: a site held as two tensors (vLLM's residual stream), the kernel copying the
   rows of their sum (``dmi::capture_sum``), against ``add, then capture``: the sum made by an
   elementwise op first (what a compiled graph ran before; the engine's own graph fuses that add
@@ -25,7 +26,8 @@ its own (that layer's weights streaming through L2 and the TLBs: a Qwen3-8B laye
 and one rewriting the site's rows (the layer's last op), so each capture finds its control words
 and ring slot cold, as in serving; µs per site is then the graph with captures less the same graph
 without them, over N. (Serving's forward grew by 2.5-4.9 µs a site, not the 1.8-2.2 measured back
-to back: this tells whether cold caches are the difference.) ~37 x M MiB of GPU memory; each
+to back; cold, an ordinary launch took 2.4-3.3 µs and a programmatic dependent 1.6-1.8: H200,
+perf/RESULTS.md, fifteenth GPU session.) ~37 x M MiB of GPU memory; each
 replay streams all of it, so take fewer replays (``--evict-mb 400 --replays 40``).
 """
 from __future__ import annotations
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
         metas = {"host": DevicePointer(host_meta.data_ptr(), torch.int64), "device": dev_meta}
 
         def layer(i):                      # --evict-mb: the model's work before site i
-            torch.sum(evict[i], dtype=torch.float32, out=evict_sum)
+            torch.sum(evict[i], dim=0, dtype=torch.float32, out=evict_sum)
             src.mul_(1)
 
         def captures(n, ctrl_t, meta, how=None, pdl=False):

@@ -407,7 +407,7 @@ def test_summed_capture_in_a_graph_equals_torch_add(dtype):
                     reason="programmatic dependent launch needs a Hopper or later GPU")
 @pytest.mark.parametrize("summed", [False, True])
 def test_pdl_capture_reads_what_the_kernel_before_it_wrote(summed):
-    """``DMI_PDL=1``'s launch: a capture launched as a programmatic dependent starts before the kernel ahead
+    """The default launch on Hopper: a capture launched as a programmatic dependent starts before the kernel ahead
     of it ends, so it must read that kernel's output only after its wait. Each replay of a graph
     rewrites the rows just before capturing them; every replay's record holds that replay's values."""
     from dmi.kernels import capture as K
