@@ -13,7 +13,10 @@ work around it plus any wait for the host to launch it, and ``gap`` is the strea
 steps: the host was late. The table gives medians per part (the parts' medians need not add up
 to the period's; the means do, over the steps kept) for decode steps and mixed steps apart. Host
 columns: ms in ``execute_model`` and ``sample_tokens``, and ``wait``, the host blocked on sampled
-tokens (its slack: near zero when the host is the bottleneck).
+tokens (its slack: near zero when the host is the bottleneck), ``pre``, the host's time from the
+step's start to the forward's launch (vLLM's input preparation, and dmi's step begin), and with dmi,
+``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
+during the step, on the same GIL).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
 """
@@ -27,7 +30,7 @@ import numpy as np
 
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
-HOST = ("exec", "sample", "wait")
+HOST = ("exec", "sample", "wait", "pre", "dmi_begin", "threads")
 
 
 def load(path) -> list[dict]:
@@ -56,7 +59,7 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     for kind in ("all", "decode", "mixed"):
         sel = [(a, b) for a, b in busy if kind == "all" or (a["tokens"] == a["reqs"]) == (kind == "decode")]
         d = {"steps": len(sel), "reqs": _mean([a["reqs"] for a, _ in sel]), "tokens": _mean([a["tokens"] for a, _ in sel])}
-        d.update({k: _mean([a.get(k) for a, _ in sel]) for k in HOST})
+        d.update({k: _mean([_host(a, k) for a, _ in sel]) for k in HOST})
         d["host_period"] = _mean([(b["t"] - a["t"]) * 1e3 for a, b in sel])
         gpu = [(a["g"], b["g"]) for a, b in sel if a.get("g") and b.get("g") and None not in a["g"] and b["g"][0] is not None]
         if gpu:
@@ -67,6 +70,13 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
             d.update({f"{k}_p50": float(np.median(v)) for k, v in parts.items()})
         out[kind] = d
     return out
+
+
+def _host(row: dict, key: str) -> float | None:
+    """A step's host figure ``key`` (``dmi_begin``: the begin entry of its ``dmi`` hook times)."""
+    if key == "dmi_begin":
+        return row["dmi"][1] if row.get("dmi") else None
+    return row.get(key)
 
 
 def keep(rows: list[dict], config: str, path: Path) -> None:
@@ -99,8 +109,9 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
             ref.setdefault(rate, s)
     cols = [f"{k}_p50" for k in PARTS]
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
-            "period mean | host exec | host sample | host wait | period - base | forward - base | prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 19]
+            "period mean | host exec | host sample | host wait | host pre | dmi begin | dmi threads | period - base | "
+            "forward - base | prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 22]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})

@@ -121,7 +121,10 @@ class StepClock:
     forward end, sampling end], from CUDA timing events recorded on the model's stream; null on a
     CPU). An event fires when the stream reaches it: a stream that ran dry waiting for the host
     shows as time between one step's end and the next one's start, or inside a step's span beyond
-    its kernels."""
+    its kernels. Also ``pre``: host ms from the step's start to the forward's launch (vLLM's input
+    preparation, and dmi's step begin where dmi runs); with a dmi session in the process, ``dmi``:
+    host ms of its step hooks in the step ([batch, begin, end], wall: GIL waits included), and
+    ``threads``: ms of CPU its drain and export threads spent meanwhile (they share the GIL)."""
     FLUSH = 256
 
     def __init__(self, path: str):
@@ -134,6 +137,8 @@ class StepClock:
         self.done: list = []
         self.free: list = []            # recycled events
         self.cur = self.last = None     # the step being launched; the last one launched
+        self.session = None             # dmi's session in this process, once one has started
+        self.thread_clocks: list = []   # its drain and export threads' CPU clocks
 
     @classmethod
     def install(cls, path: str) -> None:
@@ -171,11 +176,17 @@ class StepClock:
             row = {"t": time.time(), "reqs": len(scheduler_output.num_scheduled_tokens), "tokens": n,
                    "wait": 0.0, "ev": [clock._event()]}
             clock.cur = row
-            t0 = time.perf_counter()
+            t0 = row["t0"] = time.perf_counter()
+            dmi0 = clock._dmi_now()
             try:
                 return execute(self, scheduler_output, *args, **kwargs)
             finally:
                 row["exec"] = (time.perf_counter() - t0) * 1e3
+                row.pop("t0", None)
+                if dmi0 is not None:
+                    dmi1 = clock._dmi_now()
+                    row["dmi"] = [round((b - a) * 1e3, 4) for a, b in zip(dmi0[0], dmi1[0])]
+                    row["threads"] = round((dmi1[1] - dmi0[1]) * 1e3, 4)
 
         @functools.wraps(sample)
         def sample_tokens(self, *args, **kwargs):
@@ -204,6 +215,7 @@ class StepClock:
         def _model_forward(self, *args, **kwargs):
             row = clock.cur
             if row is not None and len(row["ev"]) == 1:
+                row["pre"] = (time.perf_counter() - row["t0"]) * 1e3
                 row["ev"].append(clock._event())
                 out = forward(self, *args, **kwargs)
                 row["ev"].append(clock._event())
@@ -224,6 +236,25 @@ class StepClock:
                 if clock.last is not None:
                     clock.last["wait"] += (time.perf_counter() - t0) * 1e3
         out_cls.get_output = timed_get_output
+
+    def _dmi_now(self):
+        """(dmi's step-hook wall seconds so far [batch, begin, end], its threads' CPU seconds so far),
+        or None where no dmi session runs in this process (vanilla servers never import dmi's worker)."""
+        import sys
+        import time
+        if self.session is None:
+            worker = sys.modules.get("dmi.adapters.vllm.worker")
+            self.session = next(iter(worker.SESSIONS.values()), None) if worker is not None else None
+            if self.session is None:
+                return None
+            run = self.session.run
+            self.thread_clocks = [time.pthread_getcpuclockid(t.ident) for t in (run._drain, run._export) if t.ident]
+        wall = self.session.clock.wall
+        try:
+            threads = sum(time.clock_gettime(c) for c in self.thread_clocks)
+        except OSError:                 # the session closed and its threads ended
+            return None
+        return [wall[k] for k in ("batch", "begin", "end")], threads
 
     def resolve(self) -> None:
         """Rows whose events have all fired, onto the GPU timeline (no waiting)."""

