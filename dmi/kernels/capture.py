@@ -256,8 +256,9 @@ def direct_geometry(x, layout: list[str], batch: int):
 
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch possible (a Hopper or later GPU) and not turned off (``DMI_PDL=0``)."""
-    if os.environ.get("DMI_PDL", "1") == "0":
+    """Programmatic dependent launch possible (a Hopper or later GPU, a Triton that has it: 3.3 and
+    later) and not turned off (``DMI_PDL=0``)."""
+    if os.environ.get("DMI_PDL", "1") == "0" or not hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
         return False
     import torch
     return torch.cuda.get_device_capability(device_index)[0] >= 9
