@@ -13,6 +13,23 @@ from dmi.models import build_tiny_model, tiny_tokenizer
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
+
+def settle_mkl_vml() -> None:
+    """Resolve oneMKL's vector-math kernels before any model runs: oneMKL 2024.2 (torch's wheels)
+    picks a VML function's kernel on its first call, and when two intra-op threads make that call
+    together one of them can run a low-accuracy kernel on its chunk (pytorch/pytorch#188792). Here
+    that was the rotary ``cos`` of the process's first forward (thread 1's half of the angles at
+    VML_EP accuracy): every later array of that run's first generate off by 1e-5..2e-4 in 25 rows,
+    and its store unequal to the others. One single-threaded 1-element call of each settles them;
+    done here for every test process, and by the subprocesses that compare model runs bit for bit."""
+    x = torch.full((1,), 0.5)
+    for op in ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin",
+               "sqrt", "tan", "tanh", "trunc"):        # ATen's ops on MKL VML (ATen/cpu/vml.h)
+        getattr(torch, op)(x)
+
+
+settle_mkl_vml()
+
 # One entry per architecture family: adding a family = one spec file + one entry here.
 FAMILIES = ["qwen3", "llama3_1", "qwen3_moe", "mixtral"]
 MOE_FAMILIES = {"qwen3_moe", "mixtral"}

@@ -399,22 +399,9 @@ def section_control() -> None:
     print("control ok")
 
 
-def _settle_mkl_vml() -> None:
-    """Resolve oneMKL's vector-math kernels before any model runs: oneMKL 2024.2 (torch's wheels)
-    picks a VML function's kernel on its first call, and when two intra-op threads make that call
-    together one of them can run a low-accuracy kernel on its chunk (pytorch/pytorch#188792). Here
-    that was the rotary ``cos`` of the process's first forward (thread 1's half of the angles at
-    VML_EP accuracy): every later array of that run's first generate off by 1e-5..2e-4 in 25 rows,
-    and its store unequal to the others. One single-threaded 1-element call of each settles them."""
-    import torch
-    x = torch.full((1,), 0.5)
-    for op in ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin",
-               "sqrt", "tan", "tanh", "trunc"):        # ATen's ops on MKL VML (ATen/cpu/vml.h)
-        getattr(torch, op)(x)
-
-
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _settle_mkl_vml()
+    from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
+    settle_mkl_vml()
     {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
      "control": section_control}[sys.argv[1]]()
