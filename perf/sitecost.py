@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     evict = [torch.ones(args.evict_mb << 19, dtype=torch.bfloat16, device=dev) for _ in range(n_sites)] \
         if args.evict_mb else None
     evict_sum = torch.zeros((), dtype=torch.float32, device=dev)
-    has_pdl = torch.cuda.get_device_capability(dev)[0] >= 9
+    has_pdl = K.pdl_possible(torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name()}; {n_sites} sites, {F} bf16 features a row; µs per site in a graph"
           + (f", each after a read of its own {args.evict_mb} MiB and a rewrite of its rows" if evict else "") + "\n")
     print("| rows | host meta | device meta | disarmed | memcpy node | PDL | disarmed PDL | sum in kernel | add, then capture |\n"

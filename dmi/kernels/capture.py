@@ -255,13 +255,19 @@ def direct_geometry(x, layout: list[str], batch: int):
 
 
 @functools.lru_cache(maxsize=None)
-def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch possible (a Hopper or later GPU, a Triton that has it: 3.3 and
-    later) and not turned off (``DMI_PDL=0``)."""
-    if os.environ.get("DMI_PDL", "1") == "0" or not hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
+def pdl_possible(device_index: int) -> bool:
+    """Programmatic dependent launch possible: a Hopper or later GPU and a Triton that has it (3.3+)."""
+    if not hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
         return False
     import torch
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """The default launch: programmatic dependent where possible, unless turned off (``DMI_PDL=0``,
+    read once per process)."""
+    return os.environ.get("DMI_PDL", "1") != "0" and pdl_possible(device_index)
 
 
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,
