@@ -298,6 +298,8 @@ def _vllm_line(v: dict) -> str:
     threads = v.get("thread_cpu_s")
     if threads:
         text += "; " + ", ".join(f"{k} thread {t:g} s CPU" for k, t in threads.items())
+    if v.get("drain_windows"):
+        text += f"; {v['drain_windows']} drain windows (decode steps)"
     return text
 
 

@@ -120,19 +120,85 @@ class StepLayout:
     """A step's captures laid out in its block, computed once and reused by every step that wants
     exactly the same captures (decode steps of one batch): the per-step host work is then one
     reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
-    GPU waits for it between decode steps)."""
-    __slots__ = ("wanted", "sizes", "rel", "total", "site_ids", "index", "cache")
+    GPU waits for it between decode steps).
+
+    Captures are held as columns: the sites with rows (``site_ids``, in capture order), each one's
+    bytes, aligned size and place in the block (``nbytes``, ``sizes``, ``rel``), and which of the
+    step's row arrays it reads (``src``: an index into ``arrays``, the distinct ``(sel, rows)``
+    pairs; sites of one token filter share theirs). :meth:`of_arrays` builds one from those with
+    whole-array operations: an engine's mixed steps lay out a fresh layout every step, with up to
+    hundreds of sites. ``wanted`` (the per-capture tuples of :meth:`Ring.begin_step`'s general
+    path) is built only when read."""
+    __slots__ = ("site_ids", "src", "arrays", "nbytes", "sizes", "rel", "total", "priority", "cache",
+                 "_wanted", "_index", "_ids")
 
     def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
-        self.wanted = wanted
-        site_ids, _, _, nbytes, _ = zip(*wanted) if wanted else ((),) * 5     # columns (C-level transpose)
-        sizes = (np.array(nbytes, np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
-        self.sizes = sizes.tolist()
+        """From per-capture tuples (site, sel, rows, bytes, priority); captures sharing one
+        ``(sel, rows)`` pair by identity share its entry of ``arrays``."""
+        arrays, at, src = [], {}, []
+        for w in wanted:
+            key = (id(w[1]), id(w[2]))
+            j = at.get(key)
+            if j is None:
+                j = at[key] = len(arrays)
+                arrays.append((w[1], w[2]))
+            src.append(j)
+        site_ids, _, _, nbytes, priority = zip(*wanted) if wanted else ((),) * 5    # columns (C-level transpose)
+        self._set(np.array(site_ids, np.int64), np.array(src, np.int64), arrays, np.array(nbytes, np.int64),
+                  list(priority))
+        self._wanted = wanted
+
+    @classmethod
+    def of_arrays(cls, site_ids: np.ndarray, src: np.ndarray, arrays: list, nbytes: np.ndarray,
+                  priority) -> "StepLayout":
+        """From columns (module doc; ``priority``: a sequence, or a callable giving it when the
+        general path reads ``wanted``)."""
+        layout = cls.__new__(cls)
+        layout._set(site_ids, src, arrays, nbytes, priority)
+        layout._wanted = None
+        return layout
+
+    def _set(self, site_ids, src, arrays, nbytes, priority) -> None:
+        self.site_ids, self.src, self.arrays, self.nbytes, self.priority = site_ids, src, arrays, nbytes, priority
+        sizes = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        self.sizes = sizes
         self.rel = np.cumsum(sizes) - sizes
         self.total = int(sizes.sum())
-        self.site_ids = np.array(site_ids, np.int64)
-        self.index = dict(zip(site_ids, range(len(site_ids))))   # site -> its capture
         self.cache: dict = {}                  # backends keep what they derive from the layout here
+        self._index = self._ids = None
+
+    def __len__(self) -> int:
+        return len(self.site_ids)
+
+    @property
+    def ids(self) -> list[int]:
+        """``site_ids`` as a list of ints."""
+        if self._ids is None:
+            self._ids = self.site_ids.tolist()
+        return self._ids
+
+    @property
+    def index(self) -> dict[int, int]:
+        """site -> its capture's position."""
+        if self._index is None:
+            self._index = dict(zip(self.ids, range(len(self.site_ids))))
+        return self._index
+
+    def capture(self, i: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(site, sel, rows) of capture ``i``."""
+        sel, rows = self.arrays[self.src[i]]
+        return self.ids[i], sel, rows
+
+    @property
+    def wanted(self) -> list[tuple[int, np.ndarray, np.ndarray, int, int]]:
+        """(site, sel, rows, bytes, priority) of each capture, as :meth:`Ring.begin_step` takes them."""
+        if self._wanted is None:
+            arrays, priority = self.arrays, self.priority
+            if callable(priority):
+                priority = self.priority = priority()
+            self._wanted = [(s, *arrays[j], nb, p) for s, j, nb, p in
+                            zip(self.ids, self.src.tolist(), self.nbytes.tolist(), priority)]
+        return self._wanted
 
 
 class _LaidOutSlots(collections.abc.Mapping):
@@ -145,9 +211,11 @@ class _LaidOutSlots(collections.abc.Mapping):
 
     def _built(self) -> dict[int, SiteSlot]:
         if self._slots is None:
-            L, base = self.layout, self.base
-            self._slots = {w[0]: SiteSlot(w[0], base + int(r), size, w[1], w[2], self.first + i)
-                           for i, (w, r, size) in enumerate(zip(L.wanted, L.rel, L.sizes))}
+            L, base, first = self.layout, self.base, self.first
+            arrays = L.arrays
+            self._slots = {site: SiteSlot(site, base + r, size, *arrays[j], first + i)
+                           for i, (site, j, r, size) in enumerate(zip(L.ids, L.src.tolist(), L.rel.tolist(),
+                                                                      L.sizes.tolist()))}
         return self._slots
 
     def __getitem__(self, site: int) -> SiteSlot:
@@ -155,15 +223,16 @@ class _LaidOutSlots(collections.abc.Mapping):
             return self._slots[site]
         # one slot, not all of them: the model's thread reads single sites in eager launches (vLLM's
         # logits site, every step); the drain thread builds the rest
-        L, i = self.layout, self.layout.index[site]
-        w = L.wanted[i]
-        return SiteSlot(w[0], self.base + int(L.rel[i]), L.sizes[i], w[1], w[2], self.first + i)
+        L = self.layout
+        i = L.index[site]
+        _, sel, rows = L.capture(i)
+        return SiteSlot(site, self.base + int(L.rel[i]), int(L.sizes[i]), sel, rows, self.first + i)
 
     def __iter__(self):
         return iter(self._built())
 
     def __len__(self) -> int:
-        return len(self.layout.wanted)
+        return len(self.layout)
 
     def __contains__(self, site) -> bool:
         return site in self.layout.index
@@ -172,7 +241,9 @@ class _LaidOutSlots(collections.abc.Mapping):
         """Each capture's (site, sel) in seq order, made once per layout and shared by its steps."""
         views = self.layout.cache.get("views")
         if views is None:
-            views = self.layout.cache["views"] = [SiteView(w[0], w[1]) for w in self.layout.wanted]
+            L = self.layout
+            sels = [a[0] for a in L.arrays]
+            views = L.cache["views"] = [SiteView(site, sels[j]) for site, j in zip(L.ids, L.src.tolist())]
         return views
 
 
@@ -342,7 +413,7 @@ class Ring:
             ctrl = self._begin_laid_out(step, tokens, pad, wanted)
             if ctrl is not None:
                 return ctrl
-            wanted, sizes = wanted.wanted, wanted.sizes
+            wanted, sizes = wanted.wanted, wanted.sizes.tolist()
         else:
             sizes = [align_up(w[3]) for w in wanted]
         self.raise_if_failed()
@@ -424,7 +495,7 @@ class Ring:
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)
-        n = len(layout.wanted)
+        n = len(layout)
         with self.cond:
             t0 = None
             while True:

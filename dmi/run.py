@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ _STOP = object()
 DRAIN_INTERVAL_S = 0.1       # the drain copies ready steps out in batches this far apart ...
 DRAIN_FAST_S = 0.0005        # ... or this far apart while a flush or close waits for it
 DRAIN_BATCH = 64             # steps per batch at most
+DRAIN_WINDOW_S = 0.025       # drain windows (Run.drain_window) at most this often
 LAYOUTS_KEPT = 16            # laid-out steps remembered by their rows (an engine's batch sizes come and go)
 
 
@@ -87,6 +89,9 @@ class Run:
                             s.anchor.get("rows")) for s in plan.sites]
         self._site_ids = np.array([i[0] for i in self._site_info], np.int64)
         self._site_filter = np.array([i[2] for i in self._site_info], np.int64)
+        self._site_row_bytes = np.array([i[1] for i in self._site_info], np.int64)
+        self._site_priority = [i[3] for i in self._site_info]
+        self._sources: dict[tuple, tuple] = {}        # held tensors' names -> _source_plan
         self._held_at: dict[str, list[int]] = {}       # held rows name -> positions of the sites reading them
         for i, info in enumerate(self._site_info):
             if info[4] is not None:
@@ -98,6 +103,10 @@ class Run:
         self._closed = False
         self._detach = None
         self.drain_interval = DRAIN_INTERVAL_S
+        self.drain_windows = 0               # drain windows opened (an engine pacing the drain)
+        self._window_at = 0.0
+        # graph-replayed steps (stepped(), vLLM's decode steps) open a drain window once launched
+        self.drain_paced = os.environ.get("DMI_DRAIN_PACED", "1") != "0"
         self.thread_cpu_s: dict[str, float] = {}     # CPU seconds of the drain and export threads, once ended
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
@@ -167,6 +176,8 @@ class Run:
                 self.abort_step()
                 raise
             self.end_step()
+            if self.drain_paced:     # a graph replay launched: the GPU is busy with it, the host has time
+                self.drain_window()
             return out
         return call
 
@@ -300,7 +311,9 @@ class Run:
         if layout is None:
             key = _rows_key(st, held) if keep is None and self._stateless_filters else None
             layout = self._layouts.pop(key, None) if key is not None else None
-            if layout is None:
+            if layout is None and keep is None:
+                layout = self._layout_of(st, held)
+            elif layout is None:
                 wanted, counts = self._wanted(st, keep, held)
                 # laid out as a whole (array operations, slot objects built later by the drain); the ring
                 # falls back to its per-capture path where it must drop or wait for the bandwidth cap
@@ -352,6 +365,62 @@ class Run:
             self._not_computed[sites] += missing * n
         self._counting = [None, 0]
 
+    def _layout_of(self, st: StepTokens, held: dict | None) -> StepLayout:
+        """A step's layout when no request picked its own sites: one selection per token filter,
+        the rows each (filter, engine-held tensor) pair holds, then every site's capture from those
+        as whole-array operations (what :meth:`_wanted` gives, without a loop over the sites: an
+        engine's mixed steps lay out anew every step, the engine's GPU waiting for its host)."""
+        bases = []
+        for tokens in self._filter_list:
+            sel = select(st, tokens, self._filters.setdefault(tokens, FilterState()))
+            bases.append((sel, st.rows if len(sel) == len(st) else st.rows[sel]))   # (select is ascending)
+        names = tuple(name for name in self._held_at if name in held) if held else ()
+        pairs, src, held_pos = self._sources.get(names) or self._source_plan(names)
+        arrays, missing = bases, None
+        if pairs:
+            arrays, missing = list(bases), []
+            for f, name in pairs:           # a held tensor's rows: those of the filter's rows it holds
+                sel = bases[f][0]
+                index, n = held[name]
+                at = index[sel]
+                ok = at >= 0
+                if ok.all():
+                    arrays.append((sel, st.seq - n + at))
+                    missing.append(0)
+                else:
+                    arrays.append((sel[ok], st.seq - n + at[ok]))
+                    missing.append(len(sel) - len(arrays[-1][0]))
+        lens = np.array([len(a[0]) for a in arrays], np.int64)
+        n_rows = lens[src]
+        nbytes = n_rows * self._site_row_bytes
+        selected = lens[self._site_filter]          # a held site's: its filter's, held or not
+        not_computed = np.zeros(len(src), np.int64)
+        if held_pos is not None:
+            not_computed[held_pos] = np.array(missing, np.int64)[src[held_pos] - len(bases)]
+        has = n_rows > 0
+        if has.all():
+            layout = StepLayout.of_arrays(self._site_ids, src, arrays, nbytes, self._site_priority)
+        else:
+            layout = StepLayout.of_arrays(self._site_ids[has], src[has], arrays, nbytes[has],
+                                          lambda: np.asarray(self._site_priority)[has].tolist())
+        layout.cache["counts"] = (self._site_ids, selected, not_computed)
+        return layout
+
+    def _source_plan(self, names: tuple) -> tuple:
+        """For the engine-held tensors ``names``: the (filter, name) pairs whose rows sites read,
+        each site's array in :meth:`_layout_of` (its filter's, or its pair's after the filters),
+        and the positions of the sites reading a pair (None: none)."""
+        n_filters = len(self._filter_list)
+        pairs, src, held_pos = [], self._site_filter.copy(), []
+        for i, (_, _, f, _, name) in enumerate(self._site_info):
+            if name in names:
+                if (f, name) not in pairs:
+                    pairs.append((f, name))
+                src[i] = n_filters + pairs.index((f, name))
+                held_pos.append(i)
+        got = self._sources[names] = (pairs, src, np.array(held_pos, np.int64) if held_pos else None)
+        return got
+
     def _wanted(self, st: StepTokens, keep: dict | None = None, held: dict | None = None) -> tuple[list, tuple]:
         """(site, sel, rows, bytes, priority) of each site with rows this step, and the step's
         accounting for :meth:`_count`: arrays of sites, rows selected, of those not computed.
@@ -395,6 +464,25 @@ class Run:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x`` (``dmi::capture_sum``:
         of ``x + addend``)."""
         self.ring.capture(self.plan.sites[site_index], x, addend)
+
+    def drain_window(self) -> None:
+        """An engine's cue that its host is about to wait for the GPU: it just launched a step
+        whose GPU time exceeds what is left of its host work (a forward replayed as a CUDA graph:
+        :meth:`stepped` after each call, vLLM's decode steps). The drain runs now, where its Python
+        (which holds the GIL the engine's thread needs) and its copies cost the engine nothing,
+        instead of at its next interval, which may fall where the host is the bottleneck (vLLM's
+        mixed prefill steps, HF's host work between two steps). Manual CUDA-graph loops
+        (:meth:`begin_step` / :meth:`end_step`) may call it after each replay's launch.
+
+        At most one window every ``DRAIN_WINDOW_S``: each wake-up costs the drain and exporter
+        threads a fixed share of CPU (H200 host, 38 sites: a window every step took them from
+        ~0.14 to ~0.47 ms of CPU a step; one every 25 ms, ~0.21), so a few steps go out together."""
+        now = time.monotonic()
+        if now - self._window_at < DRAIN_WINDOW_S:
+            return
+        self._window_at = now
+        self.drain_windows += 1
+        self.ring.urgent.set()
 
     # --- threads ----------------------------------------------------------------------------------
     def _drain_loop(self) -> None:

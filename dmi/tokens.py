@@ -68,6 +68,9 @@ class RequestTable:
 
     def intern(self, ids: list[str]) -> list[int]:
         """Indices of engine-given request ids (vLLM's), adding the ones not seen before."""
+        got = list(map(self._index.get, ids))     # (an engine step's ids are mostly known ones)
+        if None not in got:
+            return got
         with self.lock:
             for rid in ids:
                 if rid not in self._index:
@@ -157,6 +160,9 @@ class FilterState:
 
 def select(tokens: StepTokens, flt: TokenFilter, state: FilterState) -> np.ndarray:
     """Indices into ``tokens`` of the rows this filter keeps (ascending)."""
+    if (flt.phase == "all" and flt.positions is None and not flt.last and flt.every_n_steps <= 1
+            and flt.max_per_request is None):
+        return np.arange(len(tokens))          # every row (the common filter: no mask to build)
     keep = np.ones(len(tokens), bool)
     if flt.phase != "all":
         keep &= tokens.phase == PHASES.index(flt.phase)

@@ -76,6 +76,21 @@ case "$part" in
     TAIL=2 step hostcycle 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 0 --cycle --gap 5 --breakdown "$@"
     TAIL=2 step hosteager 60 python3 perf/hostcost.py --engine vllm --batch 32 --prefill 4 --eager --gap 5 "$@"
     ;;
+  paced)   # the ring's GPU tests with PDL off (DMI_PDL=0), then a changed batch's host work (perf/hostcost.py
+           # --engine vllm --fresh: 60 requests, one in a 256-token prefill chunk, every graph site's record published
+           # as the kernels would) with the drain on its timer and in drain windows, a steady decode batch in windows;
+           # and, where $BASE_DMI holds an earlier checkout (its dmi/ and perf/), the same fresh step on that one
+    TAIL=12 step tests 200 env DMI_PDL=0 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider
+    fresh="--engine vllm --batch 60 --prefill 1 --chunk 256 --fresh --gap 5"
+    for run in 1 2; do
+      if [ -n "${BASE_DMI:-}" ] && [ -d "$BASE_DMI/dmi" ]; then
+        TAIL=3 step "hostfresh-base$run" 90 python3 "$BASE_DMI/perf/hostcost.py" $fresh --breakdown
+      fi
+      TAIL=3 step "hostfresh$run" 90 python3 perf/hostcost.py $fresh --breakdown
+      TAIL=3 step "hostfresh-win$run" 90 python3 perf/hostcost.py $fresh --windows
+    done
+    TAIL=3 step hoststeady-win 90 python3 perf/hostcost.py --engine vllm --batch 60 --prefill 0 --gap 5 --windows
+    ;;
   pdl)     # programmatic dependent launch and cold caches: the ring's GPU tests with PDL off (DMI_PDL=0; on is the
            # default on Hopper), then perf/sitecost.py back to back and with a layer's weights read before each site
     TAIL=12 step tests 200 env DMI_PDL=0 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider

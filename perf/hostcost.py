@@ -21,7 +21,10 @@ them in a chunk of their prompt, the rest decoding, turned into the step's rows
 (``StepBuilder.build``), begun (token filters, per-site selection, ring reservation, control
 block) and ended. The synthetic batch keeps its requests, so once their phases settle each step
 has the last one's rows and reuses its layout, as a steady serving batch does; ``--fresh`` lays
-every step out anew, as when the batch changes every step.
+every step out anew, as when the batch changes every step. Each step publishes every graph site's
+record as the kernels would (not timed), so the drain's work per step is a serving step's;
+``--windows`` opens a drain window after each step (``Run.drain_window``, as vLLM's decode steps
+do), so the drain runs in the gap instead of on its timer.
 Times are the model thread's CPU time (``time.thread_time``): the drain thread runs beside it and
 on a small machine its share of the GIL would otherwise be counted in whichever call it interrupts.
 The drain and export threads' own CPU time per step is printed too (the export thread writes
@@ -85,6 +88,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-range-copy", action="store_true",
                     help="vllm: the logits rows (one range) captured through the eager path's torch ops or their "
                          "replayed graph, not by one strided copy (ring.range_copy off): the A/B of copy_rows")
+    ap.add_argument("--windows", action="store_true",
+                    help="vllm: each step, once ended, opens a drain window (Run.drain_window, as vLLM's decode steps "
+                         "do): the drain runs in the gap, not on its timer")
     ap.add_argument("--in-generate", type=int, default=0, metavar="N",
                     help="hf: time the step's host calls inside a real generate() of N new tokens (static cache: "
                          "caches as cold as the model leaves them), not in a loop")
@@ -177,6 +183,8 @@ def vllm_steps(run, args) -> None:
              "logits": 0.0}
     eager_sites = [s for s in run.plan.sites if s.canonical != "logits"] if args.eager else []
     logits_site = next(s for s in run.plan.sites if s.canonical == "logits")
+    graph_sites = [s for s in run.plan.sites if s.canonical != "logits"]
+    row_bytes = {s.index: s.row_bytes(run.itemsize) for s in run.plan.sites}
     hidden = run.plan.sites[0].shape[-1]
     xs = torch.randn(1, int(sched.sum()), hidden, device=DEV)    # [batch 1, flat tokens, hidden]: HF's site layout
     logits = torch.randn(1, n, logits_site.shape[-1], device=DEV)  # one row per request (the held rows)
@@ -209,6 +217,16 @@ def vllm_steps(run, args) -> None:
         t = time.thread_time()
         run.begin_tokens(st, no_pad, keep=keep, held=held)
         spent["begin"] += time.thread_time() - t
+        w_pub = time.perf_counter()
+        if not eager_sites:           # what the graph's kernels publish (not timed): the drain's work per step
+            ctrl = ring.current
+            for site in graph_sites:
+                if site.index in ctrl.slots:
+                    slot = ctrl.slots[site.index]
+                    n_rows = len(slot.rows)
+                    ring.publish_record(slot.seq, ctrl.step, site.index, slot.offset, n_rows * row_bytes[site.index],
+                                        n_rows, st.seq)
+        w += time.perf_counter() - w_pub
         t = time.thread_time()
         for site in eager_sites:      # what the dmi::capture op does for each site of an eager step
             run.capture(site.index, xs)
@@ -223,6 +241,8 @@ def vllm_steps(run, args) -> None:
             ring.publish_end(ring.current)
         spent["device_end"] += time.thread_time() - t
         run.end_step()
+        if args.windows:
+            run.drain_window()
         spent["end"] += time.thread_time() - t
         spent["end_wall"] += time.perf_counter() - w
         spent["wall"] += time.perf_counter() - w0

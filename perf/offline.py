@@ -12,9 +12,11 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   "-> zarr": written to a Zarr store (timed until the last row is in the store);
   "-> host": the same capture drained to pinned host memory with the store writes skipped
   (timed until the last row is on the host): the capture path without the exporter;
-* "-> host, copy at step": the same with ``DMI_COPY_AT_STEP`` on (the CUDA ring copies each step
-  out from the model's thread as the next step begins, instead of in batches from the drain
-  thread; dmi/kernels/cuda_ring.py says why);
+* "-> host, drain on timer" (``--timer-row``): the same with no drain window after each step's
+  launch (``Run.drain_window``): the drain runs on its 100 ms timer only, as before windows;
+* "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
+  (the CUDA ring copies each step out from the model's thread as the next step begins, instead of
+  in batches from the drain thread; dmi/kernels/cuda_ring.py says why);
 * dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
@@ -290,7 +292,12 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                 return skip
             record("dmi hidden+logits -> host", reps_of(stepped(False), run=run), run, sites=n_hidden,
                    note=f"ring {ring / GiB:.2f} GiB")
-            if hasattr(run.ring, "copy_at_step") and not run.ring.copy_at_step:
+            if run.drain_paced and args.timer_row:
+                run.drain_paced = False            # the drain on its 100 ms timer only (run.drain_window)
+                record("dmi hidden+logits -> host, drain on timer", reps_of(stepped(False), run=run), run,
+                       sites=n_hidden, note="no drain windows")
+                run.drain_paced = True
+            if args.copy_at_step_row and hasattr(run.ring, "copy_at_step") and not run.ring.copy_at_step:
                 run.ring.copy_at_step = True       # each step copied out as the next begins (cuda_ring doc)
                 record("dmi hidden+logits -> host, copy at step", reps_of(stepped(False), run=run), run,
                        sites=n_hidden, note=f"{run.ring.steps_copied_at_step} steps copied at step")
@@ -377,6 +384,10 @@ def main(argv=None):
                     help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
+    ap.add_argument("--timer-row", action="store_true",
+                    help="also the host row with the drain on its timer only (no drain window after each step)")
+    ap.add_argument("--no-copy-at-step", dest="copy_at_step_row", action="store_false",
+                    help="skip the host row with DMI_COPY_AT_STEP's copy-out")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--no-gpu-busy", dest="gpu_busy", action="store_false",
                     help="skip the profiled run per configuration (GPU busy ms per step, GPU ratio)")

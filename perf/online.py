@@ -380,7 +380,7 @@ def store_stats(store: Path | None) -> dict | None:
     return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
             **{k: engine.get(k) for k in ("padding_rows_skipped", "steps_repeated", "host_us_per_step",
                                           "begin_us_by_step_kind", "eager_captures", "replay_graphs", "thread_cpu_s",
-                                          "process_gc")}}
+                                          "drain_windows", "process_gc")}}
 
 
 def trace_dir(work: Path, name: str) -> Path:
@@ -417,6 +417,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
         # ... and with each capture kernel an ordinary launch (the default: a programmatic dependent, Hopper on)
         "dmi-hidden-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
+        # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
+        "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),
@@ -490,6 +492,31 @@ def table(rows: list[dict], base: dict) -> str:
             f"{r['ttft_p99']:.0f}", f"{r['tpot_p50']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{r['tpot_p99']:.1f}",
             f"{r['out_tok_s']:.0f}", f"{ratio:.3f}" if ratio is not None else "",
             f"{paired[0]:.3f} ({paired[1]})" if paired else ""]) + " |")
+    return "\n".join(lines)
+
+
+def window_table(rows: list[dict], base: dict) -> str:
+    """Each window of each configuration against vanilla's window of the same index (the same
+    requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
+    itself, 64 req/s on the H200: TTFT p50 31 ms in one window, 1387 in another), which the medians
+    of the main table mix; here each window's TTFT says which it did."""
+    lines = ["| config | rate (req/s) | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
+             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (config, rate), windows in windows_by_rate(rows).items():
+        if config == "vanilla":
+            continue
+        for k, w in enumerate(windows):
+            rep = w.get("repeat", k)
+            ref = next((b for b in base.get(rate, []) if b.get("repeat", 0) == rep), None)
+            if ref is None:
+                continue
+            paired = paired_ratio([w], [ref])
+            lines.append("| " + " | ".join([
+                config, f"{rate:g}", str(rep), f"{w['done']}/{w['sent']}", f"{w['ttft_p50']:.0f}", f"{ref['ttft_p50']:.0f}",
+                f"{w['tpot_p50']:.2f}", f"{ref['tpot_p50']:.2f}",
+                f"{w['tpot_p50'] / ref['tpot_p50']:.3f}" if ref["tpot_p50"] > 0 else "",
+                f"{paired[0]:.3f}" if paired else ""]) + " |")
     return "\n".join(lines)
 
 
@@ -611,6 +638,8 @@ def main(argv=None) -> int:
                 f"{' (vanilla: ' + args.baseline + ')' if args.baseline else ''}; "
                 f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
                 f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
+        if args.repeats > 1 and any(r["config"] != "vanilla" for r in rows):
+            text += "\n### Per window (against vanilla's window of the same index)\n\n" + window_table(rows, base) + "\n"
         clocked = [(r["config"], r["rate"], r.get("repeat", 0), r["stepclock"]) for r in rows if r.get("stepclock")]
         if clocked:
             for kind in ("decode", "mixed"):

@@ -14,7 +14,9 @@ steps: the host was late. The table gives medians per part (the parts' medians n
 to the period's; the means do, over the steps kept) for decode steps and mixed steps apart. Host
 columns: ms in ``execute_model`` and ``sample_tokens``, and ``wait``, the host blocked on sampled
 tokens (its slack: near zero when the host is the bottleneck), ``pre``, the host's time from the
-step's start to the forward's launch (vLLM's input preparation, and dmi's step begin), and with dmi,
+step's start to the forward's launch (vLLM's input preparation, and dmi's step begin), ``launch``, the
+host's time in the forward's call (a graph replay; a piecewise step's launches), the engine thread's CPU
+time in ``execute_model`` and in that call (wall less CPU: waits, for the GPU or the GIL), and with dmi,
 ``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
 during the step, on the same GIL).
 
@@ -30,7 +32,7 @@ import numpy as np
 
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
-HOST = ("exec", "sample", "wait", "pre", "dmi_begin", "threads")
+HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "dmi_begin", "threads")
 
 
 def load(path) -> list[dict]:
@@ -109,9 +111,9 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
             ref.setdefault(rate, s)
     cols = [f"{k}_p50" for k in PARTS]
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
-            "period mean | host exec | host sample | host wait | host pre | dmi begin | dmi threads | period - base | "
-            "forward - base | prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 22]
+            "period mean | host exec | host exec CPU | host sample | host wait | host pre | host launch | host launch CPU | "
+            "dmi begin | dmi threads | period - base | forward - base | prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 25]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})

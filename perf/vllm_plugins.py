@@ -122,7 +122,10 @@ class StepClock:
     CPU). An event fires when the stream reaches it: a stream that ran dry waiting for the host
     shows as time between one step's end and the next one's start, or inside a step's span beyond
     its kernels. Also ``pre``: host ms from the step's start to the forward's launch (vLLM's input
-    preparation, and dmi's step begin where dmi runs); with a dmi session in the process, ``dmi``:
+    preparation, and dmi's step begin where dmi runs); ``launch``: host ms in the forward's call
+    (a CUDA-graph replay; a piecewise step's launches, the host pacing its GPU); ``exec_cpu`` and
+    ``launch_cpu``: the engine thread's CPU ms in ``execute_model`` and in the forward's call (wall
+    less CPU: the thread waited, for the GPU or for the GIL); with a dmi session in the process, ``dmi``:
     host ms of its step hooks in the step ([batch, begin, end], wall: GIL waits included), and
     ``threads``: ms of CPU its drain and export threads spent meanwhile (they share the GIL)."""
     FLUSH = 256
@@ -177,11 +180,13 @@ class StepClock:
                    "wait": 0.0, "ev": [clock._event()]}
             clock.cur = row
             t0 = row["t0"] = time.perf_counter()
+            c0 = time.thread_time()
             dmi0 = clock._dmi_now()
             try:
                 return execute(self, scheduler_output, *args, **kwargs)
             finally:
                 row["exec"] = (time.perf_counter() - t0) * 1e3
+                row["exec_cpu"] = (time.thread_time() - c0) * 1e3
                 row.pop("t0", None)
                 if dmi0 is not None:
                     dmi1 = clock._dmi_now()
@@ -215,10 +220,13 @@ class StepClock:
         def _model_forward(self, *args, **kwargs):
             row = clock.cur
             if row is not None and len(row["ev"]) == 1:
-                row["pre"] = (time.perf_counter() - row["t0"]) * 1e3
+                t1, c1 = time.perf_counter(), time.thread_time()
+                row["pre"] = (t1 - row["t0"]) * 1e3
                 row["ev"].append(clock._event())
                 out = forward(self, *args, **kwargs)
                 row["ev"].append(clock._event())
+                row["launch"] = (time.perf_counter() - t1) * 1e3
+                row["launch_cpu"] = (time.thread_time() - c1) * 1e3
                 return out
             return forward(self, *args, **kwargs)
         mod.GPUModelRunner._model_forward = _model_forward

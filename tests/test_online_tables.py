@@ -36,3 +36,16 @@ def test_paired_ratio_cancels_the_request_mix():
 def test_windows_without_per_request_figures_give_no_paired_ratio():
     old = {k: v for k, v in _window("vanilla", 0, [5.0, 6.0]).items() if k != "tpot_by_request"}
     assert online.paired_ratio([_window("dmi-hidden", 0, [5.1, 6.1])], [old]) is None
+
+
+def test_window_table_pairs_each_window_with_vanillas_of_the_same_index():
+    """Near saturation a window either keeps up or queues: each window against vanilla's own."""
+    vanilla = [_window("vanilla", k, [5.0, 6.0, 7.0]) for k in range(2)]
+    dmi = [_window("dmi-hidden", 0, [5.5, 6.6, 7.7]), _window("dmi-hidden", 1, [5.1, 6.12, 7.14])]
+    vanilla[1]["ttft_p50"] = 1387.0
+    base = {16.0: vanilla}
+    lines = [x for x in online.window_table(vanilla + dmi, base).splitlines() if x.startswith("| dmi-hidden")]
+    assert len(lines) == 2
+    cells = [[c.strip() for c in x.strip("|").split("|")] for x in lines]
+    assert cells[0][2] == "0" and cells[0][8] == "1.100" and cells[0][9] == "1.100"
+    assert cells[1][2] == "1" and cells[1][5] == "1387" and cells[1][8] == "1.020" and cells[1][9] == "1.020"

@@ -108,6 +108,8 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
     for row in rows:
         batch, begin, end = row["dmi"]
         assert 0 < begin <= row["pre"] <= row["exec"] and batch + begin + end <= row["exec"]
+        assert 0 < row["launch"] and row["pre"] + row["launch"] <= row["exec"]   # the forward's call, inside the step
+        assert 0 < row["launch_cpu"] <= row["exec_cpu"] and row["exec_cpu"] <= row["exec"] * 1.1 + 0.05   # CPU within wall
         assert row["threads"] >= 0
     for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
         total_ms = sum(row["dmi"][i] for row in rows)

@@ -261,6 +261,9 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     assert set(tree.attrs["vllm"]["thread_cpu_s"]) == {"drain", "export"}, tree.attrs["vllm"]
     assert f"begin µs: repeated steps {kinds['repeat']:g}, others {kinds['other']:g}" in line, line
     assert f"drain thread {tree.attrs['vllm']['thread_cpu_s']['drain']:g} s CPU" in line, line
+    windows = tree.attrs["vllm"]["drain_windows"]       # decode steps woke the drain once launched
+    assert 0 < windows < tree.attrs["vllm"]["steps"], tree.attrs["vllm"]
+    assert f"{windows} drain windows (decode steps)" in line, line
     assert "eager_captures" not in tree.attrs["vllm"]            # CPU ring: no kernel launches to split
     assert f"{repeated} of {tree.attrs['vllm']['steps']} steps repeating the last" in line, line
     assert positions_by_request(tree["layers/resid_post"].dataset) == {r: list(range(159)) for r in seqs}

@@ -444,6 +444,72 @@ def test_run_reuses_the_layout_of_a_row_structure_seen_before(tmp_path):
         assert a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site] == a["rows_selected"][site]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_fresh_layout_equals_the_per_site_path(tmp_path, seed):
+    """A step laid out anew (Run._layout_of: whole-array operations over the sites, what every
+    mixed step of a serving engine takes) wants exactly what the per-site path (Run._wanted) wants:
+    the same captures in the same order with the same rows, bytes and priorities, the same
+    accounting (rows selected, rows the engine's held tensor lacks), and on the kernel ring the same
+    control words, including steps where a filter selects nothing and held rows are missing."""
+    from dataclasses import replace
+
+    from dmi.kernels.cuda_ring import InterpretRing
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.ring import StepControl, StepLayout
+    from dmi.run import Run
+    from dmi.spec import find_arch_spec, load_hook_spec
+
+    model = build_tiny_model("tiny-qwen3")
+    arch = find_arch_spec("qwen3")
+    hook = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"]},
+                        {"sites": ["mlp.out"], "layers": [0], "tokens": "last", "priority": 3},
+                        {"sites": ["resid_mid"], "layers": [1], "tokens": "decode"}]}
+    plan = build_plan(arch, load_hook_spec(hook), model.config)
+    plan.sites = [replace(s, anchor=dict(arch.data["sites"][s.canonical]["vllm"], layout=["token"])) for s in plan.sites]
+    run = Run(model, plan, str(tmp_path / "o.zarr"))
+    ring = InterpretRing(1 << 20, 64)
+    ring.setup(plan, run.dtype, "cpu")
+    rng = np.random.default_rng(seed)
+    sb = StepBuilder(run.requests)
+    empty = missing = 0
+    try:
+        for k in range(12):
+            n = int(rng.integers(1, 9))
+            ids = [f"s{seed}-{k}-{j}" for j in range(n)]
+            sched = rng.integers(1, 6, n) if k % 3 else np.ones(n, np.int64)    # every third step decodes only
+            computed = rng.integers(0, 40, n)
+            prompt = computed + (rng.integers(0, 8, n) if k % 2 else 0)          # odd steps: some rows prefill
+            if k % 4 == 1:
+                prompt = computed + 100                     # every row prefills: the decode site selects nothing
+            st, keep, held = sb.build(batch(ids, sched, computed, prompt), int(sched.sum()) + k % 3, lambda r: ALL,
+                                      len(plan.sites))
+            assert keep is None
+            fresh = run._layout_of(st, held)
+            wanted, counts = run._wanted(st, None, held)
+            assert len(fresh.wanted) == len(wanted)
+            for a, b in zip(fresh.wanted, wanted):
+                assert (a[0], a[3], a[4]) == (b[0], b[3], b[4])
+                np.testing.assert_array_equal(a[1], b[1])
+                np.testing.assert_array_equal(a[2], b[2])
+            for a, b in zip(fresh.cache["counts"], counts):
+                np.testing.assert_array_equal(a, b)
+            empty += len(fresh) < len(plan.sites)
+            missing += int(counts[2].sum())
+            words = []
+            for layout in (fresh, StepLayout(wanted)):
+                h = np.zeros(ring.ctrl_words, np.int64)
+                ctrl = StepControl(k, st, np.zeros(1, np.int64), {}, 0, 0, 0, layout=layout)
+                rel, starts, end = ring._layout_words(ctrl, h, ring.site_words + 1)
+                words.append((rel, starts, end, h[:end]))
+            np.testing.assert_array_equal(words[0][0], words[1][0])
+            assert words[0][1:3] == words[1][1:3]
+            np.testing.assert_array_equal(words[0][3], words[1][3])
+    finally:
+        run.close()
+    assert empty and missing        # both cases came up: a site with no rows, held rows the engine lacks
+
+
 # --- seams added for vLLM 0.25.1 on the GPU (tests/gpu/test_vllm_gpu.py runs them for real) ---------
 def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     """vLLM warms up and captures its CUDA graphs in _dummy_run with no dmi step open: the graph

@@ -166,6 +166,7 @@ class KernelRing(Ring):
         self._graph_pool = None             # one memory pool for the graphs _capture makes (their temporaries)
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
+        self._site_order = np.arange(n_sites, dtype=np.int64)     # (a layout's capture order: its seq offsets)
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
         self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8 + self._heads.numel() * 8
@@ -270,17 +271,32 @@ class KernelRing(Ring):
 
     def _layout_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """:meth:`_site_words` of a laid-out step, as whole-array operations over its sites (an
-        engine step lays out a fresh layout each step, with up to hundreds of sites)."""
+        engine step lays out a fresh layout each step, with up to hundreds of sites): the rows of
+        each of the layout's distinct row arrays once, then every site's words from its array's."""
         layout = ctrl.layout
-        start_of, rows_at, pos, enabled = self._place_rows(ctrl, h, pos, [(w[0], w[2]) for w in layout.wanted])
-        rel = np.empty((len(layout.wanted), K.S_WORDS + 1), np.int64)   # relative to the block's base and first seq
+        starts, flags, lens, rows_at = [], [], [], []
+        for j, (_, rows) in enumerate(layout.arrays):
+            n = len(rows)
+            if n > self.max_rows or pos + n > self.ctrl_words:
+                site = layout.ids[int(np.argmax(layout.src == j))]
+                raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
+                                  f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
+                                  f"policy.max_step_tokens")
+            h[pos:pos + n] = rows
+            starts.append(pos)
+            flags.append(K.ENABLED_ARANGE if _is_arange(rows) else K.ENABLED)
+            lens.append(n)
+            rows_at.append((pos, rows))
+            pos += n
+        src, n_sites = layout.src, len(layout)
+        rel = np.empty((n_sites, K.S_WORDS + 1), np.int64)   # relative to the block's base and first seq
         rel[:, 0] = layout.site_ids
         rel[:, 1] = layout.rel
-        rel[:, 2] = np.arange(len(layout.wanted))
-        rel[:, 3] = [len(w[2]) for w in layout.wanted]
-        rel[:, 4] = start_of
-        rel[:, 5] = enabled
-        rows_start = dict(zip(layout.site_ids.tolist(), start_of))
+        rel[:, 2] = self._site_order[:n_sites]
+        rel[:, 3] = np.array(lens, np.int64)[src]
+        rel[:, 4] = np.array(starts, np.int64)[src]
+        rel[:, 5] = np.array(flags, np.int64)[src]
+        rows_start = dict(zip(layout.ids, rel[:, 4].tolist()))
         layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
         return rel, rows_start, pos
 
@@ -299,8 +315,7 @@ class KernelRing(Ring):
                                   f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
                                   f"policy.max_step_tokens")
             h[pos:pos + n] = rows
-            arange = bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (n < 3 or bool(np.all(np.diff(rows) == 1)))
-            placed[id(rows)] = (pos, K.ENABLED_ARANGE if arange else K.ENABLED)
+            placed[id(rows)] = (pos, K.ENABLED_ARANGE if _is_arange(rows) else K.ENABLED)
             rows_at.append((pos, rows))
             pos += n
         got = [placed[id(rows)] for _, rows in site_rows]
@@ -1042,6 +1057,12 @@ def _device_compaction(ring: CudaRing, site, k_rows: int, seq: int, src_seq: int
     drow = torch.where(held, dst, torch.full_like(dst, -1))
     n = held.sum().reshape(1)
     return drow, n, held
+
+
+def _is_arange(rows: np.ndarray) -> bool:
+    """rows is 0, 1, ..., n-1 (the kernel then needs no row indices: ENABLED_ARANGE)."""
+    n = len(rows)
+    return bool(n) and rows[0] == 0 and rows[-1] == n - 1 and (n < 3 or bool((np.diff(rows) == 1).all()))
 
 
 def _held_source(rows: np.ndarray, seq: int, src_seq: int) -> tuple[np.ndarray, np.ndarray]:

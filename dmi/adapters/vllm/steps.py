@@ -15,6 +15,8 @@ never copied. The logits tensor holds one row per request (its last scheduled to
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ...tokens import RequestTable, StepTokens
@@ -86,26 +88,31 @@ class StepBuilder:
         n_sched = np.asarray(batch.num_scheduled, np.int64)
         computed = np.asarray(batch.num_computed, np.int64)
         req_index = np.asarray(self.requests.intern(batch.req_ids), np.int64)
-        upto_l = [0] * n_req                                 # first position not yet captured
-        active = (n_sched > 0).tolist()                      # (Python lists: this loop runs per request)
         want_of = [None] * n_req
         masked = False                                       # some request picked its own sites
         caps: list[tuple[int, int]] = []                     # (request, row cap)
         upto_get = self.captured_upto.get
-        for j, rid in enumerate(batch.req_ids):
-            if not active[j]:
-                continue
-            w = wants(rid)
-            if w.sites is not None:
-                if not w.sites:
-                    active[j] = False                        # opted out: its rows are not rows of the step
+        ws = list(map(wants, batch.req_ids))
+        if all(w.sites is None and w.max_rows is None for w in ws):
+            # every request takes the default sites, uncapped (a serving engine's usual batch)
+            upto = np.fromiter(map(upto_get, batch.req_ids, itertools.repeat(0)), np.int64, n_req)
+            js = np.flatnonzero(n_sched > 0)
+        else:
+            upto_l = [0] * n_req                             # first position not yet captured
+            active = (n_sched > 0).tolist()                  # (Python lists: this loop runs per request)
+            for j, (rid, w) in enumerate(zip(batch.req_ids, ws)):
+                if not active[j]:
                     continue
-                want_of[j], masked = w.sites, True
-            upto_l[j] = upto_get(rid, 0)
-            if w.max_rows is not None:
-                caps.append((j, w.max_rows))
-        upto = np.asarray(upto_l, np.int64)
-        js = np.flatnonzero(active)
+                if w.sites is not None:
+                    if not w.sites:
+                        active[j] = False                    # opted out: its rows are not rows of the step
+                        continue
+                    want_of[j], masked = w.sites, True
+                upto_l[j] = upto_get(rid, 0)
+                if w.max_rows is not None:
+                    caps.append((j, w.max_rows))
+            upto = np.asarray(upto_l, np.int64)
+            js = np.flatnonzero(active)
         one_each = bool((n_sched == 1).all())               # a decode batch: row j is request j's one (and last) row
         if one_each:
             j_of = js

@@ -135,6 +135,10 @@ class Session:
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
         self.run.end_step()
+        if self.run.drain_paced and self.steps.last_ids is not None:
+            # a decode step: its forward (one CUDA graph) keeps the GPU busy well past the host's
+            # work for the next step, so the drain runs now rather than inside a host-bound step
+            self.run.drain_window()
         self.clock.add("end", t0)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -242,7 +246,7 @@ def _run_stats(run) -> dict:
     """The drain's and exporter's CPU time (threads that share the engine's GIL) and, on a kernel
     ring, the captures outside CUDA graphs by how they ran (the eager path, a graph replay, a
     launch + graph capture): how many and their mean host time."""
-    out = {"thread_cpu_s": {k: round(v, 3) for k, v in run.thread_cpu_s.items()}}
+    out = {"thread_cpu_s": {k: round(v, 3) for k, v in run.thread_cpu_s.items()}, "drain_windows": run.drain_windows}
     ring = run.ring
     if getattr(ring, "eager_time", None) is not None:
         out["eager_captures"] = {how: {"count": n, "us": round(t * 1e6 / max(n, 1), 1)} for how, (n, t) in ring.eager_time.items()}
