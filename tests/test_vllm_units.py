@@ -444,6 +444,33 @@ def test_run_reuses_the_layout_of_a_row_structure_seen_before(tmp_path):
         assert a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site] == a["rows_selected"][site]
 
 
+def test_gate_resolves_a_batch_at_once_and_shares_equal_wants():
+    """RequestGate.want_all (a step's batch at once) gives what want gives request by request; equal
+    wants are one object, so StepBuilder tells a batch of default requests by identity."""
+    from dmi.adapters.vllm.policy import RequestGate
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.spec import find_arch_spec, load_hook_spec
+
+    hook = load_hook_spec({"capture": [{"sites": ["final_norm", "logits"]}]})
+    plan = build_plan(find_arch_spec("qwen3"), hook, build_tiny_model("tiny-qwen3").config)
+
+    def req(extra):
+        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+    runner = SimpleNamespace(requests={"a": req(None), "b": req({"dmi": {"capture": False}}), "c": req(None),
+                                       "d": req({"dmi": {"max_rows": 3}}), "e": req({"dmi": {"max_rows": 3}})})
+    ids = ["a", "b", "c", "d", "e"]
+    gate = RequestGate(ServePolicy.from_hook(hook), plan, runner)
+    got = gate.want_all(ids)
+    assert got == [gate.want(r) for r in ids] == gate.want_all(ids)
+    assert got[0] is got[2] and got[3] is got[4] and got[0] == Want(None, None)
+    assert got[1] == Want(frozenset(), None) and got[3].max_rows == 3
+    table = RequestTable()
+    sb = StepBuilder(table)
+    st, _, _ = sb.build(batch(ids, [1] * 5, [4] * 5, [2] * 5), 5, gate.want, len(plan.sites), wants_all=gate.want_all)
+    assert [table.ids[r] for r in st.request] == ["a", "c", "d", "e"]      # b opted out: its row is not a row
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_fresh_layout_equals_the_per_site_path(tmp_path, seed):
     """A step laid out anew (Run._layout_of: whole-array operations over the sites, what every

@@ -66,11 +66,13 @@ class StepBuilder:
             self.captured_upto.update(zip(ids, computed.tolist()))
             self._ahead = 0
 
-    def build(self, batch: Batch, num_tokens_padded: int, wants, n_sites: int) -> tuple[StepTokens, dict | None, dict]:
+    def build(self, batch: Batch, num_tokens_padded: int, wants, n_sites: int,
+              wants_all=None) -> tuple[StepTokens, dict | None, dict]:
         """(tokens, keep, held) for ``Run.begin_tokens``.
 
         wants(req_id) -> a ``policy.Want``: the site indices this request captures (None: every
-        default site; empty: none, its rows are left out of the step) and its row cap.
+        default site; empty: none, its rows are left out of the step) and its row cap;
+        ``wants_all(req_ids)``, where given, the same for a whole batch at once.
 
         One pass over the requests for what only Python knows (their wants, how far each was
         captured), then whole-step array operations over the rows: an engine step carries up to
@@ -92,8 +94,9 @@ class StepBuilder:
         masked = False                                       # some request picked its own sites
         caps: list[tuple[int, int]] = []                     # (request, row cap)
         upto_get = self.captured_upto.get
-        ws = list(map(wants, batch.req_ids))
-        if all(w.sites is None and w.max_rows is None for w in ws):
+        ws = wants_all(batch.req_ids) if wants_all is not None else list(map(wants, batch.req_ids))
+        first = ws[0] if ws else None
+        if first is None or (first.sites is None and first.max_rows is None and ws.count(first) == n_req):
             # every request takes the default sites, uncapped (a serving engine's usual batch)
             upto = np.fromiter(map(upto_get, batch.req_ids, itertools.repeat(0)), np.int64, n_req)
             js = np.flatnonzero(n_sched > 0)
@@ -130,7 +133,10 @@ class StepBuilder:
         recomputed = int(len(fresh) - np.count_nonzero(fresh))
         self.recomputed_rows += recomputed
         ids = batch.req_ids
-        self.captured_upto.update(zip([ids[j] for j in js[grew].tolist()], ends[grew].tolist()))
+        if len(js) == n_req and grew.all():                 # (every request scheduled and further on: the usual step)
+            self.captured_upto.update(zip(ids, ends.tolist()))
+        else:
+            self.captured_upto.update(zip([ids[j] for j in js[grew].tolist()], ends[grew].tolist()))
         for j, cap in caps:                                  # row caps: later rows are not captured
             rid = batch.req_ids[j]
             mine = np.flatnonzero(j_of == j)

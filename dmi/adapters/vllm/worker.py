@@ -94,7 +94,8 @@ class Session:
                 return
             batch = compat.read_batch(*batch)
         self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
-        st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites))
+        st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites),
+                                          wants_all=self.gate.want_all)
         self.gate.forget(batch.finished)
         if batch.finished and self.keys.keys:
             self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
