@@ -275,7 +275,11 @@ class KernelRing(Ring):
         each of the layout's distinct row arrays once, then every site's words from its array's."""
         layout = ctrl.layout
         starts, flags, lens, rows_at = [], [], [], []
+        used = np.zeros(len(layout.arrays), bool)
+        used[layout.src] = True            # (a filter whose every site reads an engine-held tensor's rows)
         for j, (_, rows) in enumerate(layout.arrays):
+            if not used[j]:                # placed nowhere, read by no site
+                rows = rows[:0]
             n = len(rows)
             if n > self.max_rows or pos + n > self.ctrl_words:
                 site = layout.ids[int(np.argmax(layout.src == j))]
