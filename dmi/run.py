@@ -176,7 +176,7 @@ class Run:
                 self.abort_step()
                 raise
             self.end_step()
-            if self.drain_paced:     # a graph replay launched: the GPU is busy with it, the host has time
+            if self.drain_paced and self.enabled:     # a graph replay launched: the GPU is busy, the host has time
                 self.drain_window()
             return out
         return call

@@ -236,3 +236,34 @@ def test_exclusive_block_holds_the_run_across_a_manual_decode_loop(run, tmp_path
     ds = dmi.open(tmp_path / "o.zarr")["layers/resid_post"].dataset
     assert store_rows(ds) == [("m", p, s, "prefill" if s == 0 else "decode")
                               for s, p in [(0, 0), (0, 1), (0, 2), (0, 3), (1, 4), (2, 5), (3, 6)]]
+
+
+def test_graph_stepped_forwards_open_drain_windows_and_only_they_wake_the_drain(run, enc, monkeypatch):
+    """Run.stepped (HF's compiled generate) opens a drain window after each forward it brackets, at
+    most one per DRAIN_WINDOW_S, none in null mode. With the drain's timer out of the way, a window
+    is what drains the step; a forward inside the spacing leaves its step for the next wake-up."""
+    import dmi.run as run_module
+    run.drain_interval = 3600.0               # the timer never fires during the test ...
+    time.sleep(0.3)                           # ... once the drain's first 100 ms wait is over
+    forward = run.stepped(run.model.forward, lambda a, k: (k["input_ids"], k["attention_mask"], None, 0))
+    inputs = dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+
+    def drained(within: float) -> bool:
+        deadline = time.monotonic() + within
+        while run.ring.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not run.ring.pending
+
+    monkeypatch.setattr(run_module, "DRAIN_WINDOW_S", 0.0)
+    with torch.no_grad():
+        forward(**inputs)
+        assert run.drain_windows == 1 and drained(JOIN_S)          # the window woke the drain
+        monkeypatch.setattr(run_module, "DRAIN_WINDOW_S", 3600.0)
+        forward(**inputs)
+        assert run.drain_windows == 1 and not drained(0.3)         # inside the spacing: no window, no drain
+        run.flush()
+        run.set_enabled(False)
+        monkeypatch.setattr(run_module, "DRAIN_WINDOW_S", 0.0)
+        forward(**inputs)
+        assert run.drain_windows == 1                              # null mode: nothing to drain, no window
+    assert run.stats()["steps"] == 2 and run.stats()["records"] > 0
