@@ -39,7 +39,9 @@ server aborts them) and counted as not done; one that had no first token by then
 TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / the rate's window.
 Every window sends the same requests at the same times, so besides the ratio of TPOT medians the
 table gives the paired ratio: the median over requests of a request's TPOT against the same
-request's on vanilla (the mix of lengths cancels; what is left is the server).
+request's on vanilla (the mix of lengths cancels; what is left is the server). With several
+windows a second table pairs each window with vanilla's of the same index, TTFTs included: near
+saturation a window either keeps up or queues, and the medians over windows mix the two.
 
     python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
