@@ -176,8 +176,7 @@ class Run:
                 self.abort_step()
                 raise
             self.end_step()
-            if self.drain_paced and self.enabled:     # a graph replay launched: the GPU is busy, the host has time
-                self.drain_window()
+            self.drain_window()      # a graph replay launched: the GPU is busy, the host has time
             return out
         return call
 
@@ -476,7 +475,10 @@ class Run:
 
         At most one window every ``DRAIN_WINDOW_S``: each wake-up costs the drain and exporter
         threads a fixed share of CPU (H200 host, 38 sites: a window every step took them from
-        ~0.14 to ~0.47 ms of CPU a step; one every 25 ms, ~0.21), so a few steps go out together."""
+        ~0.14 to ~0.47 ms of CPU a step; one every 25 ms, ~0.21), so a few steps go out together.
+        None with ``DMI_DRAIN_PACED=0`` (the timer alone) or in null mode (nothing to drain)."""
+        if not (self.drain_paced and self.enabled):
+            return
         now = time.monotonic()
         if now - self._window_at < DRAIN_WINDOW_S:
             return

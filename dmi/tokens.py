@@ -158,11 +158,13 @@ class FilterState:
     kept: dict[int, int] = field(default_factory=dict)
 
 
+EVERY_ROW = TokenFilter()     # the default filter: every row of a step
+
+
 def select(tokens: StepTokens, flt: TokenFilter, state: FilterState) -> np.ndarray:
     """Indices into ``tokens`` of the rows this filter keeps (ascending)."""
-    if (flt.phase == "all" and flt.positions is None and not flt.last and flt.every_n_steps <= 1
-            and flt.max_per_request is None):
-        return np.arange(len(tokens))          # every row (the common filter: no mask to build)
+    if flt == EVERY_ROW:
+        return np.arange(len(tokens))          # the common filter: no mask to build
     keep = np.ones(len(tokens), bool)
     if flt.phase != "all":
         keep &= tokens.phase == PHASES.index(flt.phase)

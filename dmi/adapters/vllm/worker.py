@@ -136,7 +136,7 @@ class Session:
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
         self.run.end_step()
-        if self.run.drain_paced and self.run.enabled and self.steps.last_ids is not None:
+        if self.steps.last_ids is not None:
             # a decode step: its forward (one CUDA graph) keeps the GPU busy well past the host's
             # work for the next step, so the drain runs now rather than inside a host-bound step
             self.run.drain_window()
