@@ -97,6 +97,10 @@ case "$part" in
     TAIL=8 step sitecost 120 python3 perf/sitecost.py
     TAIL=8 step sitecost-cold "${PERF_LIMIT:-240}" python3 perf/sitecost.py --evict-mb 400 --replays 40 "$@"
     ;;
+  replay)  # the host's cost of launching a piecewise forward's graphs with dmi's capture nodes in them (perf/replaycost.py:
+           # ordinary, PDL, disarmed), against the same pieces without
+    TAIL=10 step replaycost 120 python3 perf/replaycost.py "$@"
+    ;;
   budget)  # the bandwidth-cap benchmark (perf/budget.py ARGS)
     TAIL=14 step budget "${PERF_LIMIT:-300}" python3 perf/budget.py "$@"
     ;;

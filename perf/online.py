@@ -27,7 +27,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ``vllm_xargs: {dmi_capture: 0}``: dmi's step hooks and the patched graph without a byte captured;
   the same graph, so vLLM's compile cache hits), ``vanilla-busy`` (vanilla with ``--busy-us`` µs of
   Python and NumPy work, of the kind dmi's step begin does, before each mixed step's forward:
-  ``DMI_PERF_BUSY_US``, perf/vllm_plugins.py).
+  ``DMI_PERF_BUSY_US``, perf/vllm_plugins.py), ``dmi-hidden-optout-nopdl`` (the same with ordinary
+  capture launches, ``DMI_PDL=0``), ``vanilla-aa`` (a second vanilla server: the spread between two
+  servers of the same code, which in mixed steps can exceed dmi's effect).
 
 dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
 stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink
@@ -86,7 +88,8 @@ import stepclock   # noqa: E402  (perf/stepclock.py)
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
 DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
-REQUEST_EXTRA = {"dmi-hidden-optout": {"vllm_xargs": {"dmi_capture": 0}}}     # config -> more request body
+REQUEST_EXTRA = {name: {"vllm_xargs": {"dmi_capture": 0}}                     # config -> more request body
+                 for name in ("dmi-hidden-optout", "dmi-hidden-optout-nopdl")}
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
 # piecewise graphs instead of running every op, dmi's site ops included, from Python (until the
 # tenth GPU session: 1..64, where each such step paid dmi's eager path for every site)
@@ -434,6 +437,10 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "vanilla-v2": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, [], False, None),
         # the dmi-hidden server (same spec file: compile cache hit), its clients opting every request out
         "dmi-hidden-optout": dmi("dmi-hidden", hidden, args.ring_gib),
+        # ... and with each capture kernel an ordinary launch (does PDL cost a piecewise step's host its launches?)
+        "dmi-hidden-optout-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
+        # a second vanilla server: two servers of the same code differ in mixed steps (the A/A spread)
+        "vanilla-aa": ({}, [], False, None),
         # vanilla with host work of dmi's kind before each mixed step's forward (perf/vllm_plugins.py)
         "vanilla-busy": ({"DMI_PERF_BUSY_US": str(args.busy_us)}, [], False, None),
         # every site of both sets patched in, every request opted out: kernels launch and exit

@@ -1,0 +1,118 @@
+"""What dmi's capture kernels cost the *host* of a piecewise forward: vLLM replays a mixed step
+(a prefill chunk in the batch) as one CUDA graph per piece between two attention calls, ~37 of
+them for Qwen3-8B, each launched from Python. Served, such a step's launch took ~1 ms longer in a
+dmi server that captured nothing (every request opted out) than in vanilla's (perf/RESULTS.md,
+seventeenth GPU session), while a decode step (one graph) took 0.02-0.04 ms longer: is that
+what a graph with capture nodes costs to launch?
+
+    python perf/replaycost.py [--pieces 37] [--ops 12] [--rows 72] [--features 4096] [--rounds 200]
+
+Each piece is a graph of ``--ops`` small elementwise kernels on ``rows x features`` bf16 (a
+layer's non-attention work, shrunk so the host, not the GPU, is the bottleneck), with or without
+one capture kernel in the middle: an ordinary launch, a programmatic dependent (PDL, the default on
+Hopper) and each of those disarmed (the kernel reads its flag and exits: a request that opted
+out). Per variant: host µs per piece replay (each ``g.replay()`` call timed alone, rounds of all pieces
+from an idle GPU: what the host spends launching, never a wait for a full queue), median over
+``--rounds`` rounds; and the GPU µs per round (a forward's pieces, without the attention between).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dmi.kernels import capture as K   # noqa: E402
+from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
+
+
+def timed(graphs: list, rounds: int) -> tuple[float, float]:
+    """(host µs per replay call, GPU µs per round): each round starts from an idle GPU, and each
+    call is timed alone, so a queue the GPU has not drained never blocks the host (the engine's
+    host, launching a piecewise step, is ahead of nothing: the GPU waits for it)."""
+    host, gpu = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        spent = 0.0
+        for g in graphs:
+            t = time.perf_counter()
+            g.replay()
+            spent += time.perf_counter() - t
+        b.record()
+        host.append(spent * 1e6 / len(graphs))
+        b.synchronize()
+        gpu.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(host), statistics.median(gpu)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pieces", type=int, default=37)
+    ap.add_argument("--ops", type=int, default=12)
+    ap.add_argument("--rows", type=int, default=72)
+    ap.add_argument("--features", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=200)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows, F, meta_records = args.rows, args.features, 4096
+    row_bytes = F * 2
+    block = (rows * row_bytes + 255) // 256 * 256
+    xs = [torch.randn(rows, F, dtype=torch.bfloat16, device=dev) for _ in range(args.pieces)]
+    ring = torch.zeros(block * args.pieces, dtype=torch.uint8, device=dev)
+    ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * args.pieces, dtype=torch.int64)
+    ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
+    for i in range(args.pieces):
+        h = K.G_WORDS + K.S_WORDS * i
+        ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = i * block, i, rows
+        ctrl[h + K.S_ENABLED] = K.ENABLED_ARANGE
+    armed = ctrl.to(dev)
+    disarmed = armed.clone()
+    disarmed[K.G_ARMED] = 0
+    host_meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
+    meta = DevicePointer(host_meta.data_ptr(), torch.int64)
+    has_pdl = K.pdl_possible(torch.cuda.current_device())
+
+    def piece(i: int, capture: str | None):
+        x = xs[i]
+
+        def fn():
+            for k in range(args.ops):
+                x.mul_(1.0)
+                if capture and k == args.ops // 2:
+                    K.launch(x, ring, disarmed if "disarmed" in capture else armed, meta, site_index=i,
+                             meta_records=meta_records, K=rows, src_seq=rows, geometry=(rows * F, F, F, F, 0, 1),
+                             mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows, pdl="PDL" in capture)
+        fn()                                   # compile and load outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        return g
+
+    variants = [None, "capture", "disarmed"] + (["capture PDL", "disarmed PDL"] if has_pdl else [])
+    print(f"{torch.cuda.get_device_name()}; {args.pieces} pieces of {args.ops} elementwise kernels on {rows} x {F} bf16\n")
+    print("| pieces hold | host µs a replay | host ms a forward | vs none | GPU µs a forward |\n| --- | ---: | ---: | ---: | ---: |")
+    base = None
+    for v in variants:
+        graphs = [piece(i, v) for i in range(args.pieces)]
+        host, gpu = timed(graphs, args.rounds)
+        base = host if base is None else base
+        print(f"| {v or 'no capture'} | {host:.2f} | {host * args.pieces / 1e3:.3f} | {host - base:+.2f} | {gpu:.1f} |",
+              flush=True)
+        if v == "capture":
+            got = host_meta.numpy()[: args.pieces * 7].reshape(args.pieces, 7)
+            assert (got[:, 0] == range(args.pieces)).all(), "the captures did not publish their records"
+        del graphs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
