@@ -24,7 +24,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
 dmi runs on a twin of the model sharing its weights, and every timed run of a configuration
 follows a timed vanilla run of the unpatched model: ratio = median vanilla time of those pairs /
-median time of the configuration, so slow drift of the machine (clocks, temperature) cancels.
+median time of the configuration, so slow drift of the machine (clocks, temperature) cancels;
+"pairs" gives each run's own ratio to the vanilla run before it (lowest, median, highest): with
+vanilla's runs spreading by several percent, the ratio of medians can be a lucky draw of them.
 Compiled generate on these models is host-bound (Qwen3-8B, batch 32: ~12.4 ms of GPU work in a
 16-17 ms step; the same compiled graph ran 16.0 to 17.4 ms per step in different runs), so wall
 ratios move by several percent with no change on the device. Each configuration is therefore also
@@ -237,6 +239,8 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         t_van = statistics.median(vtimes) if vtimes else rows["vanilla"]["seconds"] if "vanilla" in rows else t
         ratio = t_van / t
         row["ratio"], row["vanilla_seconds"] = ratio, t_van
+        if vtimes and len(vtimes) == len(times):   # each run against the vanilla run just before it
+            row["pair_ratios"] = sorted(v / d for v, d in zip(vtimes, times))
         if label != "vanilla" and sites:
             row["us_site_step"] = (t - t_van) / (new * sites) * 1e6
         log(f"  {name} b{batch} {mode:8s} {label:28s} {t:7.3f}s  ratio {ratio:.3f}  " +
@@ -350,12 +354,14 @@ def _hooked(model, enc, kw):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | mode | config | tok/s | ratio | s (median) | GPU ms/step | GPU ratio | compute ratio | GB/run | "
-            "D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step |")
-    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    head = ("| model | batch | mode | config | tok/s | ratio | pairs (low / median / high) | s (median) | GPU ms/step | "
+            "GPU ratio | compute ratio | GB/run | D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step |")
+    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         dm = r.get("bytes") is not None
+        pairs = r.get("pair_ratios") or []
         cells = [r["model"], str(r["batch"]), r["mode"], r["config"], "%.0f" % r["tok_s"], "%.3f" % r["ratio"],
+                 " / ".join("%.3f" % x for x in (pairs[0], statistics.median(pairs), pairs[-1])) if pairs else "",
                  "%.3f" % r["seconds"], "%.2f" % r["gpu_ms_step"] if "gpu_ms_step" in r else "",
                  "%.3f" % r["gpu_ratio"] if "gpu_ratio" in r else "",
                  "%.3f" % r["compute_ratio"] if "compute_ratio" in r else "",

@@ -23,6 +23,7 @@ during the step, on the same GIL).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
     python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
+    python perf/stepclock.py FILE [FILE ...] --bins                          # the usual sizes, a table each
 
 A mixed step's time depends on its size (tokens, requests) far more than on anything else, and
 a window's mix of sizes depends on how much it queued: ``--tokens`` and ``--reqs`` keep the steps
@@ -148,22 +149,33 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
     return "\n".join(lines)
 
 
+# (kind, tokens, requests) of the like-for-like comparisons --bins prints: a serving window's decode
+# steps at 16 and 64 req/s, mixed steps of a light and a full batch, and steps above the largest
+# CUDA graph (512 tokens in perf/online.py), which run without graphs
+BINS = [("decode", None, (5, 20)), ("decode", None, (41, 70)), ("mixed", (10, 40), (5, 20)),
+        ("mixed", (41, 90), (41, 70)), ("mixed", (100, 300), (41, 70)), ("mixed", (513, 1 << 20), None)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--kind", default="decode", choices=["decode", "mixed", "all"])
     ap.add_argument("--tokens", default=None, metavar="LO-HI", help="only steps with this many tokens")
     ap.add_argument("--reqs", default=None, metavar="LO-HI", help="only steps with this many requests")
+    ap.add_argument("--bins", action="store_true", help="a table for each of the usual sizes (BINS)")
     args = ap.parse_args(argv)
     span = lambda v: tuple(int(x) for x in v.split("-", 1)) if v else None     # noqa: E731
-    entries = []
+    by_config: dict = {}
     for p in args.files:
-        by_config: dict = {}
         for r in load(p):
             by_config.setdefault(r.get("config", Path(p).name.split(".")[0]), []).append(r)
-        entries += [(name, 0.0, 0, summarize(like(rows, span(args.tokens), span(args.reqs)) if args.tokens or args.reqs
-                                             else rows)) for name, rows in by_config.items()]
-    print(table(entries, base=entries[0][0] if entries else "vanilla", kind=args.kind))
+    bins = BINS if args.bins else [(args.kind, span(args.tokens), span(args.reqs))]
+    for kind, tokens, reqs in bins:
+        entries = [(name, 0.0, 0, summarize(like(rows, tokens, reqs) if tokens or reqs else rows))
+                   for name, rows in by_config.items()]
+        if args.bins:
+            print(f"\n{kind} steps, tokens {tokens or 'any'}, requests {reqs or 'any'}\n")
+        print(table(entries, base=entries[0][0] if entries else "vanilla", kind=kind))
     return 0
 
 

@@ -49,3 +49,18 @@ def test_window_table_pairs_each_window_with_vanillas_of_the_same_index():
     cells = [[c.strip() for c in x.strip("|").split("|")] for x in lines]
     assert cells[0][2] == "0" and cells[0][8] == "1.100" and cells[0][9] == "1.100"
     assert cells[1][2] == "1" and cells[1][5] == "1387" and cells[1][8] == "1.020" and cells[1][9] == "1.020"
+
+
+def test_offline_table_shows_each_pair_beside_the_ratio_of_medians():
+    """perf/offline.py: the ratio of medians can be a lucky draw of vanilla's spread, so the table
+    shows each run's own ratio to the vanilla run before it (lowest, median, highest)."""
+    import offline
+    base = {"model": "qwen3-8b", "batch": 32, "mode": "compiled", "tok_s": 2000.0, "seconds": 3.9}
+    rows = [dict(base, config="vanilla", ratio=1.0),
+            dict(base, config="dmi hidden+logits -> host", ratio=1.002, pair_ratios=[0.947, 0.948, 1.037],
+                 bytes=5.97e9, d2h_gbs=1.5, drops=0, ring=1.25 * 2**30, gpu_bytes=1282 * 2**20)]
+    lines = offline.table(rows).splitlines()
+    assert len(lines) == 4 and all(line.count("|") == lines[0].count("|") for line in lines)
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[5:7] == ["1.002", "0.947 / 0.948 / 1.037"] and cells[13] == "0"
+    assert [c.strip() for c in lines[2].strip("|").split("|")][6] == ""       # vanilla: no pairs

@@ -88,6 +88,18 @@ def test_like_steps_keep_their_own_periods_and_only_their_own_counts():
     assert stepclock.summarize(stepclock.like(rows, reqs=(9, 99)))["steps"] == 0
 
 
+def test_bins_print_a_table_for_each_usual_size(tmp_path, capsys):
+    rows = _steps(60, period=6.0, forward=5.0, gap=0.5, mixed_every=3)     # 8 requests, mixed: 58 tokens
+    path = tmp_path / "stepclock.jsonl.gz"
+    stepclock.keep(rows, "vanilla", path)
+    stepclock.keep(rows, "dmi", path)
+    assert stepclock.main([str(path), "--bins"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| config |") == len(stepclock.BINS) and out.count("| dmi |") == len(stepclock.BINS)
+    decode_light = out.split("steps, tokens")[1]                # the first bin: decode steps of 5-20 requests
+    assert "| vanilla | 0 | 0 |" in decode_light and "| 39 |" in decode_light      # 40 decode steps, the last without a next
+
+
 def test_cpu_rows_without_gpu_times_keep_the_host_columns():
     rows = [{"t": 1.0 + i * 0.01, "reqs": 2, "tokens": 2, "exec": 3.0, "sample": 0.5, "wait": 0.0, "g": None}
             for i in range(5)]
