@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dmi.kernels import capture as K   # noqa: E402
 from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
+from sitecost import site_blocks   # noqa: E402
 
 
 def timed(graphs: list, rounds: int) -> tuple[float, float]:
@@ -63,18 +65,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     rows, F, meta_records = args.rows, args.features, 4096
     row_bytes = F * 2
-    block = (rows * row_bytes + 255) // 256 * 256
     xs = [torch.randn(rows, F, dtype=torch.bfloat16, device=dev) for _ in range(args.pieces)]
-    ring = torch.zeros(block * args.pieces, dtype=torch.uint8, device=dev)
-    ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * args.pieces, dtype=torch.int64)
-    ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
-    for i in range(args.pieces):
-        h = K.G_WORDS + K.S_WORDS * i
-        ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = i * block, i, rows
-        ctrl[h + K.S_ENABLED] = K.ENABLED_ARANGE
-    armed = ctrl.to(dev)
-    disarmed = armed.clone()
-    disarmed[K.G_ARMED] = 0
+    ring, armed, disarmed, _ = site_blocks(args.pieces, rows, row_bytes, dev)
     host_meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
     meta = DevicePointer(host_meta.data_ptr(), torch.int64)
     has_pdl = K.pdl_possible(torch.cuda.current_device())

@@ -66,6 +66,23 @@ def graph_time_us(fn, replays: int) -> float:
     return statistics.median(times)
 
 
+def site_blocks(n_sites: int, rows: int, row_bytes: int, dev) -> tuple:
+    """(payload ring, control words armed, the same disarmed, block bytes): a block of the ring for
+    each site, every site copying ``rows`` rows of ``row_bytes`` into its own, as one step."""
+    block = (rows * row_bytes + 255) // 256 * 256
+    ring = torch.zeros(block * n_sites, dtype=torch.uint8, device=dev)
+    ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * n_sites, dtype=torch.int64)
+    ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
+    for i in range(n_sites):
+        h = K.G_WORDS + K.S_WORDS * i
+        ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = i * block, i, rows
+        ctrl[h + K.S_ENABLED] = K.ENABLED_ARANGE
+    armed = ctrl.to(dev)
+    disarmed = armed.clone()
+    disarmed[K.G_ARMED] = 0
+    return ring, armed, disarmed, block
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sites", type=int, default=37)
@@ -89,17 +106,7 @@ def main(argv=None) -> int:
     for rows in [int(r) for r in args.rows.split(",")]:
         src = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
         other = torch.randn(rows, F, dtype=torch.bfloat16, device=dev)
-        block = (rows * row_bytes + 255) // 256 * 256
-        ring = torch.zeros(block * n_sites, dtype=torch.uint8, device=dev)
-        ctrl = torch.zeros(K.G_WORDS + K.S_WORDS * n_sites, dtype=torch.int64)
-        ctrl[K.G_ARMED], ctrl[K.G_STEP], ctrl[K.G_SEQ] = 1, 1, rows
-        for i in range(n_sites):
-            h = K.G_WORDS + K.S_WORDS * i
-            ctrl[h + K.S_OFFSET], ctrl[h + K.S_SEQ], ctrl[h + K.S_ROWS] = i * block, i, rows
-            ctrl[h + K.S_ENABLED] = K.ENABLED_ARANGE
-        armed = ctrl.to(dev)
-        disarmed = armed.clone()
-        disarmed[K.G_ARMED] = 0
+        ring, armed, disarmed, block = site_blocks(n_sites, rows, row_bytes, dev)
         host_meta = torch.zeros(meta_records * 7, dtype=torch.int64, pin_memory=True)
         dev_meta = torch.zeros(meta_records * 7, dtype=torch.int64, device=dev)
         metas = {"host": DevicePointer(host_meta.data_ptr(), torch.int64), "device": dev_meta}
