@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dmi.kernels import capture as K   # noqa: E402
 from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
-from sitecost import site_blocks   # noqa: E402
+from sitecost import graph_of, site_blocks   # noqa: E402
 
 
 def timed(graphs: list, rounds: int) -> tuple[float, float]:
@@ -81,13 +81,7 @@ def main(argv=None) -> int:
                     K.launch(x, ring, disarmed if "disarmed" in capture else armed, meta, site_index=i,
                              meta_records=meta_records, K=rows, src_seq=rows, geometry=(rows * F, F, F, F, 0, 1),
                              mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows, pdl="PDL" in capture)
-        fn()                                   # compile and load outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        return g
+        return graph_of(fn)
 
     variants = [None, "capture", "disarmed"] + (["capture PDL", "disarmed PDL"] if has_pdl else [])
     print(f"{torch.cuda.get_device_name()}; {args.pieces} pieces of {args.ops} elementwise kernels on {rows} x {F} bf16\n")

@@ -45,14 +45,20 @@ from dmi.kernels import capture as K   # noqa: E402
 from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
 
 
-def graph_time_us(fn, replays: int) -> float:
-    """Median µs per replay of a CUDA graph of ``fn()``."""
-    fn()                                   # compile and load outside the capture
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn()``, replayed once (Triton compiles and loads outside the capture)."""
+    fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
     g.replay()
+    return g
+
+
+def graph_time_us(fn, replays: int) -> float:
+    """Median µs per replay of a CUDA graph of ``fn()``."""
+    g = graph_of(fn)
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
