@@ -69,7 +69,7 @@ def _host_sink() -> None:
 def busy(us: float) -> int:
     """``us`` µs of the engine thread's time spent as a changed batch's step begin spends it: many
     short NumPy calls on arrays of a few hundred elements, small dicts and lists made and dropped.
-    Returns the rounds done (so the work is not optimised away)."""
+    Returns a number made from the work's results (the work is used, not skipped)."""
     import time
     import numpy as np
     end, rounds = time.perf_counter() + us * 1e-6, 0
