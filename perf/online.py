@@ -48,7 +48,8 @@ Every window sends the same requests at the same times, so besides the ratio of 
 table gives the paired ratio: the median over requests of a request's TPOT against the same
 request's on vanilla (the mix of lengths cancels; what is left is the server). With several
 windows a second table pairs each window with vanilla's of the same index, TTFTs included: near
-saturation a window either keeps up or queues, and the medians over windows mix the two.
+saturation a window either keeps up or queues, and the medians over windows mix the two. Each window also
+records the GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
 
     python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
@@ -515,14 +516,62 @@ def table(rows: list[dict], base: dict) -> str:
     return "\n".join(lines)
 
 
+class GpuSampler:
+    """The GPU's SM clock, power and temperature every 200 ms while a window runs (``nvidia-smi -lms``
+    in the background; nothing where it is missing). Two servers of the same code once differed by
+    15 ms in compute-bound steps (perf/RESULTS.md, seventeenth GPU session): a GPU held below its
+    boost clock (power, temperature) is one way a window runs slow with nothing changed in it."""
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+    def __enter__(self):
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        cmd = ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits", "-lms", "200",
+               "-i", first if first.isdigit() else "0"]
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        self.summary = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self.summary = gpu_summary(out)
+
+
+def gpu_summary(text: str) -> dict | None:
+    """Median and lowest SM clock (MHz), median power (W), highest temperature (C) of nvidia-smi's
+    CSV samples; None without any."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            samples.append([float(x) for x in line.split(",")])
+        except ValueError:                     # "[N/A]" or a cut line
+            continue
+    a = np.array([x for x in samples if len(x) == len(GpuSampler.FIELDS)])
+    if not len(a):
+        return None
+    return {"sm_mhz_p50": float(np.median(a[:, 0])), "sm_mhz_min": float(a[:, 0].min()),
+            "power_w_p50": float(np.median(a[:, 1])), "temp_c_max": float(a[:, 2].max()), "samples": len(a)}
+
+
 def window_table(rows: list[dict], base: dict) -> str:
     """Each window of each configuration against vanilla's window of the same index (the same
     requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
     itself, 64 req/s on the H200: TTFT p50 31 ms in one window, 1387 in another), which the medians
     of the main table mix; here each window's TTFT says which it did."""
     lines = ["| config | rate (req/s) | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
-             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla | SM MHz p50 (low) | vanilla's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    clock = lambda w: (f"{w['gpu']['sm_mhz_p50']:.0f} ({w['gpu']['sm_mhz_min']:.0f})"    # noqa: E731
+                       if w.get("gpu") else "")
     for (config, rate), windows in windows_by_rate(rows).items():
         if config == "vanilla":
             continue
@@ -536,7 +585,7 @@ def window_table(rows: list[dict], base: dict) -> str:
                 config, f"{rate:g}", str(rep), f"{w['done']}/{w['sent']}", f"{w['ttft_p50']:.0f}", f"{ref['ttft_p50']:.0f}",
                 f"{w['tpot_p50']:.2f}", f"{ref['tpot_p50']:.2f}",
                 f"{w['tpot_p50'] / ref['tpot_p50']:.3f}" if ref["tpot_p50"] > 0 else "",
-                f"{paired[0]:.3f}" if paired else ""]) + " |")
+                f"{paired[0]:.3f}" if paired else "", clock(w), clock(ref)]) + " |")
     return "\n".join(lines)
 
 
@@ -730,9 +779,10 @@ def main(argv=None) -> int:
                     timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
                     timer.start()
                 wall0 = time.time()
-                res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
-                                                           args.grace, work_items, offsets[i], seed=1000 + i,
-                                                           extra=REQUEST_EXTRA.get(name)))
+                with GpuSampler() as gpu:
+                    res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
+                                                               args.grace, work_items, offsets[i], seed=1000 + i,
+                                                               extra=REQUEST_EXTRA.get(name)))
                 if timer is not None:
                     timer.join()
                     traced = profile_call(server.port, "stop_profile") or traced
@@ -740,7 +790,7 @@ def main(argv=None) -> int:
                     log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
                     spy_files.pop(name, None)
                 row = {"config": name, "rate": rate, "repeat": rep, "duration": duration, "wall": [wall0, time.time()],
-                       **summarize(res, window, cutoff)}
+                       **summarize(res, window, cutoff), "gpu": gpu.summary}
                 rows.append(row)
                 if name == "vanilla":
                     base.setdefault(rate, []).append(row)

@@ -49,6 +49,27 @@ def test_window_table_pairs_each_window_with_vanillas_of_the_same_index():
     cells = [[c.strip() for c in x.strip("|").split("|")] for x in lines]
     assert cells[0][2] == "0" and cells[0][8] == "1.100" and cells[0][9] == "1.100"
     assert cells[1][2] == "1" and cells[1][5] == "1387" and cells[1][8] == "1.020" and cells[1][9] == "1.020"
+    assert cells[0][10:] == ["", ""]                            # no GPU samples (a CPU run, an older baseline)
+    dmi[0]["gpu"] = online.gpu_summary("1980, 612.5, 61\n1755, 700.1, 66\n[N/A], [N/A], [N/A]\n1980, 650.0, 63\n")
+    vanilla[0]["gpu"] = online.gpu_summary("1980, 600.0, 60\n")
+    row = next(x for x in online.window_table(vanilla + dmi, base).splitlines() if x.startswith("| dmi-hidden | 16 | 0"))
+    assert [c.strip() for c in row.strip("|").split("|")][10:] == ["1980 (1755)", "1980 (1980)"]
+    assert dmi[0]["gpu"]["samples"] == 3 and dmi[0]["gpu"]["temp_c_max"] == 66
+
+
+def test_gpu_sampler_without_nvidia_smi_records_nothing(monkeypatch, tmp_path):
+    """Where nvidia-smi is missing (CPU machines) a window runs unsampled, not failed."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with online.GpuSampler() as gpu:
+        pass
+    assert gpu.summary is None and online.gpu_summary("") is None
+    tool = tmp_path / "nvidia-smi"          # a stand-in that samples like nvidia-smi -lms: a line at a time
+    tool.write_text("#!/bin/sh\nwhile true; do echo '1410, 650.5, 70'; sleep 0.05; done\n")
+    tool.chmod(0o755)
+    with online.GpuSampler() as gpu:
+        import time
+        time.sleep(0.4)
+    assert gpu.summary["sm_mhz_p50"] == 1410 and gpu.summary["samples"] >= 2 and gpu.proc.poll() is not None
 
 
 def test_offline_table_shows_each_pair_beside_the_ratio_of_medians():
