@@ -13,7 +13,8 @@ one capture kernel in the middle: an ordinary launch, a programmatic dependent (
 Hopper) and each of those disarmed (the kernel reads its flag and exits: a request that opted
 out). Per variant: host µs per piece replay (each ``g.replay()`` call timed alone, rounds of all pieces
 from an idle GPU: what the host spends launching, never a wait for a full queue), median over
-``--rounds`` rounds; and the GPU µs per round (a forward's pieces, without the attention between).
+``--rounds`` rounds, the variants taking turns round by round; and the GPU µs per round (a
+forward's pieces, without the attention between).
 """
 from __future__ import annotations
 
@@ -33,25 +34,28 @@ from dmi.kernels.cuda_ring import DevicePointer   # noqa: E402
 from sitecost import graph_of, site_blocks   # noqa: E402
 
 
-def timed(graphs: list, rounds: int) -> tuple[float, float]:
-    """(host µs per replay call, GPU µs per round): each round starts from an idle GPU, and each
-    call is timed alone, so a queue the GPU has not drained never blocks the host (the engine's
-    host, launching a piecewise step, is ahead of nothing: the GPU waits for it)."""
-    host, gpu = [], []
+def timed(variants: dict, rounds: int) -> dict:
+    """Per variant (name -> its graphs): (host µs per replay call, GPU µs per round). The variants
+    take turns round by round (drift of the host's clocks falls on all alike); each round starts
+    from an idle GPU and each call is timed alone, so a queue the GPU has not drained never blocks
+    the host (the engine's host, launching a piecewise step, is ahead of nothing: the GPU waits)."""
+    host = {name: [] for name in variants}
+    gpu = {name: [] for name in variants}
     for _ in range(rounds):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        spent = 0.0
-        for g in graphs:
-            t = time.perf_counter()
-            g.replay()
-            spent += time.perf_counter() - t
-        b.record()
-        host.append(spent * 1e6 / len(graphs))
-        b.synchronize()
-        gpu.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(host), statistics.median(gpu)
+        for name, graphs in variants.items():
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            spent = 0.0
+            for g in graphs:
+                t = time.perf_counter()
+                g.replay()
+                spent += time.perf_counter() - t
+            b.record()
+            host[name].append(spent * 1e6 / len(graphs))
+            b.synchronize()
+            gpu[name].append(a.elapsed_time(b) * 1e3)
+    return {name: (statistics.median(host[name]), statistics.median(gpu[name])) for name in variants}
 
 
 def main(argv=None) -> int:
@@ -83,20 +87,16 @@ def main(argv=None) -> int:
                              mode=K.DIRECT, row_bytes0=row_bytes, seq_arg=rows, pdl="PDL" in capture)
         return graph_of(fn)
 
-    variants = [None, "capture", "disarmed"] + (["capture PDL", "disarmed PDL"] if has_pdl else [])
+    names = ["no capture", "capture", "disarmed"] + (["capture PDL", "disarmed PDL"] if has_pdl else [])
+    variants = {v: [piece(i, None if v == "no capture" else v) for i in range(args.pieces)] for v in names}
+    got = host_meta.numpy()[: args.pieces * 7].reshape(args.pieces, 7)
+    assert (got[:, 0] == range(args.pieces)).all(), "the captures did not publish their records"
     print(f"{torch.cuda.get_device_name()}; {args.pieces} pieces of {args.ops} elementwise kernels on {rows} x {F} bf16\n")
     print("| pieces hold | host µs a replay | host ms a forward | vs none | GPU µs a forward |\n| --- | ---: | ---: | ---: | ---: |")
-    base = None
-    for v in variants:
-        graphs = [piece(i, v) for i in range(args.pieces)]
-        host, gpu = timed(graphs, args.rounds)
-        base = host if base is None else base
-        print(f"| {v or 'no capture'} | {host:.2f} | {host * args.pieces / 1e3:.3f} | {host - base:+.2f} | {gpu:.1f} |",
-              flush=True)
-        if v == "capture":
-            got = host_meta.numpy()[: args.pieces * 7].reshape(args.pieces, 7)
-            assert (got[:, 0] == range(args.pieces)).all(), "the captures did not publish their records"
-        del graphs
+    times = timed(variants, args.rounds)
+    base = times["no capture"][0]
+    for v, (host, gpu) in times.items():
+        print(f"| {v} | {host:.2f} | {host * args.pieces / 1e3:.3f} | {host - base:+.2f} | {gpu:.1f} |")
     return 0
 
 
