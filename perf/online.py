@@ -205,6 +205,12 @@ async def stream_completion(host: str, port: int, body: dict, res: Result) -> No
         writer.close()
 
 
+def completion_body(model: str, prompt, max_tokens: int, extra: dict | None = None) -> dict:
+    """A streamed greedy completion of exactly ``max_tokens`` tokens (``extra``: more fields)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+
+
 async def run_rate(host, port, model_name, rate, duration, grace, work, offset, seed,
                    extra: dict | None = None) -> tuple[list[Result], float]:
     """Requests ``work[offset:]`` arriving as a Poisson process (prompts never repeat across rates:
@@ -220,10 +226,8 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
         prompt, out = work[(offset + i) % len(work)]
         res = Result(time.perf_counter(), i)
         results.append(res)
-        body = {"model": model_name, "prompt": prompt, "max_tokens": out, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         try:
-            await stream_completion(host, port, body, res)
+            await stream_completion(host, port, completion_body(model_name, prompt, out, extra), res)
         except asyncio.CancelledError:
             raise
         except Exception as e:       # connection refused/reset: counted, the rate goes on
@@ -843,10 +847,8 @@ def profile_call(port: int, what: str) -> bool:
 async def warmup(port: int, model: str, items, extra: dict | None = None) -> None:
     """A few concurrent requests (the longest prompts too) before measuring: first-use costs out of the way."""
     res = [Result(time.perf_counter()) for _ in items]
-    outs = await asyncio.gather(*[stream_completion("127.0.0.1", port, {
-        "model": model, "prompt": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}, **(extra or {})}, r) for (p, n), r in zip(items, res)],
-        return_exceptions=True)
+    outs = await asyncio.gather(*[stream_completion("127.0.0.1", port, completion_body(model, p, n, extra), r)
+                                  for (p, n), r in zip(items, res)], return_exceptions=True)
     bad = [r.error for r in res if r.error] + [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, Exception)]
     bad += ["no [DONE]" for r in res if not r.done and not r.error]
     if bad:

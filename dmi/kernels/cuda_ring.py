@@ -282,10 +282,7 @@ class KernelRing(Ring):
                 rows = rows[:0]
             n = len(rows)
             if n > self.max_rows or pos + n > self.ctrl_words:
-                site = layout.ids[int(np.argmax(layout.src == j))]
-                raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
-                                  f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
-                                  f"policy.max_step_tokens")
+                raise self._too_many_rows(ctrl, n, layout.ids[int(np.argmax(layout.src == j))])
             h[pos:pos + n] = rows
             starts.append(pos)
             flags.append(K.ENABLED_ARANGE if _is_arange(rows) else K.ENABLED)
@@ -315,15 +312,18 @@ class KernelRing(Ring):
                 continue
             n = len(rows)
             if n > self.max_rows or pos + n > self.ctrl_words:
-                raise PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
-                                  f"more than policy.max_step_tokens={self.max_rows}. Fix: raise "
-                                  f"policy.max_step_tokens")
+                raise self._too_many_rows(ctrl, n, site)
             h[pos:pos + n] = rows
             placed[id(rows)] = (pos, K.ENABLED_ARANGE if _is_arange(rows) else K.ENABLED)
             rows_at.append((pos, rows))
             pos += n
         got = [placed[id(rows)] for _, rows in site_rows]
         return [g[0] for g in got], rows_at, pos, [g[1] for g in got]
+
+    def _too_many_rows(self, ctrl: StepControl, n: int, site: int) -> PolicyError:
+        """The refusal of a step whose ``n`` rows for ``site`` do not fit the control words."""
+        return PolicyError(f"step {ctrl.step} selects {n} rows for {self.plan.sites[site].name}, "
+                           f"more than policy.max_step_tokens={self.max_rows}. Fix: raise policy.max_step_tokens")
 
     def device_end(self) -> None:
         """The end-marker kernel, on the current stream. Outside a graph capture (vLLM ends every
