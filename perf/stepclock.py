@@ -17,7 +17,9 @@ tokens (its slack: near zero when the host is the bottleneck), ``pre``, the host
 step's start to the forward's launch (vLLM's input preparation, and dmi's step begin), ``launch``, the
 host's time in the forward's call (a graph replay; a piecewise step's launches), the engine thread's CPU
 time in ``execute_model`` and in that call (CUDA's default synchronization spins, so waiting for the GPU
-counts as CPU time: wall less CPU is waiting for the GIL or blocked in the kernel), and with dmi,
+counts as CPU time: wall less CPU is waiting for the GIL or blocked in the kernel), ``replay`` (the
+host's time inside the CUDA-graph replays of that call) and ``graphs`` (how many: one a piece of a
+piecewise step; ``launch`` less ``replay`` is the Python between the pieces), and with dmi,
 ``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
 during the step, on the same GIL).
 
@@ -39,7 +41,7 @@ import numpy as np
 
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
-HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "dmi_begin", "threads")
+HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "replay", "graphs", "dmi_begin", "threads")
 
 
 def load(path) -> list[dict]:
@@ -133,8 +135,8 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
     cols = [f"{k}_p50" for k in PARTS]
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
             "period mean | host exec | host exec CPU | host sample | host wait | host pre | host launch | host launch CPU | "
-            "dmi begin | dmi threads | period - base | forward - base | prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 25]
+            "host replay | graphs | dmi begin | dmi threads | period - base | forward - base | prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 27]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})
@@ -142,7 +144,7 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
         delta = lambda k: (d[k] - r[k]) if d.get(k) is not None and r.get(k) is not None else None   # noqa: E731
         rest = [delta(f"{k}_p50") for k in ("prep", "post", "gap")]
         lines.append("| " + " | ".join(
-            [name, f"{rate:g}", str(rep), f"{s['steps_per_s']:.1f}", str(d.get("steps", 0)),
+            [name, rate if isinstance(rate, str) else f"{rate:g}", str(rep), f"{s['steps_per_s']:.1f}", str(d.get("steps", 0)),
              f"{d['reqs']:.1f}" if d.get("reqs") is not None else "", f"{d['tokens']:.0f}" if d.get("tokens") is not None else ""]
             + [f(d.get(k)) for k in cols] + [f(d.get("period"))] + [f(d.get(k)) for k in HOST]
             + [f(delta("period_p50")), f(delta("forward_p50")), f(sum(rest)) if None not in rest else ""]) + " |")

@@ -186,6 +186,7 @@ class StepClock:
         self.done: list = []
         self.free: list = []            # recycled events
         self.cur = self.last = None     # the step being launched; the last one launched
+        self.fwd = None                 # the step whose forward call is running (its replays are timed)
         self.session = None             # dmi's session in this process, once one has started
         self.thread_clocks: list = []   # its drain and export threads' CPU clocks
 
@@ -195,6 +196,7 @@ class StepClock:
         clock = cls(path)
         when_imported(WORKER_MODULE, clock._wrap_worker)
         when_imported("vllm.v1.worker.gpu_model_runner", clock._wrap_runner)
+        clock._wrap_replay()
         import atexit
         atexit.register(clock.flush, True)
 
@@ -269,7 +271,11 @@ class StepClock:
                 t1, c1 = time.perf_counter(), time.thread_time()
                 row["pre"] = (t1 - row["t0"]) * 1e3
                 row["ev"].append(clock._event())
-                out = forward(self, *args, **kwargs)
+                row["graphs"], row["replay"], clock.fwd = 0, 0.0, row
+                try:
+                    out = forward(self, *args, **kwargs)
+                finally:
+                    clock.fwd = None
                 row["ev"].append(clock._event())
                 row["launch"] = (time.perf_counter() - t1) * 1e3
                 row["launch_cpu"] = (time.thread_time() - c1) * 1e3
@@ -290,6 +296,27 @@ class StepClock:
                 if clock.last is not None:
                     clock.last["wait"] += (time.perf_counter() - t0) * 1e3
         out_cls.get_output = timed_get_output
+
+    def _wrap_replay(self) -> None:
+        """Time every ``torch.cuda.CUDAGraph.replay`` inside a step's forward call (vLLM replays
+        its graphs through it: the decode step's one, a piecewise step's pieces)."""
+        import time
+        graph_cls = self.torch.cuda.CUDAGraph
+        replay = graph_cls.replay
+        clock = self
+
+        @functools.wraps(replay)
+        def timed_replay(graph):
+            row = clock.fwd
+            if row is None:
+                return replay(graph)
+            t0 = time.perf_counter()
+            try:
+                return replay(graph)
+            finally:
+                row["replay"] += (time.perf_counter() - t0) * 1e3
+                row["graphs"] += 1
+        graph_cls.replay = timed_replay
 
     def _dmi_now(self):
         """(dmi's step-hook wall seconds so far [batch, begin, end], its threads' CPU seconds so far),

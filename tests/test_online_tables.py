@@ -85,3 +85,76 @@ def test_offline_table_shows_each_pair_beside_the_ratio_of_medians():
     cells = [c.strip() for c in lines[3].strip("|").split("|")]
     assert cells[5:7] == ["1.002", "0.947 / 0.948 / 1.037"] and cells[13] == "0"
     assert [c.strip() for c in lines[2].strip("|").split("|")][6] == ""       # vanilla: no pairs
+
+
+def test_every_window_sends_prompts_of_its_own():
+    """A prompt sent twice to a server hits vLLM's prefix cache (on by default) and skips its
+    prefill: no two windows of a run may share a work item, rounds included."""
+    loads = [online.load_of("16"), online.load_of("c8")]
+    offsets = online.window_offsets(loads, repeats=3, duration=10.0)
+    spans = sorted((offsets[rep, i], offsets[rep, i] + online.prompts_needed(load, 10.0, 1000 + i))
+                   for rep in range(3) for i, load in enumerate(loads))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[0][0] == 0 and spans[-1][1] == offsets["total"]
+    assert online.prompts_needed(loads[1], 10.0, 1001) == 8 * 40            # 8 clients, 40 requests each at most
+    assert loads == [16.0, "c8"] and online.label(loads[0]) == "16" and online.clients(loads[1]) == 8
+    for bad in ("c0", "fast", "-4"):
+        with pytest.raises(SystemExit, match="neither a rate"):
+            online.load_of(bad)
+
+
+def test_a_baseline_whose_windows_sent_other_prompts_is_refused():
+    loads = [16.0, "c64"]
+    offsets = online.window_offsets(loads, repeats=2, duration=10.0)
+    online.check_baseline({"rate": "c64", "repeat": 1, "offset": offsets[1, 1]}, loads, offsets, "b.json")
+    for row in ({"rate": 16.0, "repeat": 1, "offset": 0},               # an older run: every round the same prompts
+                {"rate": 16.0, "repeat": 0},                           # before windows recorded their prompts
+                {"rate": 32.0, "repeat": 0, "offset": 0}):             # a load this run does not have
+        with pytest.raises(SystemExit, match="b.json: vanilla's window"):
+            online.check_baseline(row, loads, offsets, "b.json")
+
+
+def test_closed_loop_keeps_n_requests_in_flight_each_client_its_own_items():
+    """``cN``: N clients against a real HTTP server streaming completions (a stand-in for vLLM's
+    OpenAI server, SSE chunks as it sends them): never more than N requests at once, each client
+    sends the items of its own stride once, and none starts after the window's duration."""
+    import asyncio
+    import time
+    seen, live, peak = [], [0], [0]
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        body = json.loads(await reader.readexactly(length))
+        seen.append((time.perf_counter(), body["prompt"][0]))
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(0.01)
+            writer.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            await writer.drain()
+        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        writer.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        live[0] -= 1
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        work = [([i], 3) for i in range(100)]
+        t0 = time.perf_counter()
+        async with server:
+            got = await online.run_closed("127.0.0.1", port, "m", 4, 0.6, 2.0, work, offset=10, limit=60)
+        return got, t0
+
+    (results, window, cutoff), t0 = asyncio.run(main())
+    assert peak[0] == 4 and len(results) == len(seen) > 8
+    assert all(r.done and r.error is None and r.tokens == 3 for r in results)
+    prompts = [p for _, p in seen]
+    assert len(set(prompts)) == len(prompts) and all(10 <= p < 70 for p in prompts)
+    for k in range(4):                                         # client k: items k, k+4, k+8, ... in order
+        mine = sorted(r.index for r in results if r.index % 4 == k)
+        assert mine == list(range(k, k + 4 * len(mine), 4))
+    assert max(t for t, _ in seen) < t0 + 0.6 + 0.05 and window < 0.6 + 2.0

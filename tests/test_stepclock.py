@@ -144,6 +144,7 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
         assert 0 < row["launch"] and row["pre"] + row["launch"] <= row["exec"]   # the forward's call, inside the step
         assert 0 < row["launch_cpu"] <= row["exec_cpu"] and row["exec_cpu"] <= row["exec"] * 1.1 + 0.05   # CPU within wall
         assert row["threads"] >= 0
+        assert row["graphs"] == 0 and row["replay"] == 0      # enforce_eager: the forward replays no CUDA graph
         mixed = row["tokens"] > row["reqs"]
         assert (row["pre"] - begin >= busy_ms) == mixed, row      # busy work before a prefill step's forward only
     for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
