@@ -278,19 +278,24 @@ async def run_closed(host, port, model_name, n_clients, duration, grace, work, o
         for i in range(k, limit, n_clients):
             if time.perf_counter() >= stop_at:
                 return
-            prompt, out = work[offset + i]
-            res = Result(time.perf_counter(), i)
-            results.append(res)
-            try:
-                await stream_completion(host, port, completion_body(model_name, prompt, out, extra), res)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:       # connection refused/reset: counted, the client goes on
-                res.error = f"{type(e).__name__}: {e}"
+            await _send(host, port, model_name, work, offset, i, extra, results)
         log(f"  a closed-loop client used up its {limit // n_clients} prompts before the window ended")
 
     return await _until(start, [asyncio.ensure_future(client(k)) for k in range(n_clients)],
                         stop_at + grace, results)
+
+
+async def _send(host, port, model_name, work, offset: int, i: int, extra, results: list) -> None:
+    """Send work item ``offset + i`` as request ``i`` and stream it to its end (its Result in ``results``)."""
+    prompt, out = work[offset + i]
+    res = Result(time.perf_counter(), i)
+    results.append(res)
+    try:
+        await stream_completion(host, port, completion_body(model_name, prompt, out, extra), res)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:       # connection refused/reset: counted, the load goes on
+        res.error = f"{type(e).__name__}: {e}"
 
 
 async def _until(start: float, tasks: list, deadline: float, results: list) -> tuple[list[Result], float, float]:
@@ -319,15 +324,7 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        prompt, out = work[offset + i]
-        res = Result(time.perf_counter(), i)
-        results.append(res)
-        try:
-            await stream_completion(host, port, completion_body(model_name, prompt, out, extra), res)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:       # connection refused/reset: counted, the rate goes on
-            res.error = f"{type(e).__name__}: {e}"
+        await _send(host, port, model_name, work, offset, i, extra, results)
 
     for i, at in enumerate(times):
         tasks.append(asyncio.ensure_future(one(i, float(at))))

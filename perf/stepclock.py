@@ -152,10 +152,12 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
 
 
 # (kind, tokens, requests) of the like-for-like comparisons --bins prints: a serving window's decode
-# steps at 16 and 64 req/s, mixed steps of a light and a full batch, and steps above the largest
-# CUDA graph (512 tokens in perf/online.py), which run without graphs
+# steps at 16 req/s and at a full batch (64 req/s, c64), mixed steps of a light and a full batch
+# (c64's are mostly 150-560 tokens), and steps above the largest CUDA graph (512 tokens in
+# perf/online.py), which run without graphs
 BINS = [("decode", None, (5, 20)), ("decode", None, (41, 70)), ("mixed", (10, 40), (5, 20)),
-        ("mixed", (41, 90), (41, 70)), ("mixed", (100, 300), (41, 70)), ("mixed", (513, 1 << 20), None)]
+        ("mixed", (41, 90), (41, 70)), ("mixed", (100, 300), (41, 70)), ("mixed", (301, 512), (41, 70)),
+        ("mixed", (513, 1 << 20), None)]
 
 
 def main(argv=None) -> int:

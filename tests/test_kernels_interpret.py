@@ -68,7 +68,8 @@ def section_kernel() -> None:
 
     def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None, addend=None):
         """``addend``: the site's value is ``x + addend`` (dmi::capture_sum): graph launches sum in
-        the kernel, eager ones are handed the sum (as KernelRing.capture does)."""
+        the kernel, eager ones are handed the sum, and a row range is added into the ring (as
+        KernelRing.capture does)."""
         nonlocal seq_no
         seq_no += 3
         ctrl = torch.zeros(4096, dtype=torch.int64)
@@ -117,10 +118,13 @@ def section_kernel() -> None:
                 ctrl[start:start + len(rows)] = -7
             ring.fill_(0xAB)
             meta[:] = 0
-            if mode == "range":
-                if not launcher.copied_as_range(r, summed, st):
+            if mode == "range":      # as KernelRing.capture: a sum added into the ring where its tensors share a layout
+                if launcher.copied_as_range(r, x, st, addend):
+                    ranged.append(site.name + ("+" if addend is not None else ""))
+                elif addend is not None and launcher.copied_as_range(r, summed, st):
+                    ranged.append(site.name)
+                else:
                     continue
-                ranged.append(site.name)
             else:
                 launcher.launch(r, x, st if mode == "eager" else None, addend)
             rec = meta[seq_no % META]
@@ -199,12 +203,18 @@ def section_kernel() -> None:
              B, S, torch.float32)
     run_case(torch.randn(B, 1, 50), _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50]),
              np.arange(B, dtype=np.int64) * S + S - 1, B, S, torch.float32)
-    assert ranged == ["resid", "router", "v", "logits"], ranged
+    # the rows of a sum (vLLM's residual stream in a step without CUDA graphs): added into the ring by
+    # one kernel, rounded as torch's add; an addend of other strides is added first, then copied
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.arange(2, 20, dtype=np.int64), B, S,
+             torch.bfloat16, addend=torch.randn(B, S, 96, dtype=torch.bfloat16) * 50)
+    run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.arange(2, 20, dtype=np.int64), B, S,
+             torch.bfloat16, addend=torch.randn(B, 96, S, dtype=torch.bfloat16).transpose(1, 2))
+    assert ranged == ["resid", "router", "v", "logits", "resid+", "resid"], ranged
     run_case(torch.randn(B, 96, S).transpose(1, 2), _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]),
              np.arange(4, 13, dtype=np.int64), B, S, torch.float32)
     run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), np.array([1, 2, 4], np.int64), B, S,
              torch.bfloat16)
-    assert len(ranged) == 4, ranged
+    assert len(ranged) == 6, ranged
     # flags: a dropped capture and an unarmed step write nothing
     run_case(x, _site("resid", ["batch", "seq", "hidden"], ["hidden"], [96]), rows_of(B, S), B, S, torch.bfloat16,
              enabled=0)

@@ -310,7 +310,9 @@ def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     """The CUDA ring on vLLM's flat batches, its Triton kernels run by Triton's interpreter over host
     memory (``DMI_RING=interpret``), every capture launched as a CUDA-graph replay launches it (row
     counts, rows and seq read from the device control block; the logits compacted on the device),
-    vLLM's profiling run in dmi's null mode: every site of every row equals HF's."""
+    vLLM's profiling run in dmi's null mode; then the same run with captures as a step without
+    CUDA graphs takes them (row ranges copied at once, the residual stream's sum added straight
+    into the ring): every site of every row equals HF's."""
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -318,17 +320,23 @@ def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     r = subprocess.run([sys.executable, __file__, "interpret", "qwen3_moe", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert "rows checked" in r.stdout
+    assert r.stdout.count("rows checked") == 2
 
 
 def _interpreted(family: str, tmp: Path) -> None:
+    for graph_mode in (True, False):
+        _interpreted_run(family, tmp / ("graph" if graph_mode else "eager"), graph_mode)
+
+
+def _interpreted_run(family: str, tmp: Path, graph_mode: bool) -> None:
     """(subprocess of the test above: Triton reads TRITON_INTERPRET when a kernel is defined)"""
     from vllm import SamplingParams
     spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "16MiB"}}
     run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp / "v.zarr", backend="vllm", **ENGINE,
                    max_num_batched_tokens=64, max_model_len=128)
-    assert type(run.run.ring).__name__ == "InterpretRing"
-    run.run.ring.graph_mode = True
+    ring = run.run.ring
+    assert type(ring).__name__ == "InterpretRing"
+    ring.graph_mode = graph_mode
     prompts = [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate([3, 20, 37, 9])]
     try:
         seqs = generate(run, prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
@@ -340,6 +348,9 @@ def _interpreted(family: str, tmp: Path) -> None:
     assert positions_by_request(tree["layers/resid_post"].dataset) == {
         r: list(range(len(p) + len(o) - 1)) for r, (p, o) in seqs.items()}
     assert_accounting(tree)
+    if not graph_mode:                               # every token's rows: row ranges, the residual stream's added in
+        assert ring.eager_time["copy"][0] > 0, ring.eager_time
+    os.environ["DMI_RING"] = "interpret"
     print("rows checked", n)
 
 

@@ -375,14 +375,17 @@ class KernelRing(Ring):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
         x = x.detach() if x.requires_grad else x       # no autograd graph
+        if addend is not None and addend.requires_grad:
+            addend = addend.detach()
         if eager is None:
             self.sites[site.index].launch(self, x, None, addend)
             return
-        if addend is not None:                 # outside a graph the sum costs what any eager op does
-            x = x + addend
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]
-        how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager) else None
+        how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager, addend) else None
+        if how is None and addend is not None:  # the sum as a tensor: what any eager op costs
+            x = x + addend
+            how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager) else None
         if how is None and site.index in self.replay_eager:
             how = self._replayed(site, x)
         if how is None:
@@ -430,13 +433,20 @@ class KernelRing(Ring):
         """Eager captures done by a graph replay."""
         return self.eager_time["replay"][0]
 
-    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
+    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int,
+                  addend: torch.Tensor | None = None) -> None:
         """Rows ``start .. start + n`` of ``x`` (``pitch`` elements apart, ``row_bytes`` each) to
-        payload ``offset``, on the current stream: torch here, one driver call on CUDA."""
+        payload ``offset``, on the current stream: torch here, one driver call on CUDA. ``addend``
+        (x's shape, strides and dtype): the rows of ``x + addend``, added straight into the ring
+        (one kernel, as torch adds and rounds; no sum tensor allocated and copied)."""
         isz = x.element_size()
         row = row_bytes // isz
-        src = x.as_strided((n, row), (pitch, 1), x.storage_offset() + start * pitch)
-        self.payload_as(x.dtype).narrow(0, offset // isz, n * row).view(n, row).copy_(src)
+        rows = lambda t: t.as_strided((n, row), (pitch, 1), t.storage_offset() + start * pitch)    # noqa: E731
+        dst = self.payload_as(x.dtype).narrow(0, offset // isz, n * row).view(n, row)
+        if addend is None:
+            dst.copy_(rows(x))
+        else:
+            torch.add(rows(x), rows(addend), out=dst)
 
     def payload_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The payload ring as a flat tensor of ``dtype`` (made once per dtype: eager captures
@@ -517,13 +527,15 @@ class CudaRing(KernelRing):
         self._calls.h2d(self._ctrl_ptr, self._host_ctrl_ptrs[k], words * 8, stream)
         self._ctrl_events[k].record_on(stream)
 
-    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int) -> None:
+    def copy_rows(self, x: torch.Tensor, start: int, n: int, pitch: int, row_bytes: int, offset: int,
+                  addend: torch.Tensor | None = None) -> None:
         """Back-to-back rows: one async device-to-device copy on the model's current stream, a few
         µs of host time where the eager path's torch ops cost tens. Rows spaced wider than they
-        are long (a slice of a fused projection, in eager steps only): torch's strided copy."""
+        are long (a slice of a fused projection, in eager steps only), and the rows of a sum:
+        torch's strided copy or add."""
         isz = x.element_size()
-        if pitch * isz != row_bytes:
-            super().copy_rows(x, start, n, pitch, row_bytes, offset)
+        if pitch * isz != row_bytes or addend is not None:
+            super().copy_rows(x, start, n, pitch, row_bytes, offset, addend)
             return
         self._calls.d2d(self._payload_ptr + offset, x.data_ptr() + start * pitch * isz, n * row_bytes,
                         self._raw_stream())
@@ -718,11 +730,16 @@ class _SiteLaunch:
         self._range: tuple | None = None
         self._pitches: dict = {}              # (shape, strides) of x -> (src_seq, row pitch) or None (copied_as_range)
 
-    def copied_as_range(self, ring, x: torch.Tensor, st: StepControl) -> bool:
+    def copied_as_range(self, ring, x: torch.Tensor, st: StepControl, addend: torch.Tensor | None = None) -> bool:
         """An eager capture whose selected rows are consecutive rows of ``x`` (every request's
         logits row; every token of a hidden state), copied by one strided copy (``ring.copy_rows``)
-        and published from the host: no torch ops, no index upload. False: not such a capture."""
+        and published from the host: no torch ops, no index upload. ``addend``: the site's value
+        is ``x + addend`` (vLLM's residual stream outside its CUDA graphs), added into the ring by
+        one kernel where both tensors share a layout. False: not such a capture."""
         if not self.plain or x.dtype != self.dtype:
+            return False
+        if addend is not None and (addend.shape != x.shape or addend.stride() != x.stride()
+                                   or addend.dtype != x.dtype):
             return False
         geometry = self._pitch(x, st.tokens.batch)
         if geometry is None:
@@ -745,7 +762,7 @@ class _SiteLaunch:
             return False
         nbytes = n * self.row_bytes[0]
         if n:
-            ring.copy_rows(x, first, n, pitch, self.row_bytes[0], slot.offset)
+            ring.copy_rows(x, first, n, pitch, self.row_bytes[0], slot.offset, addend)
         ring.publish_record(slot.seq, st.step, self.site.index, slot.offset, nbytes, n, src_seq)
         return True
 
