@@ -84,8 +84,12 @@ def test_chunk_files_are_what_zarr_python_writes(tmp_path, codec, dtype, keys):
 # --- kill -9, recovery, --resume ------------------------------------------------------------------
 
 def _cli_env():
+    """The CLI's environment: two threads, and ``tests/cli_site`` (its ``sitecustomize`` settles
+    oneMKL's vector-math kernels at start-up, so the CLI's first forward computes what the
+    in-process reference does)."""
     return dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+                PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "cli_site"), str(REPO),
+                                            os.environ.get("PYTHONPATH", "")]))
 
 
 def _prompts(path: Path, texts: list[str], ids: list[str] | None = None) -> Path:
