@@ -99,7 +99,7 @@ import stepclock   # noqa: E402  (perf/stepclock.py)
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
 DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
-DEFAULT_LOADS = "1,4,16,64"
+DEFAULT_LOADS = "1,4,16,c64"           # c64: saturation (max_num_seqs 64), a closed loop
 REQUEST_EXTRA = {name: {"vllm_xargs": {"dmi_capture": 0}}                     # config -> more request body
                  for name in ("dmi-hidden-optout", "dmi-hidden-optout-nopdl")}
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
