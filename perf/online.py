@@ -723,6 +723,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stepclock", action="store_true",
                     help="every server records each engine step's host and GPU times (perf/stepclock.py, no profiler); "
                          "a table splits each window's decode steps into GPU time and the gaps the host left")
+    ap.add_argument("--syncs", action="store_true",
+                    help="with --stepclock: every server counts its engine thread's synchronizing torch calls per step "
+                         "(torch's sync debug mode, DMI_PERF_SYNCS) and prints where they were made into its log")
     ap.add_argument("--busy-us", type=float, default=600.0,
                     help="vanilla-busy: µs of host work before each mixed step's forward (dmi's changed-batch begin: ~600 served)")
     ap.add_argument("--policy-mode", default="best_effort", choices=["best_effort", "full"],
@@ -833,7 +836,7 @@ def main(argv=None) -> int:
         clock = work / f"stepclock-{name}.jsonl"
         if args.stepclock:
             clock.unlink(missing_ok=True)
-            env = {**env, "DMI_PERF_STEPCLOCK": str(clock)}
+            env = {**env, "DMI_PERF_STEPCLOCK": str(clock), **({"DMI_PERF_SYNCS": "1"} if args.syncs else {})}
         server = Server(name, args, model_dir, work, env, extra, eager)
         cfg = {"config": name}
         cfg_rows.append(cfg)
@@ -910,6 +913,9 @@ def main(argv=None) -> int:
                     if row["config"] == name and "wall" in row:
                         row["stepclock"] = stepclock.summarize(steps, *row["wall"])
             log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
+            if args.syncs:                     # where its engine thread synchronized (perf/vllm_plugins.py, at exit)
+                lines = [x for x in server.tail(400).splitlines() if "dmi-perf" in x]
+                log(f"{name}: " + ("\n".join(lines) if lines else "no sync summary in its log (none made, or no GPU)"))
             if store is not None and (cfg["store"] or {}).get("status") != "closed":
                 log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "
                     f"close it: see {server.log_path})")

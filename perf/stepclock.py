@@ -21,7 +21,9 @@ counts as CPU time: wall less CPU is waiting for the GIL or blocked in the kerne
 host's time inside the CUDA-graph replays of that call) and ``graphs`` (how many: one a piece of a
 piecewise step; ``launch`` less ``replay`` is the Python between the pieces), and with dmi,
 ``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
-during the step, on the same GIL).
+during the step, on the same GIL); ``syncs`` and ``syncs in forward``: the engine thread's
+synchronizing torch calls in the step and inside its forward (servers run with ``DMI_PERF_SYNCS``,
+``perf/online.py --syncs``).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
     python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
@@ -41,7 +43,8 @@ import numpy as np
 
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
-HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "replay", "graphs", "dmi_begin", "threads")
+HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "replay", "graphs", "dmi_begin", "threads",
+        "syncs", "fwd_syncs")
 
 
 def load(path) -> list[dict]:
@@ -98,9 +101,14 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
 
 
 def _host(row: dict, key: str) -> float | None:
-    """A step's host figure ``key`` (``dmi_begin``: the begin entry of its ``dmi`` hook times)."""
+    """A step's host figure ``key`` (``dmi_begin``: the begin entry of its ``dmi`` hook times;
+    ``syncs`` / ``fwd_syncs``: its synchronizing torch calls in all / inside the forward, where
+    the server ran with ``DMI_PERF_SYNCS``)."""
     if key == "dmi_begin":
         return row["dmi"][1] if row.get("dmi") else None
+    if key in ("syncs", "fwd_syncs"):
+        syncs = row.get("syncs")
+        return None if syncs is None else syncs[1] if key == "fwd_syncs" else sum(syncs)
     return row.get(key)
 
 
@@ -135,8 +143,9 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
     cols = [f"{k}_p50" for k in PARTS]
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
             "period mean | host exec | host exec CPU | host sample | host wait | host pre | host launch | host launch CPU | "
-            "host replay | graphs | dmi begin | dmi threads | period - base | forward - base | prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 27]
+            "host replay | graphs | dmi begin | dmi threads | syncs | syncs in forward | period - base | forward - base | "
+            "prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 29]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})

@@ -14,7 +14,11 @@ asked through the environment:
   step's sampled tokens, and GPU timestamps (CUDA timing events on the model's stream) where the
   step's work starts, around the model forward and where sampling ends. ``perf/stepclock.py``
   splits a window's steps into GPU time and the gaps the host left; the same few events in every
-  configuration, vanilla too, and no profiler.
+  configuration, vanilla too, and no profiler. With ``DMI_PERF_SYNCS=1`` too (and a GPU), torch's
+  sync debug mode is on during each ``execute_model``: every synchronizing torch call of the engine's
+  thread is counted in its step (``syncs``: [before the forward and after, inside the forward]) and
+  by where it was made (printed at exit, into the server's log): a host that waits for the GPU
+  inside a step shows where.
 * ``DMI_PERF_HOOKS=1``: the naive baseline. After the worker loads the model, PyTorch forward hooks
   copy every decoder layer's residual stream (``hidden_states + residual``), the final norm and the
   logits to the CPU with a blocking ``.to("cpu")``. Needs ``--enforce-eager`` (hooks do not run
@@ -31,6 +35,7 @@ import functools
 import json
 import logging
 import os
+import threading
 
 log = logging.getLogger("dmi.perf")
 _done = False
@@ -189,6 +194,9 @@ class StepClock:
         self.fwd = None                 # the step whose forward call is running (its replays are timed)
         self.session = None             # dmi's session in this process, once one has started
         self.thread_clocks: list = []   # its drain and export threads' CPU clocks
+        # DMI_PERF_SYNCS: where the engine's thread synchronized with the GPU in a step (place -> count)
+        self.syncs = collections.Counter() if os.environ.get("DMI_PERF_SYNCS", "") not in ("", "0") else None
+        self.thread = None              # the engine's thread (execute_model's)
 
     @classmethod
     def install(cls, path: str) -> None:
@@ -197,6 +205,8 @@ class StepClock:
         when_imported(WORKER_MODULE, clock._wrap_worker)
         when_imported("vllm.v1.worker.gpu_model_runner", clock._wrap_runner)
         clock._wrap_replay()
+        if clock.syncs is not None and clock.cuda:
+            clock._watch_syncs()
         import atexit
         atexit.register(clock.flush, True)
 
@@ -227,12 +237,18 @@ class StepClock:
             row = {"t": time.time(), "reqs": len(scheduler_output.num_scheduled_tokens), "tokens": n,
                    "wait": 0.0, "ev": [clock._event()]}
             clock.cur = row
+            watching = clock.syncs is not None and clock.cuda
+            if watching:
+                row["syncs"], clock.thread = [0, 0], threading.get_ident()
+                clock.torch.cuda.set_sync_debug_mode(1)
             t0 = row["t0"] = time.perf_counter()
             c0 = time.thread_time()
             dmi0 = clock._dmi_now()
             try:
                 return execute(self, scheduler_output, *args, **kwargs)
             finally:
+                if watching:
+                    clock.torch.cuda.set_sync_debug_mode(0)
                 row["exec"] = (time.perf_counter() - t0) * 1e3
                 row["exec_cpu"] = (time.thread_time() - c0) * 1e3
                 row.pop("t0", None)
@@ -296,6 +312,26 @@ class StepClock:
                 if clock.last is not None:
                     clock.last["wait"] += (time.perf_counter() - t0) * 1e3
         out_cls.get_output = timed_get_output
+
+    def _watch_syncs(self) -> None:
+        """Count the sync debug mode's warnings of the engine's thread inside a step, by step and by
+        place (the three innermost frames outside torch), instead of printing them."""
+        import threading
+        import traceback
+        import warnings
+        shown, clock = warnings.showwarning, self
+        warnings.filterwarnings("always", message=".*synchronizing CUDA operation")    # each one, not once a place
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            row = clock.cur
+            if row is None or "syncs" not in row or threading.get_ident() != clock.thread \
+                    or "synchronizing CUDA operation" not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            row["syncs"][1 if clock.fwd is row else 0] += 1
+            frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
+                      and "warnings" not in f.filename][-3:]
+            clock.syncs[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+        warnings.showwarning = showwarning
 
     def _wrap_replay(self) -> None:
         """Time every ``torch.cuda.CUDAGraph.replay`` inside a step's forward call (vLLM replays
@@ -366,6 +402,13 @@ class StepClock:
                     return
             self.last = None
             self.resolve()
+        if final and self.syncs:
+            import sys
+            print(f"dmi-perf: synchronizing torch calls of the engine's thread in steps, by place "
+                  f"({sum(self.syncs.values())} in all):", file=sys.stderr)
+            for place, n in self.syncs.most_common(15):
+                print(f"dmi-perf sync {n:>8}  {place}", file=sys.stderr)
+            self.syncs.clear()
         rows, self.done = self.done, []
         if rows:
             with open(self.path, "a") as f:

@@ -171,3 +171,43 @@ def _engine_with_clock(store: str) -> None:
 
 if __name__ == "__main__":
     _engine_with_clock(sys.argv[1])
+
+
+def test_sync_watch_counts_the_engine_threads_syncs_by_step_and_place(tmp_path, monkeypatch, capsys):
+    """``DMI_PERF_SYNCS``: torch's sync debug mode warns at each synchronizing call (on a GPU); the
+    step clock counts the engine thread's warnings in the running step (inside its forward or not)
+    and by the place that made them, and lets every other warning through. Torch's warning is
+    raised here by hand (a CPU has no sync debug mode); the counting is the plugin's own."""
+    import threading
+    import warnings
+    import vllm_plugins
+    monkeypatch.setenv("DMI_PERF_SYNCS", "1")
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    clock = vllm_plugins.StepClock(str(tmp_path / "clock.jsonl"))
+    passed = []
+    warnings.showwarning = lambda message, *a, **k: passed.append(str(message))
+    clock._watch_syncs()
+    row = {"syncs": [0, 0]}
+    clock.cur, clock.thread = row, threading.get_ident()
+
+    def item_like():                                          # where the engine made the call
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    for clock.fwd in (None, row, row):                       # once before the forward, twice inside
+        item_like()
+    other = threading.Thread(target=item_like)               # another thread's: not the engine's step
+    other.start()
+    other.join()
+    warnings.warn("something else", UserWarning)
+    assert row["syncs"] == [1, 2]
+    assert passed == ["called a synchronizing CUDA operation", "something else"]
+    (place, n), = clock.syncs.items()
+    assert n == 3 and place.startswith("test_stepclock.py:") and "item_like" in place
+    rows = [{"t": 1.0 + i * 0.01, "reqs": 2, "tokens": 2, "exec": 3.0, "sample": 0.5, "wait": 0.0, "g": None,
+             "syncs": [i % 2, 1]} for i in range(5)]
+    d = stepclock.summarize(rows)["decode"]
+    assert d["syncs"] == pytest.approx(1.5) and d["fwd_syncs"] == pytest.approx(1.0)
+    clock.flush(final=True)
+    err = capsys.readouterr().err
+    assert "3 in all" in err and "dmi-perf sync        3  test_stepclock.py:" in err
