@@ -95,6 +95,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
 import pyspy   # noqa: E402  (perf/pyspy.py)
 import stepclock   # noqa: E402  (perf/stepclock.py)
+from stepclock import load_label as label   # noqa: E402
 
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
@@ -142,10 +143,6 @@ def load_of(text: str) -> float | str:
 def clients(load: float | str) -> int | None:
     """N of a closed-loop load ``cN``; None for a rate."""
     return int(load[1:]) if isinstance(load, str) else None
-
-
-def label(load: float | str) -> str:
-    return load if isinstance(load, str) else f"{load:g}"
 
 
 def prompts_needed(load: float | str, duration: float, seed: int) -> int:

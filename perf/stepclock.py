@@ -100,6 +100,11 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     return out
 
 
+def load_label(load: float | str) -> str:
+    """A serving load as tables print it: a rate (req/s) as a number, ``cN`` (N closed-loop clients) as is."""
+    return load if isinstance(load, str) else f"{load:g}"
+
+
 def _host(row: dict, key: str) -> float | None:
     """A step's host figure ``key`` (``dmi_begin``: the begin entry of its ``dmi`` hook times;
     ``syncs`` / ``fwd_syncs``: its synchronizing torch calls in all / inside the forward, where
@@ -153,7 +158,7 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
         delta = lambda k: (d[k] - r[k]) if d.get(k) is not None and r.get(k) is not None else None   # noqa: E731
         rest = [delta(f"{k}_p50") for k in ("prep", "post", "gap")]
         lines.append("| " + " | ".join(
-            [name, rate if isinstance(rate, str) else f"{rate:g}", str(rep), f"{s['steps_per_s']:.1f}", str(d.get("steps", 0)),
+            [name, load_label(rate), str(rep), f"{s['steps_per_s']:.1f}", str(d.get("steps", 0)),
              f"{d['reqs']:.1f}" if d.get("reqs") is not None else "", f"{d['tokens']:.0f}" if d.get("tokens") is not None else ""]
             + [f(d.get(k)) for k in cols] + [f(d.get("period"))] + [f(d.get(k)) for k in HOST]
             + [f(delta("period_p50")), f(delta("forward_p50")), f(sum(rest)) if None not in rest else ""]) + " |")

@@ -382,10 +382,11 @@ class KernelRing(Ring):
             return
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]
+        if addend is not None and not _same_layout(x, addend):
+            x, addend = x + addend, None       # the sum as a tensor: what any eager op costs
         how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager, addend) else None
-        if how is None and addend is not None:  # the sum as a tensor: what any eager op costs
+        if how is None and addend is not None:
             x = x + addend
-            how = "copy" if self.range_copy and launcher.copied_as_range(self, x, eager) else None
         if how is None and site.index in self.replay_eager:
             how = self._replayed(site, x)
         if how is None:
@@ -738,8 +739,7 @@ class _SiteLaunch:
         one kernel where both tensors share a layout. False: not such a capture."""
         if not self.plain or x.dtype != self.dtype:
             return False
-        if addend is not None and (addend.shape != x.shape or addend.stride() != x.stride()
-                                   or addend.dtype != x.dtype):
+        if addend is not None and not _same_layout(x, addend):
             return False
         geometry = self._pitch(x, st.tokens.batch)
         if geometry is None:
@@ -821,8 +821,7 @@ class _SiteLaunch:
         """Copy the step's rows of ``x`` (``+ addend``: summed in the kernel where both tensors share
         one layout and the site copies rows as they are, else added first)."""
         if addend is not None and (eager is not None or not self.plain or x.dtype != self.dtype
-                                   or addend.shape != x.shape or addend.stride() != x.stride()
-                                   or addend.dtype != x.dtype):
+                                   or not _same_layout(x, addend)):
             x, addend = x + addend, None
         if eager is not None:
             self._eager(ring, x, eager)
@@ -1078,6 +1077,12 @@ def _device_compaction(ring: CudaRing, site, k_rows: int, seq: int, src_seq: int
     drow = torch.where(held, dst, torch.full_like(dst, -1))
     n = held.sum().reshape(1)
     return drow, n, held
+
+
+def _same_layout(x: torch.Tensor, addend: torch.Tensor) -> bool:
+    """``addend`` can be read through ``x``'s geometry: the same shape, strides and dtype (a summed
+    site's rows are then added where they are read, by the capture kernel or one torch add)."""
+    return addend.shape == x.shape and addend.stride() == x.stride() and addend.dtype == x.dtype
 
 
 def _is_arange(rows: np.ndarray) -> bool:
