@@ -316,7 +316,6 @@ class StepClock:
     def _watch_syncs(self) -> None:
         """Count the sync debug mode's warnings of the engine's thread inside a step, by step and by
         place (the three innermost frames outside torch), instead of printing them."""
-        import threading
         import traceback
         import warnings
         shown, clock = warnings.showwarning, self
