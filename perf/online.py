@@ -49,6 +49,11 @@ the window's arrivals end are cancelled (the server aborts them) and counted as 
 had no first token by then counts with TTFT = cutoff - arrival (a lower bound). Throughput = output
 tokens received / the window.
 
+Servers run one after the other by default; ``--interleave`` starts every configuration's server
+at once (each its share of the GPU's memory) and lets their windows take turns, who goes first
+alternating by round: the host's speed drifts over minutes (by 10-25 % on the lent H200's), and a
+server measured minutes after another measures that drift too.
+
 **Every window has prompts of its own**: no prompt is sent twice to a server, so vLLM's prefix cache
 (on by default) never skips a prefill. (Until 2026-12-02 every round repeated the first round's
 prompts: its second and third windows hit the cache for 60-97 % of their prompt tokens, so they
@@ -706,7 +711,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--graph-sizes", default=",".join(map(str, GRAPH_SIZES)))
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                    help="of the GPU's memory, for all servers up at once (--interleave: each gets its share)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="every configuration's server up at once, their windows taking turns (who goes first "
+                         "alternates by round): the host's speed drifts over minutes, and a server compared with "
+                         "one run minutes later measures that drift too")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
     ap.add_argument("--sink", default="host", choices=["host", "zarr"])
@@ -750,6 +760,8 @@ def main(argv=None) -> int:
         args.ring_gib, args.host_gib = 0.25, 1
         args.configs = args.configs if args.configs != DEFAULT_CONFIGS else "vanilla,dmi-hidden,hooks"
     args.graph_sizes = [int(x) for x in args.graph_sizes.split(",") if int(x) <= args.max_num_batched_tokens]
+    if args.interleave:
+        args.gpu_memory_utilization /= len([c for c in args.configs.split(",") if c])
     rates = [load_of(r) for r in args.rates.split(",")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -815,19 +827,22 @@ def main(argv=None) -> int:
         return text
 
     compiled = Path(os.environ.get("VLLM_CACHE_ROOT", work / "vllm-cache")) / "dmi-compiled"   # (markers)
-    for name in names:
+    windows = [(rep, i) for rep in range(args.repeats) for i in range(len(rates))]
+    live: dict[str, dict] = {}                 # name -> its server and what finishing it needs
+
+    def start(name: str) -> bool:
+        """Start a configuration's server and warm it; False when skipped (budget) or failed."""
         env, extra, eager, store = cfgs[name]
         kind = "eager" if (eager or args.cpu) else "compiled"
         marker = compiled / compile_key(args, env)
         cached = kind == "compiled" and marker.exists()
         kind_key = (kind, store is not None)
-        need = (max(60.0, est[kind_key] / 2) if cached else est[kind_key]) + len(rates) * args.repeats * per_rate + 40
+        need = (max(60.0, est[kind_key] / 2) if cached else est[kind_key]) + len(windows) * per_rate + 40
         left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
-        if left is not None and left < need:
-            if left < need - (len(rates) * args.repeats - 1) * per_rate:
-                log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
-                cfg_rows.append({"config": name, "note": "skipped (budget)"})
-                continue
+        if not args.interleave and left is not None and left < need - (len(windows) - 1) * per_rate:
+            log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
+            cfg_rows.append({"config": name, "note": "skipped (budget)"})
+            return False
         if store is not None and store.exists():
             shutil.rmtree(store, ignore_errors=True)
         clock = work / f"stepclock-{name}.jsonl"
@@ -837,6 +852,7 @@ def main(argv=None) -> int:
         server = Server(name, args, model_dir, work, env, extra, eager)
         cfg = {"config": name}
         cfg_rows.append(cfg)
+        live[name] = {"server": server, "cfg": cfg, "store": store, "clock": clock}
         log(f"{name}: starting ({' '.join(server.cmd[3:])})")
         try:
             server.start(args.startup_timeout)
@@ -849,73 +865,121 @@ def main(argv=None) -> int:
                 marker.touch()
             log(f"{name}: up in {server.startup_s:.0f} s")
             asyncio.run(warmup(server.port, args.model, warm, REQUEST_EXTRA.get(name)))
-            for rep, i in [(rep, i) for rep in range(args.repeats) for i in range(len(rates))]:
-                rate = rates[i]
-                if server.proc.poll() is not None:
-                    raise RuntimeError(f"server {name} exited with {server.proc.returncode}")
-                left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
-                duration = args.duration
-                if left is not None and left < per_rate + 40:
-                    duration = max(3.0, left - args.grace - 45)
-                    if left < 3 + args.grace + 45:
-                        log(f"{name}: load {label(rate)} skipped (budget)")
-                        continue
-                    if duration < args.duration:      # (the table's "sent" column shows it too)
-                        log(f"{name}: load {label(rate)} for {duration:.0f} s, not {args.duration:g} (budget)")
-                spy = None
-                if args.pyspy and rate == spy_rate and rep == 0:
-                    spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{label(rate)}.txt"
-                    spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
-                timer = None
-                if args.trace and rate == spy_rate and rep == 0:
-                    timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
-                    timer.start()
-                wall0 = time.time()
-                offset, extra = offsets[rep, i], REQUEST_EXTRA.get(name)
-                if clients(rate) is None:
-                    window_run = run_rate("127.0.0.1", server.port, args.model, rate, duration, args.grace, work_items,
-                                          offset, seed=1000 + i, extra=extra)
-                else:
-                    limit = prompts_needed(rate, args.duration, 1000 + i)
-                    window_run = run_closed("127.0.0.1", server.port, args.model, clients(rate), duration, args.grace,
-                                            work_items, offset, limit, extra=extra)
-                with GpuSampler() as gpu:
-                    res, window, cutoff = asyncio.run(window_run)
-                if timer is not None:
-                    timer.join()
-                    traced = profile_call(server.port, "stop_profile") or traced
-                if spy is not None and spy.wait() != 0:
-                    log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
-                    spy_files.pop(name, None)
-                row = {"config": name, "rate": rate, "repeat": rep, "offset": offset, "duration": duration,
-                       "wall": [wall0, time.time()],
-                       **summarize(res, window, cutoff), "gpu": gpu.summary}
-                rows.append(row)
-                if name == "vanilla":
-                    base.setdefault(rate, []).append(row)
-                log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
-                    f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
-                    f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
-                time.sleep(1.0)
+            return True
         except Exception as e:        # a configuration that fails is reported; the others still run
             cfg["note"] = f"failed: {type(e).__name__}"
             log(f"{name}: FAILED: {e}\n{server.tail(60)}")
+            finish(name)
+            return False
+
+    def window(name: str, rep: int, i: int) -> None:
+        """One load window against a running server: a row of the tables."""
+        nonlocal traced
+        server, rate = live[name]["server"], rates[i]
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server {name} exited with {server.proc.returncode}")
+        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+        duration = args.duration
+        if left is not None and left < per_rate + 40:
+            duration = max(3.0, left - args.grace - 45)
+            if left < 3 + args.grace + 45:
+                log(f"{name}: load {label(rate)} skipped (budget)")
+                return
+            if duration < args.duration:      # (the table's "sent" column shows it too)
+                log(f"{name}: load {label(rate)} for {duration:.0f} s, not {args.duration:g} (budget)")
+        spy = None
+        if args.pyspy and rate == spy_rate and rep == 0:
+            spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{label(rate)}.txt"
+            spy = pyspy.record(server.proc.pid, min(args.pyspy, duration), spy_files[name], subprocesses=True)
+        timer = None
+        if args.trace and rate == spy_rate and rep == 0:
+            timer = threading.Timer(2.0, profile_call, (server.port, "start_profile"))
+            timer.start()
+        wall0 = time.time()
+        offset, extra = offsets[rep, i], REQUEST_EXTRA.get(name)
+        if clients(rate) is None:
+            window_run = run_rate("127.0.0.1", server.port, args.model, rate, duration, args.grace, work_items,
+                                  offset, seed=1000 + i, extra=extra)
+        else:
+            limit = prompts_needed(rate, args.duration, 1000 + i)
+            window_run = run_closed("127.0.0.1", server.port, args.model, clients(rate), duration, args.grace,
+                                    work_items, offset, limit, extra=extra)
+        with GpuSampler() as gpu:
+            res, win, cutoff = asyncio.run(window_run)
+        if timer is not None:
+            timer.join()
+            traced = profile_call(server.port, "stop_profile") or traced
+        if spy is not None and spy.wait() != 0:
+            log(f"{name}: py-spy failed: {spy.stderr.read().decode(errors='replace')[-300:]}")
+            spy_files.pop(name, None)
+        row = {"config": name, "rate": rate, "repeat": rep, "offset": offset, "duration": duration,
+               "wall": [wall0, time.time()], **summarize(res, win, cutoff), "gpu": gpu.summary}
+        rows.append(row)
+        if name == "vanilla":
+            base.setdefault(rate, []).append(row)
+        log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
+            f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
+            f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
+        time.sleep(1.0)
+
+    def finish(name: str) -> None:
+        """Stop a server: its store's accounting, its step clock, its sync summary."""
+        got = live.pop(name)
+        server, cfg, store, clock = got["server"], got["cfg"], got["store"], got["clock"]
+        cfg["stop_s"] = server.stop()
+        cfg["store"] = store_stats(store)
+        if args.stepclock:                 # each window's steps, from the engine's step clock
+            steps = stepclock.load(clock)
+            stepclock.keep(steps, name, Path(os.environ.get("OUT", work)) / "stepclock.jsonl.gz")
+            for row in rows:
+                if row["config"] == name and "wall" in row:
+                    row["stepclock"] = stepclock.summarize(steps, *row["wall"])
+        log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
+        if args.syncs:                     # where its engine thread synchronized (perf/vllm_plugins.py, at exit)
+            lines = [x for x in server.tail(400).splitlines() if "dmi-perf" in x]
+            log(f"{name}: " + ("\n".join(lines) if lines else "no sync summary in its log (none made, or no GPU)"))
+        if store is not None and (cfg["store"] or {}).get("status") != "closed":
+            log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "
+                f"close it: see {server.log_path})")
+
+    def guarded(name: str, fn, *a) -> bool:
+        try:
+            fn(name, *a)
+            return True
+        except Exception as e:        # a configuration that fails is reported; the others still run
+            live[name]["cfg"]["note"] = f"failed: {type(e).__name__}"
+            log(f"{name}: FAILED: {e}\n{live[name]['server'].tail(60)}")
+            finish(name)
+            return False
+
+    if args.interleave:
+        # every server up at once (each its share of the GPU's memory), the windows taking turns:
+        # a host whose speed drifts over minutes falls on every configuration alike
+        try:
+            up = [name for name in names if start(name)]
+            for rep, i, turn in interleaved(up, windows):
+                left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+                if left is not None and left < len(turn) * per_rate + 15 * len(live):
+                    log(f"rounds from {rep} (load {label(rates[i])}) on skipped (budget): a round runs every server")
+                    break
+                for name in turn:
+                    if name in live:
+                        guarded(name, window, rep, i)
         finally:
-            cfg["stop_s"] = server.stop()
-            cfg["store"] = store_stats(store)
-            if args.stepclock:                 # each window's steps, from the engine's step clock
-                steps = stepclock.load(clock)
-                stepclock.keep(steps, name, Path(os.environ.get("OUT", work)) / "stepclock.jsonl.gz")
-                for row in rows:
-                    if row["config"] == name and "wall" in row:
-                        row["stepclock"] = stepclock.summarize(steps, *row["wall"])
-            log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
-            if args.syncs:                     # where its engine thread synchronized (perf/vllm_plugins.py, at exit)
-                lines = [x for x in server.tail(400).splitlines() if "dmi-perf" in x]
-                log(f"{name}: " + ("\n".join(lines) if lines else "no sync summary in its log (none made, or no GPU)"))
-            if store is not None and (cfg["store"] or {}).get("status") != "closed":
-                log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "
-                    f"close it: see {server.log_path})")
+            for name in list(live):
+                finish(name)
+        results_text = emit()
+        print("\n" + results_text, flush=True)
+    for name in names if not args.interleave else []:
+        if not start(name):
+            continue
+        try:
+            for rep, i in windows:
+                if not guarded(name, window, rep, i):
+                    break
+        finally:
+            if name in live:
+                finish(name)
         results_text = emit()
         print("\n" + results_text, flush=True)
     if "vanilla" in spy_files:
@@ -928,6 +992,13 @@ def main(argv=None) -> int:
         print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")
     return 0
+
+
+def interleaved(names: list[str], windows: list[tuple[int, int]]) -> list[tuple[int, int, list[str]]]:
+    """``--interleave``'s rounds: (round, load index, the servers in the order they take that
+    window). Who goes first alternates by round, so neither server always follows the other's load
+    (a closed loop leaves the engine and the host's caches in the state its last window did)."""
+    return [(rep, i, list(names) if rep % 2 == 0 else list(names)[::-1]) for rep, i in windows]
 
 
 def check_baseline(row: dict, loads: list, offsets: dict, path: str) -> None:

@@ -103,6 +103,16 @@ def test_every_window_sends_prompts_of_its_own():
             online.load_of(bad)
 
 
+def test_interleaved_rounds_run_every_server_once_a_window_first_server_alternating():
+    """``--interleave``: each (round, load) window is run by every server, once, and who goes first
+    alternates by round (no server always measured right after the other's load)."""
+    windows = [(rep, i) for rep in range(3) for i in range(2)]
+    rounds = online.interleaved(["vanilla", "dmi-hidden"], windows)
+    assert [(rep, i) for rep, i, _ in rounds] == windows
+    assert all(sorted(turn) == ["dmi-hidden", "vanilla"] for _, _, turn in rounds)
+    assert [turn[0] for _, _, turn in rounds] == ["vanilla", "vanilla", "dmi-hidden", "dmi-hidden", "vanilla", "vanilla"]
+
+
 def test_a_baseline_whose_windows_sent_other_prompts_is_refused():
     loads = [16.0, "c64"]
     offsets = online.window_offsets(loads, repeats=2, duration=10.0)
