@@ -256,6 +256,10 @@ def load_arch_spec(source: str | Path | dict) -> Document:
                 raise doc.error(("sites", name, "dims"), f"dim {dim!r} is not declared under dims",
                                 fix=f"add `{dim}: <config attribute>` under dims, or use one of "
                                     f"{sorted(doc.data['dims']) + ['token', 'key']}")
+        vllm = site.get("vllm") or {}
+        if "{i+1}" in vllm.get("module", "") and "last" not in vllm:
+            raise doc.error(("sites", name, "vllm", "module"), "a path through the next layer ({i+1}) has no anchor "
+                            "for the last layer", fix="add `last: {module: ..., output: ...}` (e.g. the final norm)")
     return doc
 
 

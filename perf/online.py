@@ -52,7 +52,9 @@ tokens received / the window.
 Servers run one after the other by default; ``--interleave`` starts every configuration's server
 at once (each its share of the GPU's memory) and lets their windows take turns, who goes first
 alternating by round: the host's speed drifts over minutes (by 10-25 % on the lent H200's), and a
-server measured minutes after another measures that drift too.
+server measured minutes after another measures that drift too. Configurations that differ only in
+what their clients ask share one server there (``dmi-hidden,dmi-hidden-optout``: capturing and
+opted-out windows against the same engine).
 
 **Every window has prompts of its own**: no prompt is sent twice to a server, so vLLM's prefix cache
 (on by default) never skips a prefill. (Until 2026-12-02 every round repeated the first round's
@@ -716,7 +718,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="every configuration's server up at once, their windows taking turns (who goes first "
                          "alternates by round): the host's speed drifts over minutes, and a server compared with "
-                         "one run minutes later measures that drift too")
+                         "one run minutes later measures that drift too. Configurations that differ only in what "
+                         "their clients ask (dmi-hidden, dmi-hidden-optout) share one server")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
     ap.add_argument("--sink", default="host", choices=["host", "zarr"])
@@ -843,6 +846,16 @@ def main(argv=None) -> int:
             log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
             cfg_rows.append({"config": name, "note": "skipped (budget)"})
             return False
+        host = next((other for other, got in live.items() if "of" not in got and cfgs[other] == cfgs[name]), None)
+        if args.interleave and host is not None:
+            # the same server (it differs only in what its clients ask: dmi-hidden-optout): windows of
+            # both kinds against one engine, the A/B two servers cannot give
+            cfg = {"config": name, "note": f"{host}'s server"}
+            cfg_rows.append(cfg)
+            live[name] = {**live[host], "cfg": cfg, "of": host}
+            log(f"{name}: {host}'s server")
+            asyncio.run(warmup(live[host]["server"].port, args.model, warm, REQUEST_EXTRA.get(name)))
+            return True
         if store is not None and store.exists():
             shutil.rmtree(store, ignore_errors=True)
         clock = work / f"stepclock-{name}.jsonl"
@@ -926,11 +939,12 @@ def main(argv=None) -> int:
         """Stop a server: its store's accounting, its step clock, its sync summary."""
         got = live.pop(name)
         server, cfg, store, clock = got["server"], got["cfg"], got["store"], got["clock"]
-        cfg["stop_s"] = server.stop()
+        cfg["stop_s"] = server.stop() if "of" not in got else 0.0
         cfg["store"] = store_stats(store)
         if args.stepclock:                 # each window's steps, from the engine's step clock
             steps = stepclock.load(clock)
-            stepclock.keep(steps, name, Path(os.environ.get("OUT", work)) / "stepclock.jsonl.gz")
+            if "of" not in got:            # (a shared server's steps are kept once, under its first name)
+                stepclock.keep(steps, name, Path(os.environ.get("OUT", work)) / "stepclock.jsonl.gz")
             for row in rows:
                 if row["config"] == name and "wall" in row:
                     row["stepclock"] = stepclock.summarize(steps, *row["wall"])
@@ -966,7 +980,7 @@ def main(argv=None) -> int:
                     if name in live:
                         guarded(name, window, rep, i)
         finally:
-            for name in list(live):
+            for name in sorted(live, key=lambda n: "of" in live[n]):    # servers first, then who shared them
                 finish(name)
         results_text = emit()
         print("\n" + results_text, flush=True)

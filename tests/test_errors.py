@@ -497,6 +497,12 @@ def test_arch_spec_dim_not_declared(tmp_path, load):
           key="sites.attn.q.dims", says=("dim 'heads' is not declared under dims", "'head'"))
 
 
+def test_arch_spec_next_layer_path_without_a_last_anchor(tmp_path, load):
+    arch = qwen3_copy(tmp_path, ", last: {module: model.norm, output: 1}}", "}")
+    check(load(GOOD, SpecError, arch_spec=arch), SpecError, file=arch, line=line_of(arch, "{i+1}.input_layernorm"),
+          key="sites.resid_post.vllm.module", says=("next layer ({i+1})", "add `last:"))
+
+
 def test_arch_spec_broken_yaml(tmp_path, load):
     arch = qwen3_copy(tmp_path, "  layer: num_hidden_layers", "  layer num_hidden_layers: [")
     check(load(GOOD, SpecError, arch_spec=arch), SpecError, file=arch, says=("not valid YAML",))

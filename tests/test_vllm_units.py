@@ -573,6 +573,23 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
         assert vars(cpu) == {"null": False}
 
 
+def test_next_layer_anchor_hands_the_last_layer_to_the_final_norm():
+    """resid_post lives where vLLM materializes the residual stream's sum: the next layer's fused
+    add+RMSNorm (output 1), the last layer's in the final norm; the plan's anchors spell it out."""
+    from dmi.adapters.vllm.patch import layer_anchor, module_path
+    from dmi.adapters.vllm.worker import _vllm_anchor
+    from dmi.spec import builtin_spec_dir, load_arch_spec
+    arch = load_arch_spec(builtin_spec_dir() / "qwen3.yaml")
+    spec = arch.data["sites"]["resid_post"]["vllm"]
+    assert module_path(spec["module"], 2) == "model.layers.3.input_layernorm"
+    assert layer_anchor(spec, 2, 4) is spec and layer_anchor(spec, None, 4) is spec
+    assert _vllm_anchor(arch, "resid_post", 2, 4) == {**spec, "module": "model.layers.3.input_layernorm",
+                                                       "layout": ["token"]}
+    last = _vllm_anchor(arch, "resid_post", 3, 4)
+    assert last == {"module": "model.norm", "output": 1, "layout": ["token"]}
+    assert _vllm_anchor(arch, "resid_mid", 3, 4)["module"] == "model.layers.3.post_attention_layernorm"
+
+
 def test_cuda_graphs_on_reads_the_compilation_config():
     import enum
     import types

@@ -34,10 +34,26 @@ from .pattern import vllm_attention_pattern
 DERIVED.setdefault("vllm_attention_pattern", vllm_attention_pattern)
 
 
+def module_path(pattern: str, layer: int | None) -> str:
+    """An anchor's attribute path for one layer: ``{i}`` is the layer, ``{i+1}`` the next one."""
+    if layer is None:
+        return pattern
+    return pattern.replace("{i+1}", str(layer + 1)).format(i=layer)
+
+
+def layer_anchor(anchor: dict, layer: int | None, n_layers: int | None) -> dict:
+    """The anchor a site of ``layer`` uses: a path through the next layer (``{i+1}``: where vLLM
+    materializes the residual stream's sum, in the next layer's fused add+RMSNorm) hands the last
+    layer to its ``last`` anchor (the final norm, which does the same add)."""
+    if layer is not None and n_layers is not None and layer == n_layers - 1 and "{i+1}" in anchor["module"]:
+        return {**{k: v for k, v in anchor.items() if k not in ("module", "output", "input", "last")}, **anchor["last"]}
+    return anchor
+
+
 def resolve(root, pattern: str, layer: int | None):
-    """The object at an attribute path (``{i}`` = layer), or None when it does not exist."""
+    """The object at an attribute path (``{i}`` = layer, ``{i+1}`` the next), or None when it does not exist."""
     obj = root
-    for part in (pattern.format(i=layer) if layer is not None else pattern).split("."):
+    for part in module_path(pattern, layer).split("."):
         if part.isdigit() and isinstance(obj, (torch.nn.ModuleList, list, tuple)):
             idx = int(part)
             if idx >= len(obj):
@@ -135,8 +151,9 @@ def available_sites(model, arch, n_layers: int) -> set[tuple[str, int | None]]:
         if anchor is None or anchor.get("unsupported"):
             continue
         for layer in (range(n_layers) if s.get("per_layer") else [None]):
-            obj = resolve(model, anchor["module"], layer)
-            if obj is not None and (anchor.get("method") is None or hasattr(obj, anchor["method"])):
+            a = layer_anchor(anchor, layer, n_layers)
+            obj = resolve(model, a["module"], layer)
+            if obj is not None and (a.get("method") is None or hasattr(obj, a["method"])):
                 out.add((canonical, layer))
     return out
 
@@ -165,7 +182,7 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
         a = s.anchor
         obj = resolve(model, a["module"], s.layer)
         if obj is None:
-            raise anchor_error(arch, s.canonical, model, f"module {a['module'].format(i=s.layer)!r}")
+            raise anchor_error(arch, s.canonical, model, f"module {module_path(a['module'], s.layer)!r}")
         handle = SiteHandle(run.id, s.index, run.ticket)
         if "assign" in a or "compute" in a:
             if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module

@@ -29,7 +29,7 @@ from ...plan import build_plan
 from ...run import Run
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
 from . import compat
-from .patch import attach, available_sites, resolve
+from .patch import attach, available_sites, layer_anchor, module_path, resolve
 from .pattern import SESSIONS_BY_RUN, KeyStore
 from .policy import RequestGate, ServePolicy
 from .steps import StepBuilder
@@ -275,7 +275,7 @@ def start(worker) -> Session | None:
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     n_layers = text_config.num_hidden_layers
     plan = build_plan(arch, hook, text_config, available=available_sites(model, arch, n_layers))
-    plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical)) for s in plan.sites]
+    plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, n_layers)) for s in plan.sites]
     _check_pattern(plan, vllm_config, hook)
     policy = ServePolicy.from_hook(hook)
     store = cfg.get("store") or hook.data.get("store", {}).get("path")
@@ -442,8 +442,10 @@ def _at_exit(fn) -> None:
         atexit.register(fn)
 
 
-def _vllm_anchor(arch, canonical: str) -> dict:
-    a = dict(arch.data["sites"][canonical]["vllm"])
+def _vllm_anchor(arch, canonical: str, layer: int | None, n_layers: int) -> dict:
+    """A site's anchor for its layer, the module path spelled out (no ``{i}`` / ``{i+1}`` left)."""
+    a = dict(layer_anchor(arch.data["sites"][canonical]["vllm"], layer, n_layers))
+    a["module"] = module_path(a["module"], layer)
     a.setdefault("layout", ["token"])
     return a
 
