@@ -44,9 +44,9 @@ def module_path(pattern: str, layer: int | None) -> str:
 def layer_anchor(anchor: dict, layer: int | None, n_layers: int | None) -> dict:
     """The anchor a site of ``layer`` uses: a path through the next layer (``{i+1}``: where vLLM
     materializes the residual stream's sum, in the next layer's fused add+RMSNorm) hands the last
-    layer to its ``last`` anchor (the final norm, which does the same add)."""
+    layer to its ``last`` anchor (the final norm, which does the same add), a whole anchor of its own."""
     if layer is not None and n_layers is not None and layer == n_layers - 1 and "{i+1}" in anchor["module"]:
-        return {**{k: v for k, v in anchor.items() if k not in ("module", "output", "input", "last")}, **anchor["last"]}
+        return anchor["last"]
     return anchor
 
 
