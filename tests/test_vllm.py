@@ -311,8 +311,9 @@ def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     memory (``DMI_RING=interpret``), every capture launched as a CUDA-graph replay launches it (row
     counts, rows and seq read from the device control block; the logits compacted on the device),
     vLLM's profiling run in dmi's null mode; then the same run with captures as a step without
-    CUDA graphs takes them (row ranges copied at once, the residual stream's sum added straight
-    into the ring): every site of every row equals HF's."""
+    CUDA graphs takes them (row ranges copied at once), and once more with the residual stream
+    anchored on its two tensors (their rows added straight into the ring): every site of every row
+    equals HF's."""
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -320,20 +321,40 @@ def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     r = subprocess.run([sys.executable, __file__, "interpret", "qwen3_moe", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert r.stdout.count("rows checked") == 2
+    assert r.stdout.count("rows checked") == 3
+
+
+def summed_residual_spec(family: str, tmp: Path) -> Path:
+    """The family's spec with the residual stream anchored on vLLM's two tensors (a layer's input
+    ``hidden_states`` + ``residual``, its outputs 0 + 1), as a spec for an engine that never
+    materializes their sum would: dmi adds them (``dmi::capture_sum``)."""
+    import re
+    from dmi.spec import builtin_spec_dir
+    text = (builtin_spec_dir() / f"{family}.yaml").read_text()
+    text, n_pre = re.subn(r'vllm: \{module: "model.layers.\{i\}.input_layernorm", output: 1, first: .*\}\}',
+                          'vllm: {module: "model.layers.{i}", input: [hidden_states, residual]}', text)
+    text, n_post = re.subn(r'vllm: \{module: "model.layers.\{i\+1\}.input_layernorm", output: 1, last: .*\}\}',
+                           'vllm: {module: "model.layers.{i}", output: [0, 1]}', text)
+    assert n_pre == n_post == 1
+    path = tmp / f"{family}-summed.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 def _interpreted(family: str, tmp: Path) -> None:
     for graph_mode in (True, False):
         _interpreted_run(family, tmp / ("graph" if graph_mode else "eager"), graph_mode)
+    # the residual stream as two tensors: graph-less steps add their rows straight into the ring
+    _interpreted_run(family, tmp / "summed", False, arch_spec=summed_residual_spec(family, tmp))
 
 
-def _interpreted_run(family: str, tmp: Path, graph_mode: bool) -> None:
+def _interpreted_run(family: str, tmp: Path, graph_mode: bool, arch_spec: Path | None = None) -> None:
     """(subprocess of the test above: Triton reads TRITON_INTERPRET when a kernel is defined)"""
     from vllm import SamplingParams
     spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "16MiB"}}
     run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp / "v.zarr", backend="vllm", **ENGINE,
-                   max_num_batched_tokens=64, max_model_len=128)
+                   max_num_batched_tokens=64, max_model_len=128, arch_spec=arch_spec)
     ring = run.run.ring
     assert type(ring).__name__ == "InterpretRing"
     ring.graph_mode = graph_mode

@@ -575,7 +575,8 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
 
 def test_next_layer_anchor_hands_the_last_layer_to_the_final_norm():
     """resid_post lives where vLLM materializes the residual stream's sum: the next layer's fused
-    add+RMSNorm (output 1), the last layer's in the final norm; the plan's anchors spell it out."""
+    add+RMSNorm (output 1), the last layer's in the final norm; resid_pre in the layer's own, layer
+    0's at its input; the plan's anchors spell it out."""
     from dmi.adapters.vllm.patch import layer_anchor, module_path
     from dmi.adapters.vllm.worker import _vllm_anchor
     from dmi.spec import builtin_spec_dir, load_arch_spec
@@ -588,6 +589,10 @@ def test_next_layer_anchor_hands_the_last_layer_to_the_final_norm():
     last = _vllm_anchor(arch, "resid_post", 3, 4)
     assert last == {"module": "model.norm", "output": 1, "layout": ["token"]}
     assert _vllm_anchor(arch, "resid_mid", 3, 4)["module"] == "model.layers.3.post_attention_layernorm"
+    # resid_pre: the layer's own fused add+RMSNorm, but layer 0's adds nothing (its input is the stream)
+    assert _vllm_anchor(arch, "resid_pre", 2, 4)["module"] == "model.layers.2.input_layernorm"
+    assert _vllm_anchor(arch, "resid_pre", 0, 4) == {"module": "model.layers.0", "input": "hidden_states",
+                                                      "layout": ["token"]}
 
 
 def test_cuda_graphs_on_reads_the_compilation_config():

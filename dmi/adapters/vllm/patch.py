@@ -10,7 +10,9 @@ bookkeeping, not here. Two things vLLM needs on top:
   residual stream as two tensors, ``hidden_states + residual``. Two tensors go to
   ``dmi::capture_sum``, which copies the rows of their sum without adding them as a graph op
   (Inductor would give that add a kernel of its own in every layer: vLLM fuses it into the next
-  RMSNorm);
+  RMSNorm). The built-in specs anchor the stream where that fused add+RMSNorm returns the sum
+  instead (output 1: one tensor to copy), through ``{i+1}`` paths (the next layer) and the
+  ``first`` / ``last`` anchors of layer 0 and the last layer (:func:`layer_anchor`);
 * ``order_by: N`` reorders the last axis by descending value of output ``N`` (vLLM's CPU router
   returns its top-k unsorted; the canonical order is by descending weight).
 
@@ -42,9 +44,13 @@ def module_path(pattern: str, layer: int | None) -> str:
 
 
 def layer_anchor(anchor: dict, layer: int | None, n_layers: int | None) -> dict:
-    """The anchor a site of ``layer`` uses: a path through the next layer (``{i+1}``: where vLLM
-    materializes the residual stream's sum, in the next layer's fused add+RMSNorm) hands the last
-    layer to its ``last`` anchor (the final norm, which does the same add), a whole anchor of its own."""
+    """The anchor a site of ``layer`` uses. The residual stream is summed by vLLM in each layer's
+    fused add+RMSNorm, so a spec anchors it there: ``resid_pre`` at the layer's own norm, whose
+    layer 0 has no residual to add (its ``first`` anchor: the layer's input), ``resid_post`` at the
+    next layer's (``{i+1}``), which the last layer does not have (its ``last`` anchor: the final
+    norm). ``first`` and ``last`` are whole anchors of their own."""
+    if layer == 0 and "first" in anchor:
+        return anchor["first"]
     if layer is not None and n_layers is not None and layer == n_layers - 1 and "{i+1}" in anchor["module"]:
         return anchor["last"]
     return anchor
