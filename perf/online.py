@@ -763,8 +763,6 @@ def main(argv=None) -> int:
         args.ring_gib, args.host_gib = 0.25, 1
         args.configs = args.configs if args.configs != DEFAULT_CONFIGS else "vanilla,dmi-hidden,hooks"
     args.graph_sizes = [int(x) for x in args.graph_sizes.split(",") if int(x) <= args.max_num_batched_tokens]
-    if args.interleave:
-        args.gpu_memory_utilization /= len([c for c in args.configs.split(",") if c])
     rates = [load_of(r) for r in args.rates.split(",")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -788,6 +786,12 @@ def main(argv=None) -> int:
     unknown = [c for c in names if c not in cfgs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
+    if args.interleave:                        # each server its share (configurations of one server: one share)
+        servers = []
+        for c in names:
+            if cfgs[c] not in servers:
+                servers.append(cfgs[c])
+        args.gpu_memory_utilization /= len(servers)
     per_rate = args.duration + args.grace + 3
     # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
     # vanilla's 110-130 (each is replaced by what the first server of its kind took)
