@@ -786,12 +786,11 @@ def main(argv=None) -> int:
     unknown = [c for c in names if c not in cfgs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
-    if args.interleave:                        # each server its share (configurations of one server: one share)
-        servers = []
-        for c in names:
-            if cfgs[c] not in servers:
-                servers.append(cfgs[c])
-        args.gpu_memory_utilization /= len(servers)
+    # --interleave: a configuration that differs from an earlier one only in what its clients ask
+    # (dmi-hidden-optout) uses that one's server; each server gets its share of the GPU's memory
+    server_of = {c: next(o for o in names if cfgs[o] == cfgs[c]) for c in names}
+    if args.interleave:
+        args.gpu_memory_utilization /= len(set(server_of.values()))
     per_rate = args.duration + args.grace + 3
     # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
     # vanilla's 110-130 (each is replaced by what the first server of its kind took)
@@ -850,10 +849,9 @@ def main(argv=None) -> int:
             log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
             cfg_rows.append({"config": name, "note": "skipped (budget)"})
             return False
-        host = next((other for other, got in live.items() if "of" not in got and cfgs[other] == cfgs[name]), None)
-        if args.interleave and host is not None:
-            # the same server (it differs only in what its clients ask: dmi-hidden-optout): windows of
-            # both kinds against one engine, the A/B two servers cannot give
+        host = server_of[name]
+        if args.interleave and host != name and host in live:
+            # windows of both kinds against one engine: the A/B two servers cannot give
             cfg = {"config": name, "note": f"{host}'s server"}
             cfg_rows.append(cfg)
             live[name] = {**live[host], "cfg": cfg, "of": host}

@@ -43,7 +43,7 @@ def module_path(pattern: str, layer: int | None) -> str:
     return pattern.replace("{i+1}", str(layer + 1)).format(i=layer)
 
 
-def layer_anchor(anchor: dict, layer: int | None, n_layers: int | None) -> dict:
+def layer_anchor(anchor: dict, layer: int | None, n_layers: int) -> dict:
     """The anchor a site of ``layer`` uses. The residual stream is summed by vLLM in each layer's
     fused add+RMSNorm, so a spec anchors it there: ``resid_pre`` at the layer's own norm, whose
     layer 0 has no residual to add (its ``first`` anchor: the layer's input), ``resid_post`` at the
@@ -51,7 +51,7 @@ def layer_anchor(anchor: dict, layer: int | None, n_layers: int | None) -> dict:
     norm). ``first`` and ``last`` are whole anchors of their own."""
     if layer == 0 and "first" in anchor:
         return anchor["first"]
-    if layer is not None and n_layers is not None and layer == n_layers - 1 and "{i+1}" in anchor["module"]:
+    if layer == n_layers - 1 and "{i+1}" in anchor["module"]:
         return anchor["last"]
     return anchor
 
