@@ -54,9 +54,12 @@ at once (each its share of the GPU's memory) and lets their windows take turns, 
 alternating by round: the host's speed drifts over minutes (by 10-25 % on the lent H200's), and a
 server measured minutes after another measures that drift too. Configurations that differ only in
 what their clients ask share one server there (``dmi-hidden,dmi-hidden-optout``: capturing and
-opted-out windows against the same engine).
+opted-out windows against the same engine); vLLM's prefix cache is then off on every server
+(``--no-prefix-cache``), since a shared server sees each window's prompts once per configuration on
+it. (The first such run, 2026-12-02, had it on: the second configuration of each shared window found
+every prompt cached and measured a server with almost no prefill.)
 
-**Every window has prompts of its own**: no prompt is sent twice to a server, so vLLM's prefix cache
+**Every window has prompts of its own**: no prompt is sent twice to a configuration, so vLLM's prefix cache
 (on by default) never skips a prefill. (Until 2026-12-02 every round repeated the first round's
 prompts: its second and third windows hit the cache for 60-97 % of their prompt tokens, so they
 measured a server with almost no prefill work and the first window a cold one.) The same window of
@@ -409,6 +412,8 @@ class Server:
             cmd += ["--enforce-eager"]
         else:
             cmd += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": args.graph_sizes})]
+        if args.no_prefix_cache:
+            cmd += ["--no-enable-prefix-caching"]
         if args.trace:       # vLLM's torch profiler, started and stopped through its HTTP endpoints
             self.trace_dir = trace_dir(work, name)
             cmd += ["--profiler-config", json.dumps({
@@ -539,6 +544,13 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # every site of both sets patched in, every request opted out: kernels launch and exit
         "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
     }
+
+
+def servers_of(cfgs: dict, names: list[str]) -> dict:
+    """name -> the configuration whose server it runs on under ``--interleave``: the first of
+    ``names`` with the same server (environment, arguments, mode, store), so configurations that
+    differ only in what their clients ask (``dmi-hidden-optout``) share one."""
+    return {c: next(o for o in names if cfgs[o] == cfgs[c]) for c in names}
 
 
 def compile_key(args, env: dict) -> str:
@@ -720,6 +732,8 @@ def main(argv=None) -> int:
                          "alternates by round): the host's speed drifts over minutes, and a server compared with "
                          "one run minutes later measures that drift too. Configurations that differ only in what "
                          "their clients ask (dmi-hidden, dmi-hidden-optout) share one server")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="vLLM's prefix cache off on every server (automatic when --interleave shares a server)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
     ap.add_argument("--sink", default="host", choices=["host", "zarr"])
@@ -788,9 +802,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
     # --interleave: a configuration that differs from an earlier one only in what its clients ask
     # (dmi-hidden-optout) uses that one's server; each server gets its share of the GPU's memory
-    server_of = {c: next(o for o in names if cfgs[o] == cfgs[c]) for c in names}
+    server_of = servers_of(cfgs, names)
     if args.interleave:
         args.gpu_memory_utilization /= len(set(server_of.values()))
+        # a shared server sees each window's prompts once per configuration on it: the second would
+        # hit the prefix cache for every prompt (a window of decode steps only). Off on every server.
+        args.no_prefix_cache = args.no_prefix_cache or len(set(server_of.values())) < len(names)
     per_rate = args.duration + args.grace + 3
     # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
     # vanilla's 110-130 (each is replaced by what the first server of its kind took)

@@ -1,6 +1,7 @@
 """perf/online.py's tables: the paired TPOT ratio (each request against itself on vanilla)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -168,3 +169,26 @@ def test_closed_loop_keeps_n_requests_in_flight_each_client_its_own_items():
         mine = sorted(r.index for r in results if r.index % 4 == k)
         assert mine == list(range(k, k + 4 * len(mine), 4))
     assert max(t for t, _ in seen) < t0 + 0.6 + 0.05 and window < 0.6 + 2.0
+
+
+def test_a_shared_server_turns_the_prefix_cache_off_on_every_server(tmp_path):
+    """``--interleave`` runs dmi-hidden-optout on dmi-hidden's server; that server then sees each
+    window's prompts twice, so every server starts with vLLM's prefix cache off (the first such run
+    measured the second configuration's windows with every prompt cached)."""
+    args = argparse.Namespace(sink="host", ring_gib=1.0, policy_mode="full", host_gib=None, max_num_seqs=64,
+                              busy_us=600.0)
+    cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
+    names = ["vanilla", "dmi-hidden", "dmi-hidden-optout"]
+    assert online.servers_of(cfgs, names) == {"vanilla": "vanilla", "dmi-hidden": "dmi-hidden",
+                                              "dmi-hidden-optout": "dmi-hidden"}
+    assert online.servers_of(cfgs, ["vanilla", "dmi-hidden-optout"])["dmi-hidden-optout"] == "dmi-hidden-optout"
+
+    def cmd(no_prefix_cache):
+        run = argparse.Namespace(port=1, model="qwen3-8b", dtype="bfloat16", load_format="dummy", max_model_len=2048,
+                                 max_num_seqs=64, max_num_batched_tokens=4096, cpu=False, trace=0,
+                                 gpu_memory_utilization=0.4, graph_sizes=[1, 2, 512], no_prefix_cache=no_prefix_cache)
+        return online.Server("vanilla", run, "/m", tmp_path, {}, [], False).cmd
+    for off in (True, False):           # the graph sizes stay whatever the cache does
+        c = cmd(off)
+        assert ("--no-enable-prefix-caching" in c) == off
+        assert json.loads(c[c.index("--compilation-config") + 1]) == {"cudagraph_capture_sizes": [1, 2, 512]}
