@@ -804,10 +804,11 @@ def main(argv=None) -> int:
     # (dmi-hidden-optout) uses that one's server; each server gets its share of the GPU's memory
     server_of = servers_of(cfgs, names)
     if args.interleave:
-        args.gpu_memory_utilization /= len(set(server_of.values()))
+        n_servers = len(set(server_of.values()))
+        args.gpu_memory_utilization /= n_servers
         # a shared server sees each window's prompts once per configuration on it: the second would
-        # hit the prefix cache for every prompt (a window of decode steps only). Off on every server.
-        args.no_prefix_cache = args.no_prefix_cache or len(set(server_of.values())) < len(names)
+        # hit the prefix cache for every prompt (almost no prefill). Off on every server.
+        args.no_prefix_cache = args.no_prefix_cache or n_servers < len(names)
     per_rate = args.duration + args.grace + 3
     # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
     # vanilla's 110-130 (each is replaced by what the first server of its kind took)
@@ -899,9 +900,7 @@ def main(argv=None) -> int:
             asyncio.run(warmup(server.port, args.model, warm, REQUEST_EXTRA.get(name)))
             return True
         except Exception as e:        # a configuration that fails is reported; the others still run
-            cfg["note"] = f"failed: {type(e).__name__}"
-            log(f"{name}: FAILED: {e}\n{server.tail(60)}")
-            finish(name)
+            failed(name, e)
             return False
 
     def window(name: str, rep: int, i: int) -> None:
@@ -975,14 +974,18 @@ def main(argv=None) -> int:
             log(f"{name}: WARNING: dmi's store is {cfg['store']} (plugin not loaded, or the engine did not "
                 f"close it: see {server.log_path})")
 
+    def failed(name: str, e: Exception) -> None:
+        """A configuration that failed is reported and its server stopped; the others still run."""
+        live[name]["cfg"]["note"] = f"failed: {type(e).__name__}"
+        log(f"{name}: FAILED: {e}\n{live[name]['server'].tail(60)}")
+        finish(name)
+
     def guarded(name: str, fn, *a) -> bool:
         try:
             fn(name, *a)
             return True
-        except Exception as e:        # a configuration that fails is reported; the others still run
-            live[name]["cfg"]["note"] = f"failed: {type(e).__name__}"
-            log(f"{name}: FAILED: {e}\n{live[name]['server'].tail(60)}")
-            finish(name)
+        except Exception as e:
+            failed(name, e)
             return False
 
     if args.interleave:
