@@ -15,6 +15,13 @@ that captured them writes fresh slots on every replay; the host work of a step (
 bookkeeping, reservation, the H2D copy of the control tensors) happens in ``step_begin`` only in
 eager forwards, and outside the graph otherwise (``Run.begin_step`` / ``Run.stepped``).
 
+Compiled code captures a site the ring names traceable (:meth:`dmi.kernels.cuda_ring.KernelRing.traced_site`)
+as traced torch ops instead (:mod:`dmi.kernels.traced`): a scatter into the ring that inductor fuses
+into the kernel computing the site's tensor, where the op would cut that kernel in two. Its order
+against the step's ops is data flow: the scatter reads ``ticket`` (so it follows the begin, which
+in eager forwards writes the control block it reads), and ``step_end`` reads the payload views the
+scatters wrote (``after``; so the end kernel, which publishes their records, follows them).
+
 Patched model code calls :func:`site` (returns the tensor it was given): a later write site
 (steering) can return a modified tensor without changing any call site.
 """
@@ -23,6 +30,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from .kernels.traced import capture as traced_capture
 
 _RUNS: dict[int, object] = {}     # run id -> dmi.run.Run (the op's only state)
 
@@ -47,7 +56,7 @@ _LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site) -> ()")
 _LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
-_LIB.define("step_end(Tensor(a!) ticket, int run) -> ()")
+_LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
 
 
 def _op(name: str):
@@ -85,18 +94,29 @@ def step_begin(tokens: torch.Tensor, attention_mask: Optional[torch.Tensor], pos
 
 
 @_op("step_end")
-def step_end(ticket: torch.Tensor, run: int) -> None:
+def step_end(ticket: torch.Tensor, run: int, after: Optional[list] = None) -> None:
+    """``after``: the payload views traced captures write (they order the end after those writes,
+    and must be the ring's own memory: see ``KernelRing.check_written_in_place``)."""
     r = _RUNS.get(run)
     if r is not None:
+        if after:
+            r.ring.check_written_in_place(after)
         r.step_end_op()
 
 
 class SiteHandle:
-    """What a patched module instance knows about one of its sites."""
-    __slots__ = ("run", "site", "ticket")
+    """What a patched module instance knows about one of its sites. ``traced``: how compiled code
+    captures it as torch ops (:class:`dmi.kernels.traced.TracedSite`), or None (the op)."""
+    __slots__ = ("run", "site", "ticket", "traced")
 
-    def __init__(self, run: int, site: int, ticket: torch.Tensor):
-        self.run, self.site, self.ticket = run, site, ticket
+    def __init__(self, run: int, site: int, ticket: torch.Tensor, traced=None):
+        self.run, self.site, self.ticket, self.traced = run, site, ticket, traced
+
+    @classmethod
+    def of(cls, run, site: int) -> "SiteHandle":
+        """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
+        traced = getattr(run.ring, "traced_site", None)
+        return cls(run.id, site, run.ticket, traced(site) if traced is not None else None)
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +125,10 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
     if torch.compiler.is_compiling():
-        torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
+        if handle.traced is not None:
+            traced_capture(handle.traced, x, handle.ticket)
+        else:
+            torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
@@ -116,7 +139,10 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
 def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
     """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
     if torch.compiler.is_compiling():
-        torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site)
+        if handle.traced is not None:
+            traced_capture(handle.traced, x + y, handle.ticket)       # (inductor fuses the sum into the scatter)
+        else:
+            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:

@@ -3,26 +3,35 @@ without dmi, counted.
 
     python perf/fusion.py [--model tiny] [--tokens 24]
 
-Compiles the model's forward (``torch.compile(fullgraph=True)``, inductor) twice, the vanilla
-model and a twin carrying dmi's hidden-states spec (every layer's ``resid_post`` and the final
-norm), and prints the kernels each one's generated code launches (Triton on a GPU, C++ on the
-CPU) and the calls of dmi's op. ``dmi::capture`` is opaque to inductor: a kernel that would read
-the site's tensor and go on computing (a residual add and the next RMSNorm) is split around it.
-Outside a CUDA graph every extra kernel is a host launch (vLLM's steps above its largest graph).
+Compiles the model's forward (``torch.compile(fullgraph=True)``, inductor) three times: the
+vanilla model, and twins carrying dmi's hidden-states spec (every layer's ``resid_post`` and the
+final norm) captured through the site op (the default) and as traced ops (``DMI_TRACED=1`` on a
+kernel ring: ``dmi.kernels.traced``), and prints the kernels each one's generated code launches
+(Triton on a GPU, C++ on the CPU), the calls of dmi's ops, whether each twin's captures equal the
+hidden states its own compiled forward returns (bit for bit), and whether its logits equal the
+vanilla compiled forward's (a different fusion may round differently: inductor keeps a fused
+intermediate in fp32 where a split graph stores and reloads it in bf16). ``dmi::capture`` is opaque to inductor: a kernel that would read the site's
+tensor and go on computing (a residual add and the next RMSNorm) is split around it. Outside a
+CUDA graph every extra kernel is a host launch (vLLM's steps above its largest graph). Traced, the
+scatter into the ring folds into the kernel computing the rows.
 
-Then the same question for a capture written as traced torch ops instead: a scatter of the rows
-into a ring tensor at indices read from a control tensor (``ring.index_put_``), between a
-residual add and an RMSNorm. Printed: the kernels that step compiles to (one, where inductor folds
-the scatter into the kernel computing the rows) and whether the ring holds the rows.
+On the CPU the kernel ring runs over host memory (``DMI_RING=interpret``; the end-marker kernel
+under Triton's interpreter: run with ``TRITON_INTERPRET=1``).
+
+Then the bare pattern: a residual add, its rows scattered into a ring tensor at indices read
+from a control tensor (``ring.index_put_``), an RMSNorm. Printed: the kernels that step compiles
+to and whether the ring holds the rows.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -35,13 +44,13 @@ from offline import DEV, build, twin   # noqa: E402
 KERNEL_CALL = re.compile(r"^\s+((?:cpp_fused|triton_)\w*?)(?:\.run)?\(", re.M)
 
 
-def kernels(fn, *args, **kwargs) -> tuple[list[str], int]:
-    """(kernel calls, dmi op calls) in the code inductor generates for ``fn``."""
+def kernels(fn, *args, **kwargs) -> tuple[list[str], int, object]:
+    """(kernel calls, dmi op calls, output) of the code inductor generates for ``fn``."""
     torch._dynamo.reset()
     with torch.no_grad():
-        _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args, **kwargs)
+        out, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args, **kwargs)
     code = "\n".join(codes)
-    return KERNEL_CALL.findall(code), code.count("torch.ops.dmi.")
+    return KERNEL_CALL.findall(code), code.count("torch.ops.dmi."), out
 
 
 def scatter_step(hidden: int = 64, rows: int = 8):
@@ -57,9 +66,20 @@ def scatter_step(hidden: int = 64, rows: int = 8):
         return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight, s
 
     x, r = torch.randn(rows, hidden, device=DEV), torch.randn(rows, hidden, device=DEV)
-    calls, _ = kernels(step, x, r)
+    calls, _, _ = kernels(step, x, r)
     s = x + r
     return calls, bool(torch.equal(ring[100:100 + rows - 3], s[:rows - 3]))
+
+
+def captures_equal_outputs(store: Path, out) -> bool:
+    """Whether the store's single step holds, bit for bit, the hidden states the compiled forward
+    returned (each layer's ``resid_post``, the final norm's output as the last one)."""
+    tree = dmi.open(store)
+    fin, rp = tree["final_norm"].dataset.final_norm, tree["layers/resid_post"].dataset.resid_post
+    hs = [h.float().cpu().reshape(-1, h.shape[-1]).numpy() for h in out.hidden_states]
+    layers = range(len(hs) - 2)           # the last layer's hidden state is the final norm's output
+    return bool(np.array_equal(fin.values.astype(np.float32), hs[-1])
+                and all(np.array_equal(rp.sel(layer=k).values.astype(np.float32), hs[k + 1]) for k in layers))
 
 
 def main(argv=None) -> None:
@@ -68,17 +88,29 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=24)
     args = ap.parse_args(argv)
     model = build(args.model)
-    carrier = twin(model)
     spec = {"capture": [{"sites": ["resid_post", "final_norm"]}],
             "policy": {"mode": "full", "ring_bytes": 256 << 20, "host_bytes": 256 << 20}}
     ids = torch.randint(3, model.config.vocab_size, (2, args.tokens), device=DEV)
-    with tempfile.TemporaryDirectory() as tmp, dmi.load(carrier, hook_spec=spec, store=Path(tmp) / "s.zarr") as run:
-        rows = [("vanilla", *kernels(model.model, input_ids=ids)),
-                (f"dmi ({len(run.plan.sites)} sites)", *kernels(carrier.model, input_ids=ids))]
+    with torch.no_grad():        # transformers installs its hidden-state hooks on a first, eager call
+        model(input_ids=ids, output_hidden_states=True)
+    calls, ops, vanilla = kernels(model, input_ids=ids, output_hidden_states=True)
+    rows = [("vanilla", calls, ops, "", "")]
+    if DEV == "cpu":
+        os.environ.setdefault("DMI_RING", "interpret")
+    with tempfile.TemporaryDirectory() as tmp:
+        for how, traced in (("site op", "0"), ("traced", "1")):
+            os.environ["DMI_TRACED"] = traced
+            store = Path(tmp) / f"{traced}.zarr"
+            with dmi.load(twin(model), hook_spec=spec, store=store) as run:
+                label = f"dmi, {how} ({len(run.plan.sites)} sites, {len(getattr(run.ring, 'traced', []))} traced)"
+                calls, ops, out = kernels(run.model, input_ids=ids, output_hidden_states=True)
+            rows.append((label, calls, ops, captures_equal_outputs(store, out),
+                         bool(torch.equal(out.logits, vanilla.logits))))
     print(f"{args.model} on {DEV}, forward of 2 x {args.tokens} tokens, {model.config.num_hidden_layers} layers\n")
-    print("| forward | kernel calls | dmi op calls |\n| --- | ---: | ---: |")
-    for label, calls, ops in rows:
-        print(f"| {label} | {len(calls)} | {ops} |")
+    print("| forward | kernel calls | dmi op calls | captures = its hidden states | logits = vanilla's |\n"
+          "| --- | ---: | ---: | :---: | :---: |")
+    for label, calls, ops, equal, logits in rows:
+        print(f"| {label} | {len(calls)} | {ops} | {equal} | {logits} |")
     calls, held = scatter_step()
     print(f"\ncapture as a traced scatter (add, index_put_ into the ring, RMSNorm): {len(calls)} kernel(s) "
           f"{calls}; ring holds the rows: {held}")

@@ -40,6 +40,10 @@ case "$part" in
     TAIL=200 step diag 300 python3 perf/diagnose.py "$@"
     TAIL=30 step tests2 200 python3 -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider -k "fullgraph or null"
     ;;
+  traced)   # compiled captures as traced ops: the ring's GPU tests, then inductor's kernels with and without dmi
+    TAIL=25 step tests 330 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -q -ra -p no:cacheprovider
+    TAIL=15 step fusion 200 python3 perf/fusion.py "$@"
+    ;;
   nullgap)   # where null mode's cost goes (perf/nullgap.py), then the ring's GPU tests
     TAIL=40 step nullgap 330 python3 perf/nullgap.py "$@"
     TAIL=12 step tests 170 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py tests/gpu/test_policy_gpu.py -q -ra -p no:cacheprovider

@@ -17,6 +17,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 * "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
   (the CUDA ring copies each step out from the model's thread as the next step begins, instead of
   in batches from the drain thread; dmi/kernels/cuda_ring.py says why);
+* "-> host, traced" (``--traced-row``, compiled mode): the same with the compiled forward capturing
+  the plain sites as traced torch ops fused into the kernels computing them (``DMI_TRACED=1``,
+  dmi/kernels/traced.py), where by default every capture goes through the site op and its kernel;
 * dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
@@ -316,6 +319,28 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         del run
         gc.collect()
 
+        if args.traced_row and mode == "compiled":
+            sd = store_dir()
+            was = os.environ.get("DMI_TRACED")
+            os.environ["DMI_TRACED"] = "1"        # read when the ring is set up
+            try:
+                run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer),
+                               store=sd / "traced.zarr", overwrite=True)
+            finally:
+                os.environ.pop("DMI_TRACED") if was is None else os.environ.__setitem__("DMI_TRACED", was)
+            try:
+                def traced():
+                    with Skip(run):
+                        dmodel.generate(**enc, **kw)
+                        run.flush()
+                record("dmi hidden+logits -> host, traced", reps_of(traced, run=run), run, sites=n_hidden,
+                       note="DMI_TRACED=1")
+            finally:
+                run.close()
+                shutil.rmtree(sd, ignore_errors=True)
+            del run
+            gc.collect()
+
         if not args.no_internals:
             sd = store_dir()
             ring = ring_for(real * int_row)
@@ -399,6 +424,8 @@ def main(argv=None):
     ap.add_argument("--no-copy-at-step", dest="copy_at_step_row", action="store_false",
                     help="skip the host row with DMI_COPY_AT_STEP's copy-out")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--traced-row", action="store_true",
+                    help="compiled mode: also the hidden capture as traced ops (DMI_TRACED=1)")
     ap.add_argument("--no-gpu-busy", dest="gpu_busy", action="store_false",
                     help="skip the profiled run per configuration (GPU busy ms per step, GPU ratio)")
     ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, batch 16, 32 new tokens, 1 repeat")

@@ -15,7 +15,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ring's async copies and event records through cuda-python, which lets the GIL go in each call
   (``DMI_PYDLL=0``); ``dmi-hidden-nopdl``: each capture kernel an ordinary launch (``DMI_PDL=0``;
   by default, on Hopper and later, a programmatic dependent launch whose launch and control-word
-  read overlap the kernel before it);
+  read overlap the kernel before it); ``dmi-hidden-traced``: compiled code captures the plain sites
+  as traced torch ops that inductor fuses into the kernels computing them (``DMI_TRACED=1``,
+  ``dmi/kernels/traced.py``; by default every capture goes through the site op and its kernel);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -527,6 +529,9 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
         # ... and with each capture kernel an ordinary launch (the default: a programmatic dependent, Hopper on)
         "dmi-hidden-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
+        # ... and with compiled code scattering the rows of a plain site into the ring as traced torch ops,
+        # fused into the kernel computing them (the default: every capture through the site op and its kernel)
+        "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
@@ -559,7 +564,7 @@ def compile_key(args, env: dict) -> str:
     spec = env.get("DMI_HOOK_SPEC")
     text = Path(spec).read_text() if spec and Path(spec).exists() else ""
     key = [args.model, args.dtype, args.graph_sizes, args.max_num_batched_tokens, args.max_num_seqs,
-           args.max_model_len, spec, text]
+           args.max_model_len, spec, text, env.get("DMI_TRACED", "0")]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

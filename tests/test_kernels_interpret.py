@@ -42,6 +42,10 @@ def test_a_reused_layout_resends_its_words_after_another_step_changed_them():
     _run("control")
 
 
+def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path():
+    _run("traced")
+
+
 # --- sections (run in the subprocess) ---------------------------------------------------------------
 def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
     from dmi.plan import Output, SitePlan, TokenFilter
@@ -76,10 +80,10 @@ def section_kernel() -> None:
         hdr = K.G_WORDS + K.S_WORDS * site.index
         start, pad_start = 600, 500
         pad = torch.from_numpy(rng.integers(0, 3, batch).astype(np.int64))
-        ctrl[:K.G_WORDS] = torch.tensor([armed, 11, batch, step_seq, 99, pad_start, 0, 0])
+        ctrl[:K.G_WORDS] = torch.tensor([armed, 11, batch, step_seq, 99, pad_start, 0, 0, 0])
         ctrl[pad_start:pad_start + batch] = pad
         ctrl[start:start + len(rows)] = torch.from_numpy(rows)
-        ctrl[hdr:hdr + K.S_WORDS] = torch.tensor([1024, seq_no, len(rows), start, enabled])
+        ctrl[hdr:hdr + K.S_WORDS] = torch.tensor([1024, seq_no, len(rows), start, enabled, 0])
         ring = torch.full((1 << 20,), 0xAB, dtype=torch.uint8)   # poisoned: every byte read must be written
         meta = np.zeros(META, META_DTYPE)
         meta_t = torch.from_numpy(meta.view(np.int64))
@@ -237,7 +241,7 @@ def section_kernel() -> None:
              torch.float32)
     # the end-marker kernel publishes once and disarms
     ctrl = torch.zeros(64, dtype=torch.int64)
-    ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 21, 0, 0, 0])
+    ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 21, 0, 0, 0, 0])
     meta = np.zeros(META, META_DTYPE)
     counters = torch.zeros(4, dtype=torch.int32)
     K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3)
@@ -247,6 +251,21 @@ def section_kernel() -> None:
     meta[:] = 0
     K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3)
     assert int(meta["seq"].max()) == 0, "an unarmed end marker was published"
+    # a step that ran traced captures: the end kernel publishes their records (enabled sites only), first
+    traced = torch.tensor([[0, 0, 128], [1, 1, 64], [2, 2, 32]])     # site, site word, row bytes
+    for flag in (0, 1):
+        meta[:] = 0
+        ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 23, 0, 4096, 19, flag])
+        for site, (off, rseq, rows, on) in enumerate([(0, 0, 3, 2), (512, 1, 5, 1), (1024, 2, 7, 0)]):
+            h = K.G_WORDS + K.S_WORDS * site
+            ctrl[h:h + K.S_WORDS] = torch.tensor([off, rseq, rows, 0, on, 0])
+        K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3, traced=traced)
+        got = {int(r["seq"]): (int(r["step"]), int(r["site"]), int(r["offset"]), int(r["nbytes"]), int(r["rows"]),
+                               int(r["src_seq"])) for r in meta if r["seq"]}
+        want = {23: (4, -1, 0, 0, 0, 0)}
+        if flag:       # site 2 is not enabled: no record
+            want |= {19: (4, 0, 4096, 3 * 128, 3, S), 20: (4, 1, 4608, 5 * 64, 5, S)}
+        assert got == want, (flag, got)
     print("kernel cases ok")
 
 
@@ -298,6 +317,68 @@ def section_generate() -> None:
             assert torch.equal(outs["cpu"], outs[kind])
             n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
             print(family, kind, "arrays equal:", n)
+
+
+def section_traced() -> None:
+    """Compiled forwards capture the ring's traceable sites as traced torch ops (dmi.kernels.traced:
+    a scatter at destinations read from the control block; the end kernel publishes the records):
+    every step's captures equal the CPU path's, with padded prompts (a listed selection: its
+    inverse map), a last-token filter, int32 router ids, and sites left to the op (head selection,
+    transformers' logits). ``backend="eager"`` runs the traced graph's ops in place, as inductor's
+    code does; ``aot_eager`` would write copies of the ring, and is refused at the first step."""
+    import tempfile
+
+    import torch
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.errors import CaptureError
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    os.environ["DMI_TRACED"] = "1"       # opt-in (read at dmi.load)
+    enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
+    tmp = Path(tempfile.mkdtemp())
+    specs = {
+        "qwen3": {"capture": [{"sites": ["resid_pre", "resid_post", "final_norm", "attn.q", "mlp.out"]},
+                              {"sites": ["attn.k"], "heads": [1], "layers": [2]},
+                              {"sites": ["resid_mid"], "tokens": "last"},
+                              {"sites": ["logits"], "tokens": "last"}]},
+        "qwen3_moe": {"capture": [{"sites": ["moe.router_logits", "moe.topk_ids", "resid_post"], "layers": [0]}]},
+    }
+    for family, spec in specs.items():
+        outs, traced = {}, None
+        for kind in ("cpu", "traced"):
+            os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
+            model, _ = model_pair(family, attn="sdpa")
+            with torch.no_grad():
+                model(**enc)          # transformers' first forward installs its output-capturing hooks
+            torch._dynamo.reset()
+            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
+                forward = run.model.forward
+                if kind == "traced":
+                    traced = [run.plan.sites[i].name for i in run.ring.traced]
+                    forward = torch.compile(forward, fullgraph=True, backend="eager")
+                outs[kind] = [forward(**enc).logits for _ in range(3)]
+                stats = run.stats()
+            assert stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
+        torch._dynamo.reset()
+        assert all(torch.equal(a, b) for a, b in zip(outs["cpu"], outs["traced"]))
+        assert traced and not any(n.endswith(".attn.k") or n == "logits" for n in traced), traced
+        n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-traced.zarr")
+        print(family, "traced:", len(traced), "sites; arrays equal:", n)
+    # a backend that functionalizes the scatters without writing the ring in place: a clear error
+    os.environ["DMI_RING"] = "interpret"
+    model, _ = model_pair("qwen3", attn="sdpa")
+    with torch.no_grad():
+        model(**enc)
+    with torch.no_grad(), dmi.load(model, hook_spec=specs["qwen3"], store=tmp / "aot.zarr") as run:
+        try:
+            torch.compile(run.model.forward, fullgraph=True, backend="aot_eager")(**enc)
+        except CaptureError as e:
+            assert "DMI_TRACED" in str(e) and "aot_eager" in str(e), e
+        else:
+            raise AssertionError("aot_eager's copies of the ring were not refused")
+    torch._dynamo.reset()
 
 
 def section_wrap_null() -> None:
@@ -414,4 +495,4 @@ if __name__ == "__main__":
     from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
     settle_mkl_vml()
     {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
-     "control": section_control}[sys.argv[1]]()
+     "control": section_control, "traced": section_traced}[sys.argv[1]]()

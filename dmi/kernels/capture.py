@@ -14,11 +14,13 @@ these launches writes fresh slots on every replay, and copies exactly the step's
 
 ``ctrl`` layout (int64 words)::
 
-    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, base, first_seq
-    [G_WORDS + S_WORDS*site, +5) offset (bytes from base), seq (from first_seq), rows, rows_start,
-                                 enabled   (one per site)
+    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, base, first_seq, traced
+    [G_WORDS + S_WORDS*site, +6) offset (bytes from base), seq (from first_seq), rows, rows_start,
+                                 enabled, inv_start   (one per site)
     [pad_start, +batch)          left-padding columns per batch row (key-aligned sites)
     [rows_start, +rows)          flat step rows b*seq+s of a token filter's selection
+    [inv_start, +batch*seq)      per step row, its place in that selection or -1 (traced sites,
+                                 listed selections: dmi.siteop's traced capture reads it)
 
 Site offsets and seqs are relative to the step's block (``base``) and first record
 (``first_seq``), so the site words and rows of a step that reuses the last step's layout are
@@ -70,18 +72,24 @@ import os
 import triton
 import triton.language as tl
 
-G_ARMED, G_STEP, G_BATCH, G_SEQ, G_END_SEQ, G_PAD_START, G_BASE, G_FIRST_SEQ = range(8)
-G_WORDS = 8
-S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED = range(5)
-S_WORDS = 5
-END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0
+from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_PAD_START,
+                    G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS, S_ROWS_START,
+                    S_SEQ, S_WORDS, TRACED_WORDS)
 
+__all__ = ["capture_kernel", "end_kernel", "launch", "launch_end", "blocks", "word_dtype", "direct_geometry",
+           "pdl_possible", "pdl_supported", "DIRECT", "IDENTITY", "END_SITE_WORD",
+           # the control words (dmi.kernels.words), read by callers as this module's
+           "ENABLED", "ENABLED_ARANGE", "G_ARMED", "G_BASE", "G_BATCH", "G_END_SEQ", "G_FIRST_SEQ", "G_PAD_START",
+           "G_SEQ", "G_STEP", "G_TRACED", "G_WORDS", "OFF", "S_ENABLED", "S_INV", "S_OFFSET", "S_ROWS",
+           "S_ROWS_START", "S_SEQ", "S_WORDS", "TRACED_WORDS"]
+
+END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0
 DIRECT, IDENTITY = 0, 1
-OFF, ENABLED, ENABLED_ARANGE = 0, 1, 2     # the site's enabled word
 
 # the same offsets as kernel constants (jit functions read only constexpr globals)
 _ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.constexpr(G_SEQ), tl.constexpr(G_END_SEQ)
-_BASE, _FIRST_SEQ = tl.constexpr(G_BASE), tl.constexpr(G_FIRST_SEQ)
+_BASE, _FIRST_SEQ, _TRACED = tl.constexpr(G_BASE), tl.constexpr(G_FIRST_SEQ), tl.constexpr(G_TRACED)
+_G_WORDS, _S_WORDS = tl.constexpr(G_WORDS), tl.constexpr(S_WORDS)
 _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.constexpr(S_SEQ), tl.constexpr(S_ROWS),
                                                 tl.constexpr(S_ROWS_START), tl.constexpr(S_ENABLED))
 _LISTED, _ARANGE = tl.constexpr(ENABLED), tl.constexpr(ENABLED_ARANGE)
@@ -202,13 +210,33 @@ def capture_kernel(src0, src1, ring, ctrl, meta, drow, cnt,
                      n * (row_bytes0 + row_bytes1), n, src_seq.to(tl.int64), False)
 
 
-@triton.jit(do_not_specialize=["fence_idx"])
-def end_kernel(ctrl, meta, counters, fence_idx, meta_records, site_word):
-    """Publish the armed step's end marker and disarm ``ctrl``."""
+@triton.jit(do_not_specialize=["fence_idx", "n_traced"])
+def end_kernel(ctrl, meta, counters, fence_idx, meta_records, site_word, traced, n_traced, BLOCK_T: tl.constexpr):
+    """Publish the armed step's end marker and disarm ``ctrl``; first, in a step whose sites ran as
+    traced torch ops (``traced`` word set), the records of those sites: ``traced`` is a table of
+    ``n_traced`` rows (site index, site word, row bytes). Such a site holds every step row, so its
+    record is the host's reservation: ``rows`` rows from ``offset``, ``seq`` positions held."""
     armed = tl.load(ctrl + _ARMED)
     if armed != 0:
         seq = tl.load(ctrl + _END_SEQ)
         step = tl.load(ctrl + _STEP)
+        if tl.load(ctrl + _TRACED) != 0:
+            t = tl.arange(0, BLOCK_T)
+            m = t < n_traced
+            site = tl.load(traced + t * 3, mask=m, other=0)
+            hdr = _G_WORDS + _S_WORDS * site
+            m = m & (tl.load(ctrl + hdr + _ENABLED, mask=m, other=0) != 0)
+            rows = tl.load(ctrl + hdr + _ROWS, mask=m, other=0)
+            rseq = tl.load(ctrl + hdr + _RSEQ, mask=m, other=0) + tl.load(ctrl + _FIRST_SEQ)
+            rec = meta + (rseq % meta_records) * 7
+            tl.store(rec + 1, step + t * 0, mask=m)
+            tl.store(rec + 2, tl.load(traced + t * 3 + 1, mask=m, other=0), mask=m)
+            tl.store(rec + 3, tl.load(ctrl + hdr + _OFFSET, mask=m, other=0) + tl.load(ctrl + _BASE), mask=m)
+            tl.store(rec + 4, rows * tl.load(traced + t * 3 + 2, mask=m, other=0), mask=m)
+            tl.store(rec + 5, rows, mask=m)
+            tl.store(rec + 6, tl.load(ctrl + _SEQ) + t * 0, mask=m)
+            tl.debug_barrier()
+            tl.store(rec, rseq, mask=m)      # (the drain reads them only after the fenced end marker)
         tl.store(ctrl + _ARMED, 0)
         zero = step * 0
         # every earlier kernel of the step (payload and records) reaches the host before this seq
@@ -308,5 +336,8 @@ def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int
                          **({"launch_pdl": True} if pdl else {}))
 
 
-def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int) -> None:
-    end_kernel[(1,)](ctrl, meta, counters, fence_idx, meta_records, END_SITE_WORD, num_warps=1)
+def launch_end(ctrl, meta, counters, *, meta_records: int, fence_idx: int, traced=None) -> None:
+    """``traced``: the run's traced sites (an int64 ``[n, TRACED_WORDS]`` tensor) or None."""
+    n = 0 if traced is None else traced.shape[0]
+    end_kernel[(1,)](ctrl, meta, counters, fence_idx, meta_records, END_SITE_WORD,
+                     traced if n else ctrl, n, BLOCK_T=max(16, triton.next_power_of_2(max(n, 1))), num_warps=1)

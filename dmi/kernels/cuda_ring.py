@@ -46,8 +46,16 @@ from ..errors import CaptureError, PolicyError
 from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl
 from . import capture as K
+from .traced import TracedSite, register
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
+SCRATCH_BYTES = 4 << 20       # past the payload ring's end: where traced captures put rows they do not keep
+TRACED_ROW_BYTES = 256 << 10  # traced sites' rows are at most this big (16 scratch rows or more)
+
+
+def with_scratch(capacity: int) -> int:
+    """Bytes to allocate for a payload ring of ``capacity`` bytes and its scratch row."""
+    return -(-capacity // 16) * 16 + SCRATCH_BYTES
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
 SITE_KEYS = 64                # eager tensors a site remembers (and keeps graphs of: _replayed) ...
@@ -127,8 +135,19 @@ class KernelRing(Ring):
         n_sites = len(plan.sites)
         n_filters = max(1, len({s.tokens for s in plan.sites}))
         self.site_words = K.G_WORDS + K.S_WORDS * n_sites
-        self.ctrl_words = self.site_words + (n_filters + 1) * self.max_rows
+        self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
+        self.traced = self._traceable(plan)
+        # rows (one array per token filter), padding, and the inverse maps of traced sites' selections
+        self.ctrl_words = self.site_words + (n_filters * (2 if self.traced else 1) + 1) * self.max_rows
         self.ctrl = torch.zeros(self.ctrl_words, dtype=torch.int64, device=dev)
+        self.traced_table = torch.tensor([(i, i & 0xFFFFFFFF, self.sites[i].row_bytes[0]) for i in self.traced],
+                                         dtype=torch.int64, device=dev).reshape(-1, K.TRACED_WORDS)
+        self.traced_steps = False           # a compiled forward captures sites as traced ops (dmi.kernels.traced)
+        self.traced_key = None              # this ring's key for traced code (dmi.kernels.traced.register)
+        self._traced_word = 0               # the traced word the open step's control block was given
+        self.traced_views: dict = {}       # dtype -> the payload ring and its scratch row as it
+        if self.is_cuda:      # graph inputs that compiled graphs mutate: static addresses keep cudagraphs on
+            torch._dynamo.mark_static_address(self.ctrl)
         self.counters = torch.zeros(1, dtype=torch.int32, device=dev)    # the end kernel's fence word
         self.fence_idx = 0
         self.arange = torch.arange(self.max_rows, dtype=torch.int64, device=dev)
@@ -165,10 +184,9 @@ class KernelRing(Ring):
         self.eager_time = {how: [0, 0.0] for how in ("copy", "eager", "replay", "capture")}
         self._graph_pool = None             # one memory pool for the graphs _capture makes (their temporaries)
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
-        self.sites = {s.index: _SiteLaunch(s, dtype, dev) for s in plan.sites}
         self._site_order = np.arange(n_sites, dtype=np.int64)     # (a layout's capture order: its seq offsets)
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
-        self.device_bytes += (self.ctrl_words + self.max_rows) * 8 + self.counters.numel() * 4
+        self.device_bytes += (self.ctrl_words + self.max_rows + self.traced_table.numel()) * 8 + self.counters.numel() * 4
         self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8 + self._heads.numel() * 8
 
     @contextlib.contextmanager
@@ -187,6 +205,54 @@ class KernelRing(Ring):
             self.end_warm = True      # the end-marker kernel too, which only real steps launch (disarmed: it exits)
             self.device_end()
 
+    def _traceable(self, plan) -> list[int]:
+        """The sites a compiled forward captures as traced torch ops (none unless ``DMI_TRACED=1``:
+        opt-in while it measures slower than the op under HF's CUDA graphs, RESULTS.md): plain
+        row copies (no head selection, key alignment or reduction; any dtype) of one output, from a
+        tensor holding every step row (not vLLM's sampled logits, nor a tensor a spec marks
+        ``partial``: transformers' logits under ``logits_to_keep``), rows up to TRACED_ROW_BYTES."""
+        if os.environ.get("DMI_TRACED", "0") != "1":
+            return []
+        out = []
+        for s in plan.sites:
+            launcher, a = self.sites[s.index], s.anchor
+            layout = a["layout"]
+            if (launcher.plain and len(s.outputs) == 1 and not a.get("rows") and not a.get("partial")
+                    and (layout[0] == "token" or ("batch" in layout and "seq" in layout))
+                    and launcher.row_bytes[0] <= TRACED_ROW_BYTES):
+                out.append(s.index)
+        return out
+
+    def traced_site(self, index: int) -> TracedSite | None:
+        """What a compiled forward needs to capture site ``index`` as traced torch ops, or None
+        (the site op then launches the capture kernel)."""
+        if index not in self.traced:
+            return None
+        launcher = self.sites[index]
+        dtype = launcher.dtype
+        view = self.traced_views.get(dtype)
+        if view is None:
+            view = self.traced_views[dtype] = self.scratch_t.view(dtype)
+            if self.is_cuda:
+                torch._dynamo.mark_static_address(view)
+        scratch = (with_scratch(self.bytes.capacity) - SCRATCH_BYTES) // dtype.itemsize
+        if self.traced_key is None:
+            self.traced_key = register(self)
+        return TracedSite(self.traced_key, self.ctrl, view, K.G_WORDS + K.S_WORDS * index, launcher.row_bytes[0] // dtype.itemsize,
+                          scratch, SCRATCH_BYTES // launcher.row_bytes[0], dtype, tuple(launcher.layout))
+
+    def check_written_in_place(self, views: list) -> None:
+        """The payload views a compiled forward's traced captures wrote, as its ``dmi::step_end``
+        got them: they must be the ring's memory. A backend that functionalizes the scatters without
+        writing them back in place (``aot_eager``) hands copies: its captures would never reach the
+        ring, and its copy written back at the graph's end would overwrite what the site ops wrote."""
+        ptr = self.scratch_t.data_ptr()
+        if any(v.data_ptr() != ptr for v in views):
+            raise CaptureError("a compiled forward wrote traced captures into a copy of the payload ring, not the ring "
+                               "(a torch.compile backend that functionalizes without inductor, such as aot_eager). Fix: "
+                               "compile with inductor (the default) or backend='eager', or unset DMI_TRACED (or set "
+                               "it to 0) before dmi.load to capture through the site op")
+
     # --- host: per step -----------------------------------------------------------------------------
     def publish_control(self, ctrl: StepControl) -> None:
         tok = ctrl.tokens
@@ -195,8 +261,12 @@ class KernelRing(Ring):
         pad_start = pos = self.site_words
         pad, layout = ctrl.pad, ctrl.layout
         laid = layout.cache.get("ctrl") if layout is not None else None
+        if laid is not None and laid[4] != batch * seq:
+            laid = None                        # (the inverse maps of traced sites are per step geometry)
         ctrl.dev_pad_start = pad_start
-        words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq)
+        # the end kernel publishes traced sites' records in steps that ran traced code (compiled)
+        self._traced_word = traced = int(self.traced_steps and bool(self.traced))
+        words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq, traced)
         steady = laid is not None and layout is self._on_device[0] and (
             pad is self._on_device[1] or np.array_equal(pad, self._on_device[1]))
         if steady:
@@ -218,11 +288,14 @@ class KernelRing(Ring):
             h[pos:pos + len(pad)] = pad
             pos += len(pad)
             if laid is not None:               # a reused layout: its words, relative to the step's block
-                rows_at, f, rows_start, pos = laid
+                rows_at, f, rows_start, pos, _ = laid
                 for at, rows in rows_at:
                     h[at:at + len(rows)] = rows
             else:
                 f, rows_start, pos = self._site_words(ctrl, h, pos)
+            if traced and (f[:, 1 + K.S_INV] < 0).any():
+                words = words[:K.G_TRACED] + (0,)     # a selection's inverse map did not fit: no traced records
+                self._traced_word = 0
             hs = self._host_sites[k]
             hs[:, K.S_ENABLED] = K.OFF
             hs[f[:, 0]] = f[:, 1:]
@@ -265,16 +338,42 @@ class KernelRing(Ring):
             return self._layout_words(ctrl, h, pos)
         slots = list(ctrl.slots.values())
         start_of, _, pos, enabled = self._place_rows(ctrl, h, pos, [(slot.site, slot.rows) for slot in slots])
-        fields = np.array([(slot.site, slot.offset - ctrl.base, slot.seq - ctrl.first_seq, len(slot.rows), start, on)
-                           for slot, start, on in zip(slots, start_of, enabled)], np.int64).reshape(len(slots), K.S_WORDS + 1)
+        inv_of, _, pos = self._place_inverses(ctrl, h, pos, [slot.rows for slot in slots], enabled)
+        fields = np.array([(slot.site, slot.offset - ctrl.base, slot.seq - ctrl.first_seq, len(slot.rows), start, on, inv)
+                           for slot, start, on, inv in zip(slots, start_of, enabled, inv_of)],
+                          np.int64).reshape(len(slots), K.S_WORDS + 1)
         return fields, {slot.site: start for slot, start in zip(slots, start_of)}, pos
+
+    def _place_inverses(self, ctrl: StepControl, h: np.ndarray, pos: int, arrays: list, enabled: list):
+        """For traced captures: each listed rows array's inverse map (per step row b*seq+s, its
+        place in the array or -1) at ``pos`` on, once per array: (each array's start, [(start,
+        map)], next pos). -1 where the map does not fit (the step then publishes no traced records);
+        0 for arrays of every row (traced code needs no map) or with no traced sites."""
+        if not self.traced:
+            return [0] * len(arrays), [], pos
+        n = ctrl.tokens.batch * ctrl.tokens.seq
+        placed: dict[int, int] = {}
+        at = []
+        for rows, on in zip(arrays, enabled):
+            if on != K.ENABLED or not len(rows) or id(rows) in placed:
+                continue
+            if pos + n > self.ctrl_words:
+                placed[id(rows)] = -1
+                continue
+            inv = np.full(n, -1, np.int64)
+            inv[rows] = np.arange(len(rows))
+            h[pos:pos + n] = inv
+            placed[id(rows)] = pos
+            at.append((pos, inv))
+            pos += n
+        return [placed.get(id(rows), 0) for rows in arrays], at, pos
 
     def _layout_words(self, ctrl: StepControl, h: np.ndarray, pos: int):
         """:meth:`_site_words` of a laid-out step, as whole-array operations over its sites (an
         engine step lays out a fresh layout each step, with up to hundreds of sites): the rows of
         each of the layout's distinct row arrays once, then every site's words from its array's."""
         layout = ctrl.layout
-        starts, flags, lens, rows_at = [], [], [], []
+        starts, flags, lens, rows_at, placed = [], [], [], [], []
         used = np.zeros(len(layout.arrays), bool)
         used[layout.src] = True            # (a filter whose every site reads an engine-held tensor's rows)
         for j, (_, rows) in enumerate(layout.arrays):
@@ -288,7 +387,10 @@ class KernelRing(Ring):
             flags.append(K.ENABLED_ARANGE if _is_arange(rows) else K.ENABLED)
             lens.append(n)
             rows_at.append((pos, rows))
+            placed.append(rows)
             pos += n
+        inv_of, inv_at, pos = self._place_inverses(ctrl, h, pos, placed, flags)
+        rows_at += inv_at
         src, n_sites = layout.src, len(layout)
         rel = np.empty((n_sites, K.S_WORDS + 1), np.int64)   # relative to the block's base and first seq
         rel[:, 0] = layout.site_ids
@@ -297,8 +399,9 @@ class KernelRing(Ring):
         rel[:, 3] = np.array(lens, np.int64)[src]
         rel[:, 4] = np.array(starts, np.int64)[src]
         rel[:, 5] = np.array(flags, np.int64)[src]
+        rel[:, 6] = np.array(inv_of, np.int64)[src]
         rows_start = dict(zip(layout.ids, rel[:, 4].tolist()))
-        layout.cache["ctrl"] = (rows_at, rel, rows_start, pos)
+        layout.cache["ctrl"] = (rows_at, rel, rows_start, pos, ctrl.tokens.batch * ctrl.tokens.seq)
         return rel, rows_start, pos
 
     def _place_rows(self, ctrl: StepControl, h: np.ndarray, pos: int, site_rows: list):
@@ -330,6 +433,10 @@ class KernelRing(Ring):
         step from the host; eager HF forwards) a one-kernel CUDA graph of it is replayed: its
         arguments never change (it reads the step from ``ctrl``), and a replay costs the host a
         few µs where Triton's Python launcher took 130 µs a step in a serving engine."""
+        if self.traced_steps and not self._traced_word and self.traced and self.current is not None:
+            # the step's forward was compiled (traced) after its control block went out: its records too
+            self._traced_word = 1
+            self.ctrl.narrow(0, K.G_TRACED, 1).fill_(1)
         if self._end_graph is not None and not torch.cuda.is_current_stream_capturing():
             self._end_graph.replay()
             return
@@ -355,7 +462,8 @@ class KernelRing(Ring):
 
     def launch_end(self) -> None:
         """The end-marker kernel through Triton's launcher (what the graph replays)."""
-        K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx)
+        K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx,
+                     traced=self.traced_table)
 
     def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
         """Host-published end marker (an aborted step or a forward that never finished): wait for
@@ -472,7 +580,7 @@ class CudaRing(KernelRing):
         torch.cuda.init()                      # torch and cuda-python share the primary context
         self._thread_device = threading.local()
         self._use_device()
-        self._payload_ptr = _ok(rt.cudaMalloc(capacity))
+        self._payload_ptr = _ok(rt.cudaMalloc(with_scratch(capacity)))
         meta_bytes = meta_records * META_DTYPE.itemsize
         flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
         self._meta_ptr = _ok(rt.cudaHostAlloc(meta_bytes, flags))
@@ -490,9 +598,10 @@ class CudaRing(KernelRing):
         self._calls = _Async(rt)
         self._calls.check(self._staging, self._payload_ptr, self._stream, self._event)
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
-        self.payload_t = torch.as_tensor(_CudaBytes(self._payload_ptr, capacity), device=self.torch_device)
+        self.scratch_t = torch.as_tensor(_CudaBytes(self._payload_ptr, with_scratch(capacity)), device=self.torch_device)
+        self.payload_t = self.scratch_t[:capacity]
         self.meta_dev = DevicePointer(self._meta_dev, torch.int64)
-        self.device_bytes = capacity
+        self.device_bytes = with_scratch(capacity)
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
         # copy each step out from the model's thread when the next one begins (module doc)
@@ -925,7 +1034,8 @@ class InterpretRing(KernelRing):
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
                  device=None, **_):
         super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu")
-        self.payload = self.payload_t = torch.zeros(capacity, dtype=torch.uint8)
+        self.scratch_t = torch.zeros(with_scratch(capacity), dtype=torch.uint8)
+        self.payload = self.payload_t = self.scratch_t[:capacity]
         self.meta = np.zeros(meta_records, META_DTYPE)
         self.meta_dev = torch.from_numpy(self.meta.view(np.int64))
 

@@ -294,6 +294,50 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
     assert torch.equal(first.sequences, second.sequences)
 
 
+@pytest.mark.parametrize("traced", ["1", "0"])
+def test_compiled_generate_captures_equal_its_hidden_states(traced, encoded, write_spec, tmp_path, monkeypatch):
+    """Compiled generate (inductor, static cache), the plain sites captured as traced ops fused into
+    inductor's kernels (``DMI_TRACED=1``) or through the site op (the default): first without CUDA
+    graphs, whose hidden states generate keeps (reduce-overhead's are overwritten by the next replay),
+    then twice with reduce-overhead's CUDA graphs (the same inductor code, recorded, then replayed).
+    Every step's ``resid_post`` and ``final_norm`` rows equal the hidden states of the graph-free
+    run's same step, bit for bit (the eager prefill's too), and the store holds every step once."""
+    from transformers import CompileConfig
+    monkeypatch.setenv("DMI_RING", "cuda")
+    monkeypatch.setenv("DMI_TRACED", traced)
+    enc = _enc(encoded)
+    new = 6
+    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [resid_mid], layers: [1], tokens: last}]\n"
+                      "policy: {ring_bytes: 4MiB}\n")
+    model, _ = _pair("qwen3", dtype=torch.bfloat16)
+    kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static", output_hidden_states=True,
+              return_dict_in_generate=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "s.zarr") as run:
+        ref = run.model.generate(**enc, **kw, compile_config=CompileConfig(mode="default"))
+        graphed = [run.model.generate(**enc, **kw, compile_config=CompileConfig(mode="reduce-overhead"))
+                   for _ in range(2)]                      # compile + record, then replays
+        stats = run.stats()
+        n_traced, traced_steps = len(run.ring.traced), run.ring.traced_steps
+    torch._dynamo.reset()
+    assert (n_traced > 0 and traced_steps) == (traced == "1"), (n_traced, traced_steps)
+    assert stats["steps"] == 3 * new and stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
+    assert all(torch.equal(g.sequences, ref.sequences) for g in graphed)
+    tree = dmi.open(tmp_path / "s.zarr")
+    fin, rp = tree["final_norm"].dataset, tree["layers/resid_post"].dataset
+    mask = encoded["attention_mask"].bool()
+    for gen in range(3):
+        for k, hs in enumerate(ref.hidden_states):
+            step = gen * new + k
+            rows = (lambda h: h[mask] if k == 0 else h[:, 0])        # the prefill's real tokens, or each decode row
+            np.testing.assert_array_equal(fin.final_norm.values[fin.step.values == step].astype(np.float32),
+                                          rows(hs[-1].float().cpu()).numpy(), err_msg=f"final_norm step {step}")
+            for layer in (0, 1):       # (the last layer's hidden state is the final norm's output)
+                got = rp.resid_post.sel(layer=layer).values[rp.step.values == step].astype(np.float32)
+                np.testing.assert_array_equal(got, rows(hs[layer + 1].float().cpu()).numpy(),
+                                              err_msg=f"resid_post {layer} step {step}")
+
+
 def test_null_mode_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
     monkeypatch.setenv("DMI_RING", "cuda")
     enc = _enc(encoded)

@@ -60,7 +60,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
         module = _module(model, anchor["module"], s.layer)
         if module is None:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
-        handle = SiteHandle(run.id, s.index, run.ticket)
+        handle = SiteHandle.of(run, s.index)
         if "assign" in anchor or "compute" in anchor:
             source_edits[module].append((s.canonical, SourceEdit.of(s.canonical, anchor)))
             handles[module][s.canonical] = handle
@@ -114,6 +114,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
     inner = model.forward
     ticket, run_id = run.ticket, run.id
+    traced = list(getattr(run.ring, "traced_views", {}).values())    # step_end follows their writes (dmi.siteop)
     params = list(inspect.signature(inner).parameters)
 
     def step_inputs(args, kwargs):
@@ -135,7 +136,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
             except BaseException:
                 run.abort_step()        # eager: end the step now, which frees the run for other threads
                 raise
-        torch.ops.dmi.step_end(ticket, run_id)
+        torch.ops.dmi.step_end(ticket, run_id, traced)
         return out
 
     model.forward = forward

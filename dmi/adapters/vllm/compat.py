@@ -240,6 +240,14 @@ def cuda_graphs_on(vllm_config) -> bool:
     return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
 
 
+def compiles_model(vllm_config) -> bool:
+    """Whether the engine runs the model through torch.compile (0.25 - 0.32:
+    ``compilation_config.mode``, NONE under ``enforce_eager``): dmi's traced captures then run in
+    every forward, also where vLLM loads the compiled code from its cache without tracing it."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
+
+
 def wrap_request_validation(make_validator) -> None:
     """Chain dmi's per-request check into vLLM's request validation (API server / LLM process).
 

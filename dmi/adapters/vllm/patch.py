@@ -189,7 +189,7 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
         obj = resolve(model, a["module"], s.layer)
         if obj is None:
             raise anchor_error(arch, s.canonical, model, f"module {module_path(a['module'], s.layer)!r}")
-        handle = SiteHandle(run.id, s.index, run.ticket)
+        handle = SiteHandle.of(run, s.index)
         if "assign" in a or "compute" in a:
             if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module
                 a = dict(a, compute=f"vllm_{a['compute']}", args=dict(a["args"], layer="self"))

@@ -308,6 +308,8 @@ def start(worker) -> Session | None:
         # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
         # capture per site.)
         run.ring.replay_eager = {s.index for s in plan.sites if s.anchor.get("rows")}
+    if getattr(run.ring, "traced", None) and compat.compiles_model(vllm_config):
+        run.ring.traced_steps = True          # (a cached compiled graph is not traced again: tell the ring here)
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
         run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
@@ -424,9 +426,12 @@ def _note_engine_stats(store: str, stats: dict) -> None:
 
 def _graph_key(plan, arch, run) -> str:
     from . import patch
-    src = Path(patch.__file__).read_bytes()
+    from ... import siteop
+    from ...kernels import traced
+    # the patch, the site call and the traced capture are compiled into the graph
+    src = b"".join(Path(m.__file__).read_bytes() for m in (patch, siteop, traced))
     tp = getattr(run.exporter, "tp", None)
-    key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id]
+    key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id, getattr(run.ring, "traced", [])]
     if tp is not None:          # each rank compiles its own shard shapes
         key.append([tp.rank, tp.layout.world, [(s.shape, s.heads) for s in plan.sites]])
     blob = json.dumps(key, sort_keys=True, default=str)
