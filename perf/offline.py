@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -287,7 +288,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             record("dmi null", reps_of(lambda: dmodel.generate(**enc, **kw), run=run), run, sites=n_hidden)
             run.set_enabled(True)
 
-            def stepped(to_store: bool):
+            def stepped(run, to_store: bool):
                 def go():
                     dmodel.generate(**enc, **kw)
                     run.flush()
@@ -297,21 +298,21 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                     with Skip(run):
                         go()
                 return skip
-            record("dmi hidden+logits -> host", reps_of(stepped(False), run=run), run, sites=n_hidden,
+            record("dmi hidden+logits -> host", reps_of(stepped(run, False), run=run), run, sites=n_hidden,
                    note=f"ring {ring / GiB:.2f} GiB")
             if run.drain_paced and args.timer_row:
                 run.drain_paced = False            # the drain on its 100 ms timer only (run.drain_window)
-                record("dmi hidden+logits -> host, drain on timer", reps_of(stepped(False), run=run), run,
+                record("dmi hidden+logits -> host, drain on timer", reps_of(stepped(run, False), run=run), run,
                        sites=n_hidden, note="no drain windows")
                 run.drain_paced = True
             if args.copy_at_step_row and hasattr(run.ring, "copy_at_step") and not run.ring.copy_at_step:
                 run.ring.copy_at_step = True       # each step copied out as the next begins (cuda_ring doc)
-                record("dmi hidden+logits -> host, copy at step", reps_of(stepped(False), run=run), run,
+                record("dmi hidden+logits -> host, copy at step", reps_of(stepped(run, False), run=run), run,
                        sites=n_hidden, note=f"{run.ring.steps_copied_at_step} steps copied at step")
                 run.ring.copy_at_step = False
             if not args.no_zarr and mode in args.zarr_modes.split(","):
                 label = "dmi hidden+logits -> zarr" + (" (writer process)" if args.writer == "process" else "")
-                record(label, reps_of(stepped(True), max(1, min(reps, args.zarr_repeats)), run=run, warm=False), run,
+                record(label, reps_of(stepped(run, True), max(1, min(reps, args.zarr_repeats)), run=run, warm=False), run,
                        sites=n_hidden, note=f"store {sd}")
         finally:
             run.close()
@@ -321,19 +322,11 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
         if args.traced_row and mode == "compiled":
             sd = store_dir()
-            was = os.environ.get("DMI_TRACED")
-            os.environ["DMI_TRACED"] = "1"        # read when the ring is set up
-            try:
+            with mock.patch.dict(os.environ, DMI_TRACED="1"):      # read when the ring is set up
                 run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer),
                                store=sd / "traced.zarr", overwrite=True)
-            finally:
-                os.environ.pop("DMI_TRACED") if was is None else os.environ.__setitem__("DMI_TRACED", was)
             try:
-                def traced():
-                    with Skip(run):
-                        dmodel.generate(**enc, **kw)
-                        run.flush()
-                record("dmi hidden+logits -> host, traced", reps_of(traced, run=run), run, sites=n_hidden,
+                record("dmi hidden+logits -> host, traced", reps_of(stepped(run, False), run=run), run, sites=n_hidden,
                        note="DMI_TRACED=1")
             finally:
                 run.close()

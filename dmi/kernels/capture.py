@@ -89,7 +89,7 @@ DIRECT, IDENTITY = 0, 1
 # the same offsets as kernel constants (jit functions read only constexpr globals)
 _ARMED, _STEP, _SEQ, _END_SEQ = tl.constexpr(G_ARMED), tl.constexpr(G_STEP), tl.constexpr(G_SEQ), tl.constexpr(G_END_SEQ)
 _BASE, _FIRST_SEQ, _TRACED = tl.constexpr(G_BASE), tl.constexpr(G_FIRST_SEQ), tl.constexpr(G_TRACED)
-_G_WORDS, _S_WORDS = tl.constexpr(G_WORDS), tl.constexpr(S_WORDS)
+_G_WORDS, _S_WORDS, _TW = tl.constexpr(G_WORDS), tl.constexpr(S_WORDS), tl.constexpr(TRACED_WORDS)
 _OFFSET, _RSEQ, _ROWS, _ROWS_START, _ENABLED = (tl.constexpr(S_OFFSET), tl.constexpr(S_SEQ), tl.constexpr(S_ROWS),
                                                 tl.constexpr(S_ROWS_START), tl.constexpr(S_ENABLED))
 _LISTED, _ARANGE = tl.constexpr(ENABLED), tl.constexpr(ENABLED_ARANGE)
@@ -223,16 +223,16 @@ def end_kernel(ctrl, meta, counters, fence_idx, meta_records, site_word, traced,
         if tl.load(ctrl + _TRACED) != 0:
             t = tl.arange(0, BLOCK_T)
             m = t < n_traced
-            site = tl.load(traced + t * 3, mask=m, other=0)
+            site = tl.load(traced + t * _TW, mask=m, other=0)
             hdr = _G_WORDS + _S_WORDS * site
             m = m & (tl.load(ctrl + hdr + _ENABLED, mask=m, other=0) != 0)
             rows = tl.load(ctrl + hdr + _ROWS, mask=m, other=0)
             rseq = tl.load(ctrl + hdr + _RSEQ, mask=m, other=0) + tl.load(ctrl + _FIRST_SEQ)
             rec = meta + (rseq % meta_records) * 7
             tl.store(rec + 1, step + t * 0, mask=m)
-            tl.store(rec + 2, tl.load(traced + t * 3 + 1, mask=m, other=0), mask=m)
+            tl.store(rec + 2, tl.load(traced + t * _TW + 1, mask=m, other=0), mask=m)
             tl.store(rec + 3, tl.load(ctrl + hdr + _OFFSET, mask=m, other=0) + tl.load(ctrl + _BASE), mask=m)
-            tl.store(rec + 4, rows * tl.load(traced + t * 3 + 2, mask=m, other=0), mask=m)
+            tl.store(rec + 4, rows * tl.load(traced + t * _TW + 2, mask=m, other=0), mask=m)
             tl.store(rec + 5, rows, mask=m)
             tl.store(rec + 6, tl.load(ctrl + _SEQ) + t * 0, mask=m)
             tl.debug_barrier()

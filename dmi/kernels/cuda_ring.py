@@ -51,11 +51,6 @@ from .traced import TracedSite, register
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 SCRATCH_BYTES = 4 << 20       # past the payload ring's end: where traced captures put rows they do not keep
 TRACED_ROW_BYTES = 256 << 10  # traced sites' rows are at most this big (16 scratch rows or more)
-
-
-def with_scratch(capacity: int) -> int:
-    """Bytes to allocate for a payload ring of ``capacity`` bytes and its scratch row."""
-    return -(-capacity // 16) * 16 + SCRATCH_BYTES
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
 SITE_KEYS = 64                # eager tensors a site remembers (and keeps graphs of: _replayed) ...
@@ -65,6 +60,12 @@ ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied 
 PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
 DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each span in one copy): ~0.3 ms of
                               # the copy engine, the longest an engine's own small D2H waits behind the drain
+
+
+def with_scratch(capacity: int) -> int:
+    """Bytes to allocate for a payload ring of ``capacity`` bytes and its scratch rows (16-byte
+    aligned: the scratch starts at a whole element of any site dtype)."""
+    return -(-capacity // 16) * 16 + SCRATCH_BYTES
 
 
 def cudart():
@@ -235,7 +236,7 @@ class KernelRing(Ring):
             view = self.traced_views[dtype] = self.scratch_t.view(dtype)
             if self.is_cuda:
                 torch._dynamo.mark_static_address(view)
-        scratch = (with_scratch(self.bytes.capacity) - SCRATCH_BYTES) // dtype.itemsize
+        scratch = (self.scratch_t.numel() - SCRATCH_BYTES) // dtype.itemsize
         if self.traced_key is None:
             self.traced_key = register(self)
         return TracedSite(self.traced_key, self.ctrl, view, K.G_WORDS + K.S_WORDS * index, launcher.row_bytes[0] // dtype.itemsize,

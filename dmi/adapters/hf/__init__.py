@@ -114,7 +114,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
     inner = model.forward
     ticket, run_id = run.ticket, run.id
-    traced = list(getattr(run.ring, "traced_views", {}).values())    # step_end follows their writes (dmi.siteop)
+    traced = list(getattr(run.ring, "traced_views", {}).values()) or None   # step_end follows their writes (dmi.siteop)
     params = list(inspect.signature(inner).parameters)
 
     def step_inputs(args, kwargs):

@@ -233,19 +233,23 @@ def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy
     return unwrap
 
 
+def _mode_on(vllm_config, name: str) -> bool:
+    """Whether ``compilation_config.<name>`` (an enum, or its name) is set and not NONE."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), name, None)
+    return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
+
+
 def cuda_graphs_on(vllm_config) -> bool:
     """Whether the engine replays CUDA graphs (0.25 - 0.32: ``compilation_config.cudagraph_mode``
     is NONE under ``enforce_eager`` and on the CPU platform)."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
+    return _mode_on(vllm_config, "cudagraph_mode")
 
 
 def compiles_model(vllm_config) -> bool:
     """Whether the engine runs the model through torch.compile (0.25 - 0.32:
     ``compilation_config.mode``, NONE under ``enforce_eager``): dmi's traced captures then run in
     every forward, also where vLLM loads the compiled code from its cache without tracing it."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
-    return mode is not None and getattr(mode, "name", str(mode)).upper() != "NONE"
+    return _mode_on(vllm_config, "mode")
 
 
 def wrap_request_validation(make_validator) -> None:
