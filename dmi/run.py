@@ -60,9 +60,13 @@ class Run:
         self.store = str(self.exporter.path)
         self.id = register_run(self)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)
+        # each site's identity as a tensor the site ops take (dmi.siteop: compiled layers stay alike)
+        self.site_ids = [torch.full((1,), s.index, dtype=torch.int64, device=device) for s in plan.sites]
+        self._site_of = {t.data_ptr(): i for i, t in enumerate(self.site_ids)}
         self._cuda = device.type == "cuda"
         if self._cuda:   # the site ops mutate it inside CUDA graphs: a static address keeps cudagraphs on
-            torch._dynamo.mark_static_address(self.ticket)
+            for t in (self.ticket, *self.site_ids):
+                torch._dynamo.mark_static_address(t)
         self._step = self.exporter.next_step     # resume: numbering goes on after the committed steps
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self._filters: dict = {}
@@ -458,6 +462,10 @@ class Run:
             if len(sel):
                 append((site, sel, rows, len(sel) * row_bytes, priority))
         return wanted, (self._site_ids, selected, not_computed)
+
+    def site_of(self, site_id: torch.Tensor) -> int:
+        """The index of the site whose ``site_ids`` tensor this is (by address: no device read)."""
+        return self._site_of[site_id.data_ptr()]
 
     def capture(self, site_index: int, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x`` (``dmi::capture_sum``:

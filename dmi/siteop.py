@@ -6,6 +6,12 @@ tensors: vLLM's residual stream), without the sum as an op of the graph: a compi
 give it an elementwise kernel of its own, where the engine fuses that add into its next norm.
 ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
 
+``site`` is a tensor (the run's ``site_ids``; the op finds the site by its address), not an int:
+an int is a constant of the compiled graph, different in every layer, and vLLM compiles a layer's
+piece once and reuses it for every layer whose piece is the same graph up to its inputs (as
+weights are). With ints, every layer's piece was its own compile: ~94 s against vanilla's 12 s
+for Qwen3-8B on the H200 (perf/RESULTS.md, twenty-second session).
+
 All of them mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
 graph (a capture never moves before its step's begin or after its end) and keeps them from being
 dead-code eliminated. Per-step state (offsets, row selection, enable flags) is never an argument:
@@ -52,8 +58,8 @@ def unregister_run(run_id: int) -> None:
 # that runs outside a CUDA graph (vLLM's mixed prefill steps, torch.compile without cudagraphs)
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
-_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site) -> ()")
-_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site) -> ()")
+_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, Tensor site) -> ()")
+_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, Tensor site) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
@@ -70,17 +76,17 @@ def _op(name: str):
 
 
 @_op("capture")
-def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int) -> None:
+def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: torch.Tensor) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(site, x)
+        r.capture(r.site_of(site), x)
 
 
 @_op("capture_sum")
-def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int) -> None:
+def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: torch.Tensor) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(site, x, y)
+        r.capture(r.site_of(site), x, y)
 
 
 @_op("step_begin")
@@ -105,18 +111,19 @@ def step_end(ticket: torch.Tensor, run: int, after: Optional[list] = None) -> No
 
 
 class SiteHandle:
-    """What a patched module instance knows about one of its sites. ``traced``: how compiled code
-    captures it as torch ops (:class:`dmi.kernels.traced.TracedSite`), or None (the op)."""
-    __slots__ = ("run", "site", "ticket", "traced")
+    """What a patched module instance knows about one of its sites: ``site`` (its index, for eager
+    code) and ``site_id`` (the same as the tensor compiled code passes). ``traced``: how compiled
+    code captures it as torch ops (:class:`dmi.kernels.traced.TracedSite`), or None (the op)."""
+    __slots__ = ("run", "site", "site_id", "ticket", "traced")
 
-    def __init__(self, run: int, site: int, ticket: torch.Tensor, traced=None):
-        self.run, self.site, self.ticket, self.traced = run, site, ticket, traced
+    def __init__(self, run: int, site: int, site_id: torch.Tensor, ticket: torch.Tensor, traced=None):
+        self.run, self.site, self.site_id, self.ticket, self.traced = run, site, site_id, ticket, traced
 
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
         """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
         traced = getattr(run.ring, "traced_site", None)
-        return cls(run.id, site, run.ticket, traced(site) if traced is not None else None)
+        return cls(run.id, site, run.site_ids[site], run.ticket, traced(site) if traced is not None else None)
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
@@ -126,9 +133,9 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
     if torch.compiler.is_compiling():
         if handle.traced is not None:
-            traced_capture(handle.traced, x, handle.ticket)
+            traced_capture(handle.traced, x, handle.ticket, handle.site_id)
         else:
-            torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site)
+            torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site_id)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
@@ -140,9 +147,9 @@ def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
     """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
     if torch.compiler.is_compiling():
         if handle.traced is not None:
-            traced_capture(handle.traced, x + y, handle.ticket)       # (inductor fuses the sum into the scatter)
+            traced_capture(handle.traced, x + y, handle.ticket, handle.site_id)   # (inductor fuses the sum in)
         else:
-            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site)
+            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site_id)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:

@@ -239,7 +239,7 @@ class KernelRing(Ring):
         scratch = (self.scratch_t.numel() - SCRATCH_BYTES) // dtype.itemsize
         if self.traced_key is None:
             self.traced_key = register(self)
-        return TracedSite(self.traced_key, self.ctrl, view, K.G_WORDS + K.S_WORDS * index, launcher.row_bytes[0] // dtype.itemsize,
+        return TracedSite(self.traced_key, self.ctrl, view, launcher.row_bytes[0] // dtype.itemsize,
                           scratch, SCRATCH_BYTES // launcher.row_bytes[0], dtype, tuple(launcher.layout))
 
     def check_written_in_place(self, views: list) -> None:

@@ -35,7 +35,6 @@ class TracedSite:
     ring_key: int              # the KernelRing's key in _RINGS (told at trace time that traced code exists)
     ctrl: torch.Tensor         # the ring's control block (int64, on the device)
     payload: torch.Tensor      # the payload ring as the site's dtype, scratch row included
-    hdr: int                   # the site's first control word
     row_elems: int
     scratch: int               # element index of the first scratch row
     scratch_rows: int
@@ -72,12 +71,14 @@ def _compiling_for(ring_key: int) -> bool:
     return True
 
 
-def capture(t: TracedSite, x: torch.Tensor, ticket: torch.Tensor) -> None:
+def capture(t: TracedSite, x: torch.Tensor, ticket: torch.Tensor, site_id: torch.Tensor) -> None:
     """Scatter the step's selected rows of ``x`` into the payload ring (traced: no op, no launch).
-    ``ticket`` is read only to follow the step's begin (``dmi.siteop``'s module doc)."""
+    ``ticket`` is read only to follow the step's begin (``dmi.siteop``'s module doc); ``site_id``
+    (the site's index as a tensor, not a constant: layers compile alike) locates its control words."""
     _compiling_for(t.ring_key)
     rows = token_rows(x, t.layout, t.row_elems).to(t.dtype)
-    ctrl, hdr, w = t.ctrl, t.hdr, t.ctrl.shape[0]
+    ctrl, w = t.ctrl, t.ctrl.shape[0]
+    hdr = K.G_WORDS + K.S_WORDS * site_id
     i = torch.arange(rows.shape[0], device=rows.device)
     count, enabled = ctrl[hdr + K.S_ROWS], ctrl[hdr + K.S_ENABLED]
     listed = ctrl[(ctrl[hdr + K.S_INV] + i).clamp(0, w - 1)]

@@ -14,6 +14,8 @@ What is pinned (issue #4, GPU part):
   from kernels the replay ran, and they equal HF's; steps larger than any graph capture every site
   from Python (the compiled model without a graph);
 * what cannot work inside a graph replay is refused at load (``attn.pattern``, ``DMI_RING=cpu``).
+* with traced captures (``DMI_TRACED=1``) the plain sites are scattered into the ring by the
+  compiled model's own code, no op call in any step, and still equal HF's.
 
 Engine: vLLM 0.25.1 (the H200 machine: ``source .vbundle/tools/env.sh``, docs/vllm.md), the V1
 model runner, float32 through the Triton attention backend (FlashAttention has no float32),
@@ -99,8 +101,12 @@ def _capture_recorder(monkeypatch):
     return events
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3_1"])
-def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,traced", [("qwen3", "0"), ("llama3_1", "0"), ("qwen3", "1")],
+                         ids=["qwen3", "llama3_1", "qwen3-traced"])
+def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch):
+    """``traced`` 1: vLLM's compiled model captures the plain sites as traced scatters into the ring
+    (``DMI_TRACED=1``, dmi.kernels.traced), the other sites through the site op; the same numbers."""
+    monkeypatch.setenv("DMI_TRACED", traced)
     path = save_builtin(f"tiny-{family}")
     prompts, params = workload()
     plain = vllm.LLM(path, **ENGINE)
@@ -121,6 +127,8 @@ def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
         plan = run.plan
         ring = run.run.ring
         copies, replays, graphs_made = ring.eager_time["copy"][0], ring.eager_replays, dict(ring._graphs_made)
+        traced_sites = set(ring.traced)
+        assert bool(traced_sites) == (traced == "1") and ring.traced_steps == (traced == "1"), ring.traced
     finally:
         run.shutdown()
 
@@ -156,7 +164,10 @@ def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
     # graphs: sites were captured into CUDA graphs at start-up, and replays wrote the decode steps
     logits_site = next(s.index for s in plan.sites if s.canonical == "logits")
     captured = {site for capturing, site, _ in events[:n_setup] if capturing}
-    assert captured >= {s.index for s in plan.sites if s.canonical != "logits"}, "sites missing from the graphs"
+    # (a traced site is no op call: its scatter is in the compiled code the graphs replay)
+    through_op = {s.index for s in plan.sites} - traced_sites
+    assert not captured & traced_sites, "a traced site went through the op"
+    assert captured >= through_op - {logits_site}, "sites missing from the graphs"
     assert not any(capturing for capturing, _, _ in serving), "a graph was captured while serving"
     eager = collections.defaultdict(set)             # step -> sites captured from Python (not by a replay)
     for _, site, step in serving:
@@ -172,7 +183,7 @@ def test_cuda_graphs_every_site_equals_hf(family, tmp_path, monkeypatch):
     mixed = [s for s, ph in steps.items() if s not in decode and len(ph) <= GRAPH_SIZES[-1]]
     assert mixed and all(eager[s] <= {logits_site} for s in mixed), [(s, len(eager[s])) for s in mixed]
     big = [s for s, ph in steps.items() if len(ph) > GRAPH_SIZES[-1]]       # larger than any graph: eager
-    assert big and all(eager[s] == set(range(len(plan.sites))) for s in big), [(s, len(eager[s])) for s in big]
+    assert big and all(eager[s] == through_op for s in big), [(s, len(eager[s])) for s in big]
 
     # every site equals HF (both on the GPU, float32) at every stored (request, position)
     ref = hf_reference(family, seqs, spec, tmp_path / "hf.zarr", device="cuda")
