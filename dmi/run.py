@@ -61,11 +61,11 @@ class Run:
         self.id = register_run(self)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)
         # each site's identity as a tensor the site ops take (dmi.siteop: compiled layers stay alike)
-        self.site_ids = [torch.full((1,), s.index, dtype=torch.int64, device=device) for s in plan.sites]
-        self._site_of = {t.data_ptr(): i for i, t in enumerate(self.site_ids)}
+        self.site_tensors = [torch.full((1,), s.index, dtype=torch.int64, device=device) for s in plan.sites]
+        self._site_of = {t.data_ptr(): i for i, t in enumerate(self.site_tensors)}
         self._cuda = device.type == "cuda"
-        if self._cuda:   # the site ops mutate it inside CUDA graphs: a static address keeps cudagraphs on
-            for t in (self.ticket, *self.site_ids):
+        if self._cuda:   # the site ops' inputs (the ticket they mutate) in CUDA graphs: static addresses, never copied
+            for t in (self.ticket, *self.site_tensors):
                 torch._dynamo.mark_static_address(t)
         self._step = self.exporter.next_step     # resume: numbering goes on after the committed steps
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
@@ -464,7 +464,7 @@ class Run:
         return wanted, (self._site_ids, selected, not_computed)
 
     def site_of(self, site_id: torch.Tensor) -> int:
-        """The index of the site whose ``site_ids`` tensor this is (by address: no device read)."""
+        """The index of the site whose ``site_tensors`` entry this is (by address: no device read)."""
         return self._site_of[site_id.data_ptr()]
 
     def capture(self, site_index: int, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:

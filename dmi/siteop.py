@@ -6,7 +6,7 @@ tensors: vLLM's residual stream), without the sum as an op of the graph: a compi
 give it an elementwise kernel of its own, where the engine fuses that add into its next norm.
 ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
 
-``site`` is a tensor (the run's ``site_ids``; the op finds the site by its address), not an int:
+``site`` is a tensor (the run's ``site_tensors``; the op finds the site by its address), not an int:
 an int is a constant of the compiled graph, different in every layer, and vLLM compiles a layer's
 piece once and reuses it for every layer whose piece is the same graph up to its inputs (as
 weights are). With ints, every layer's piece was its own compile: ~94 s against vanilla's 12 s
@@ -123,7 +123,7 @@ class SiteHandle:
     def of(cls, run, site: int) -> "SiteHandle":
         """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
         traced = getattr(run.ring, "traced_site", None)
-        return cls(run.id, site, run.site_ids[site], run.ticket, traced(site) if traced is not None else None)
+        return cls(run.id, site, run.site_tensors[site], run.ticket, traced(site) if traced is not None else None)
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def main():
     run.set_enabled(False)
     site = run.plan.sites[0]
     print(f"ring.capture (null, launch):    {per_call(lambda: run.ring.capture(site, x)):.1f} us/call")
-    print(f"op -> ring.capture (null):      {per_call(lambda: torch.ops.dmi.capture(x, run.ticket, run.id, run.site_ids[0])):.1f} us/call")
+    print(f"op -> ring.capture (null):      {per_call(lambda: torch.ops.dmi.capture(x, run.ticket, run.id, run.site_tensors[0])):.1f} us/call")
     launcher = run.ring.sites[0]
     print(f"_SiteLaunch.launch (null):      {per_call(lambda: launcher.launch(run.ring, x, None)):.1f} us/call")
     r = run.ring

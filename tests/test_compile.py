@@ -58,7 +58,7 @@ def test_compiled_forward_has_no_graph_break_and_captures_equal_eager(encoded, w
 
 
 def test_patched_layers_compile_to_one_graph(encoded, write_spec, tmp_path):
-    """A site's identity is a tensor the site op takes (``Run.site_ids``), not a constant of the
+    """A site's identity is a tensor the site op takes (``Run.site_tensors``), not a constant of the
     graph: each decoder layer, compiled on its own, reuses the first layer's graph, as unpatched
     layers do. vLLM relies on the same sameness to compile one piece for all layers (an int site
     made every layer's piece a compile of its own: 94 s against 12 s for Qwen3-8B on the H200);
