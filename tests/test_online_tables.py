@@ -20,6 +20,14 @@ def _window(config, rep, tpots):
             "out_tok_s": 1000.0, "tpot_by_request": {str(i): t for i, t in enumerate(tpots)}}
 
 
+def _server(name, work, **args):
+    """A configuration's server as perf/online.py builds it (not started): its command, its log."""
+    run = argparse.Namespace(port=1, model="qwen3-8b", dtype="bfloat16", load_format="dummy", max_model_len=2048,
+                             max_num_seqs=64, max_num_batched_tokens=4096, cpu=False, trace=0,
+                             gpu_memory_utilization=0.4, **args)
+    return online.Server(name, run, "/m", work, {}, [], False)
+
+
 def test_paired_ratio_cancels_the_request_mix():
     rng = np.random.default_rng(0)
     vanilla = [_window("vanilla", k, list(rng.uniform(4.0, 9.0, 40))) for k in range(3)]
@@ -184,10 +192,7 @@ def test_a_shared_server_turns_the_prefix_cache_off_on_every_server(tmp_path):
     assert online.servers_of(cfgs, ["vanilla", "dmi-hidden-optout"])["dmi-hidden-optout"] == "dmi-hidden-optout"
 
     def cmd(no_prefix_cache):
-        run = argparse.Namespace(port=1, model="qwen3-8b", dtype="bfloat16", load_format="dummy", max_model_len=2048,
-                                 max_num_seqs=64, max_num_batched_tokens=4096, cpu=False, trace=0,
-                                 gpu_memory_utilization=0.4, graph_sizes=[1, 2, 512], no_prefix_cache=no_prefix_cache)
-        return online.Server("vanilla", run, "/m", tmp_path, {}, [], False).cmd
+        return _server("vanilla", tmp_path, graph_sizes=[1, 2, 512], no_prefix_cache=no_prefix_cache).cmd
     for off in (True, False):           # the graph sizes stay whatever the cache does
         c = cmd(off)
         assert ("--no-enable-prefix-caching" in c) == off
@@ -197,10 +202,7 @@ def test_a_shared_server_turns_the_prefix_cache_off_on_every_server(tmp_path):
 def test_the_config_table_shows_vllms_compile_time_from_the_server_log(tmp_path):
     """vLLM's compile time, read from its server's log (the line vLLM 0.25.1 prints), goes beside the
     start-up: dmi's site ops once made it 94 s against vanilla's 12 (every layer compiled anew)."""
-    run = argparse.Namespace(port=1, model="qwen3-8b", dtype="bfloat16", load_format="dummy", max_model_len=2048,
-                             max_num_seqs=64, max_num_batched_tokens=4096, cpu=False, trace=0,
-                             gpu_memory_utilization=0.4, graph_sizes=[1, 2], no_prefix_cache=False)
-    server = online.Server("dmi-hidden", run, "/m", tmp_path, {}, [], False)
+    server = _server("dmi-hidden", tmp_path, graph_sizes=[1, 2], no_prefix_cache=False)
     assert server.compile_s() is None                    # no log yet
     server.log_path.write_text("(EngineCore pid=3441) INFO 12-03 08:28:59 [monitor.py:53] torch.compile took "
                                "114.30 s in total\n")
