@@ -334,8 +334,12 @@ def section_traced() -> None:
     from conftest import PROMPTS, model_pair
     from dmi.errors import CaptureError
     from dmi.models import tiny_tokenizer
+    from dmi.kernels.cuda_ring import SCRATCH_BYTES, InterpretRing
     torch.set_num_threads(2)
-    os.environ["DMI_TRACED"] = "1"       # opt-in (read at dmi.load)
+    # the traced scratch rows are allocated only where traced captures may run
+    assert InterpretRing(1 << 16, 64).scratch_t.numel() == 1 << 16
+    os.environ["DMI_TRACED"] = "1"       # opt-in (read at dmi.load, when the ring is made)
+    assert InterpretRing(1 << 16, 64).scratch_t.numel() == (1 << 16) + SCRATCH_BYTES
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
     tmp = Path(tempfile.mkdtemp())
     specs = {

@@ -62,10 +62,15 @@ DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each 
                               # the copy engine, the longest an engine's own small D2H waits behind the drain
 
 
-def with_scratch(capacity: int) -> int:
-    """Bytes to allocate for a payload ring of ``capacity`` bytes and its scratch rows (16-byte
-    aligned: the scratch starts at a whole element of any site dtype)."""
-    return -(-capacity // 16) * 16 + SCRATCH_BYTES
+def traced_wanted() -> bool:
+    """Traced captures are opt-in (``DMI_TRACED=1``): slower than the op on the GPU so far (RESULTS.md)."""
+    return os.environ.get("DMI_TRACED", "0") == "1"
+
+
+def with_scratch(capacity: int, scratch: int) -> int:
+    """Bytes to allocate for a payload ring of ``capacity`` bytes and ``scratch`` bytes of scratch
+    rows (16-byte aligned: the scratch starts at a whole element of any site dtype)."""
+    return -(-capacity // 16) * 16 + scratch
 
 
 def cudart():
@@ -128,6 +133,8 @@ class KernelRing(Ring):
         self.is_cuda = self.torch_device.type == "cuda"
         self.max_rows = int(max_step_tokens or DEFAULT_MAX_ROWS)
         self.device_bytes = self.pinned_bytes = 0
+        # traced captures' scratch rows, past the payload's end: allocated only where they may run
+        self.scratch_bytes = SCRATCH_BYTES if traced_wanted() else 0
         self.graph_mode = False   # tests: launch as while capturing a CUDA graph (no host values baked in)
 
     def setup(self, plan, dtype, device) -> None:
@@ -212,7 +219,7 @@ class KernelRing(Ring):
         row copies (no head selection, key alignment or reduction; any dtype) of one output, from a
         tensor holding every step row (not vLLM's sampled logits, nor a tensor a spec marks
         ``partial``: transformers' logits under ``logits_to_keep``), rows up to TRACED_ROW_BYTES."""
-        if os.environ.get("DMI_TRACED", "0") != "1":
+        if not self.scratch_bytes:           # (DMI_TRACED was not set when the ring was made)
             return []
         out = []
         for s in plan.sites:
@@ -236,11 +243,11 @@ class KernelRing(Ring):
             view = self.traced_views[dtype] = self.scratch_t.view(dtype)
             if self.is_cuda:
                 torch._dynamo.mark_static_address(view)
-        scratch = (self.scratch_t.numel() - SCRATCH_BYTES) // dtype.itemsize
+        scratch = (self.scratch_t.numel() - self.scratch_bytes) // dtype.itemsize
         if self.traced_key is None:
             self.traced_key = register(self)
         return TracedSite(self.traced_key, self.ctrl, view, launcher.row_bytes[0] // dtype.itemsize,
-                          scratch, SCRATCH_BYTES // launcher.row_bytes[0], dtype, tuple(launcher.layout))
+                          scratch, self.scratch_bytes // launcher.row_bytes[0], dtype, tuple(launcher.layout))
 
     def check_written_in_place(self, views: list) -> None:
         """The payload views a compiled forward's traced captures wrote, as its ``dmi::step_end``
@@ -581,7 +588,8 @@ class CudaRing(KernelRing):
         torch.cuda.init()                      # torch and cuda-python share the primary context
         self._thread_device = threading.local()
         self._use_device()
-        self._payload_ptr = _ok(rt.cudaMalloc(with_scratch(capacity)))
+        self.device_bytes = with_scratch(capacity, self.scratch_bytes)
+        self._payload_ptr = _ok(rt.cudaMalloc(self.device_bytes))
         meta_bytes = meta_records * META_DTYPE.itemsize
         flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
         self._meta_ptr = _ok(rt.cudaHostAlloc(meta_bytes, flags))
@@ -599,10 +607,9 @@ class CudaRing(KernelRing):
         self._calls = _Async(rt)
         self._calls.check(self._staging, self._payload_ptr, self._stream, self._event)
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
-        self.scratch_t = torch.as_tensor(_CudaBytes(self._payload_ptr, with_scratch(capacity)), device=self.torch_device)
+        self.scratch_t = torch.as_tensor(_CudaBytes(self._payload_ptr, self.device_bytes), device=self.torch_device)
         self.payload_t = self.scratch_t[:capacity]
         self.meta_dev = DevicePointer(self._meta_dev, torch.int64)
-        self.device_bytes = with_scratch(capacity)
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
         # copy each step out from the model's thread when the next one begins (module doc)
@@ -1035,7 +1042,7 @@ class InterpretRing(KernelRing):
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
                  device=None, **_):
         super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu")
-        self.scratch_t = torch.zeros(with_scratch(capacity), dtype=torch.uint8)
+        self.scratch_t = torch.zeros(with_scratch(capacity, self.scratch_bytes), dtype=torch.uint8)
         self.payload = self.payload_t = self.scratch_t[:capacity]
         self.meta = np.zeros(meta_records, META_DTYPE)
         self.meta_dev = torch.from_numpy(self.meta.view(np.int64))
