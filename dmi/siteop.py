@@ -9,8 +9,9 @@ give it an elementwise kernel of its own, where the engine fuses that add into i
 ``site`` is a tensor (the run's ``site_tensors``; the op finds the site by its address), not an int:
 an int is a constant of the compiled graph, different in every layer, and vLLM compiles a layer's
 piece once and reuses it for every layer whose piece is the same graph up to its inputs (as
-weights are). With ints, every layer's piece was its own compile: ~94 s against vanilla's 12 s
-for Qwen3-8B on the H200 (perf/RESULTS.md, twenty-second session).
+weights are). With ints, every layer's piece was its own compile: once ~94 s against vanilla's
+12 s for Qwen3-8B on the H200, though a later fresh compile of that build took 28.7 s against
+the tensor sites' 31.5 (perf/RESULTS.md, twenty-second and twenty-fourth sessions).
 
 All of them mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
 graph (a capture never moves before its step's begin or after its end) and keeps them from being

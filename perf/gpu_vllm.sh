@@ -67,6 +67,9 @@ online() {
   local budget=$((limit - 15))
   step vllm-online "$limit" python3 perf/online.py --budget-s "$budget" --results "$OUT/ONLINE.md" \
     --json "$OUT/online.json" "$@"
+  # a server the deadline's SIGKILL left behind would hold the GPU's memory for the next call on a
+  # warm machine ("[v]": the pattern must not match this shell's own command line)
+  pkill -9 -f "[v]llm.entrypoints.openai.api_server" || true
   grep -E "^\[" "$OUT/vllm-online.log" | grep -vE "starting \(" | tail -n 30
   [ -f "$OUT/ONLINE.md" ] && cat "$OUT/ONLINE.md"
   for f in /tmp/dmi-online/server-*.log; do    # the servers' own logs, their tails

