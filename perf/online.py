@@ -905,7 +905,6 @@ def main(argv=None) -> int:
         marker = compiled / compile_key(args, env)
         cached = kind == "compiled" and marker.exists()
         kind_key = (kind, store is not None)
-        need = (max(60.0, est[kind_key] / 2) if cached else est[kind_key]) + len(windows) * per_rate + 40
         host = server_of[name]
         if args.interleave and host != name and host in live:
             # windows of both kinds against one engine: the A/B two servers cannot give
@@ -915,10 +914,12 @@ def main(argv=None) -> int:
             log(f"{name}: {host}'s server")
             asyncio.run(warmup(live[host]["server"].port, args.model, warm, REQUEST_EXTRA.get(name)))
             return True
+        # enough budget for its start-up and a first window; interleaved (the servers start one after
+        # another), for its start-up and one round of every configuration
+        startup = max(60.0, est[kind_key] / 2) if cached else est[kind_key]
+        need = startup + 40 + (len(names) * (per_rate + 15) if args.interleave else per_rate)
         left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
-        if args.interleave:     # servers start one after another: this one, then at least one round of all
-            need = need - len(windows) * per_rate + len(names) * (per_rate + 15)
-        if left is not None and left < need - (0 if args.interleave else (len(windows) - 1) * per_rate):
+        if left is not None and left < need:
             log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
             cfg_rows.append({"config": name, "note": "skipped (budget)"})
             return False
