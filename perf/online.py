@@ -854,9 +854,10 @@ def main(argv=None) -> int:
         # hit the prefix cache for every prompt (almost no prefill). Off on every server.
         args.no_prefix_cache = args.no_prefix_cache or n_servers < len(names)
     per_rate = args.duration + args.grace + 3
-    # start-up estimates (s): a fresh compile of a server with dmi's site ops took 163-230 s on the H200,
-    # vanilla's 110-130 (each is replaced by what the first server of its kind took)
-    est = {("compiled", False): 150.0, ("compiled", True): 240.0, ("eager", False): 60.0, ("eager", True): 60.0}
+    # start-up estimates (s): a fresh compile of a server with dmi's site ops took 138-163 s on the H200
+    # (RESULTS.md, twenty-third and twenty-fourth sessions), vanilla's 127-161 (each is replaced by
+    # what the first server of its kind took)
+    est = {("compiled", False): 165.0, ("compiled", True): 180.0, ("eager", False): 60.0, ("eager", True): 60.0}
     rows, cfg_rows, base = [], [], {}
     if args.baseline:                          # vanilla's windows from an earlier call (same model, loads, seeds)
         for r in json.loads(Path(args.baseline).read_text())["rates"]:
