@@ -786,6 +786,9 @@ def main(argv=None) -> int:
     ap.add_argument("--syncs", action="store_true",
                     help="with --stepclock: every server counts its engine thread's synchronizing torch calls per step "
                          "(torch's sync debug mode, DMI_PERF_SYNCS) and prints where they were made into its log")
+    ap.add_argument("--probe", type=int, default=0, metavar="N",
+                    help="with --stepclock: before every N-th step the engine's thread does a fixed piece of host "
+                         "work and its time is recorded (DMI_PERF_PROBE): is a server's host thread itself slower")
     ap.add_argument("--busy-us", type=float, default=600.0,
                     help="vanilla-busy: µs of host work before each mixed step's forward (dmi's changed-batch begin: ~600 served)")
     ap.add_argument("--policy-mode", default="best_effort", choices=["best_effort", "full"],
@@ -929,7 +932,8 @@ def main(argv=None) -> int:
         clock = work / f"stepclock-{name}.jsonl"
         if args.stepclock:
             clock.unlink(missing_ok=True)
-            env = {**env, "DMI_PERF_STEPCLOCK": str(clock), **({"DMI_PERF_SYNCS": "1"} if args.syncs else {})}
+            env = {**env, "DMI_PERF_STEPCLOCK": str(clock), **({"DMI_PERF_SYNCS": "1"} if args.syncs else {}),
+                   **({"DMI_PERF_PROBE": str(args.probe)} if args.probe else {})}
         server = Server(name, args, model_dir, work, env, extra, eager)
         cfg = {"config": name}
         cfg_rows.append(cfg)

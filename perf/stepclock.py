@@ -23,7 +23,9 @@ piecewise step; ``launch`` less ``replay`` is the Python between the pieces), an
 ``dmi begin`` (its part of ``pre``) and ``dmi threads`` (CPU its drain and export threads spent
 during the step, on the same GIL); ``syncs`` and ``syncs in forward``: the engine thread's
 synchronizing torch calls in the step and inside its forward (servers run with ``DMI_PERF_SYNCS``,
-``perf/online.py --syncs``).
+``perf/online.py --syncs``); ``host probe`` and its CPU: the ms of a fixed piece of host work the
+engine's thread did before some steps (``DMI_PERF_PROBE``, ``perf/online.py --probe``): the same
+work in every server, so a slower probe is a slower host thread, not more work.
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
     python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
@@ -44,7 +46,7 @@ import numpy as np
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
 HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "replay", "graphs", "dmi_begin", "threads",
-        "syncs", "fwd_syncs")
+        "syncs", "fwd_syncs", "probe", "probe_cpu")
 
 
 def load(path) -> list[dict]:
@@ -79,6 +81,9 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     of steps in a mean."""
     rows = sorted(rows, key=lambda r: r["t"])
     pairs = [(a, b) for a, b in zip(rows, rows[1:]) if t0 <= a["t"] <= t1 and not a.get("_next")]
+    # a probe (perf/vllm_plugins.py) runs before its step's clock starts, so it lengthens the step
+    # before it: that pair is left out (the probed step's own pair keeps its probe figures)
+    pairs = [(a, b) for a, b in pairs if "probe" not in b]
     busy = [(a, b) for a, b in pairs if (b["t"] - a["t"]) * 1e3 <= IDLE_MS]
     out = {"steps": len(pairs), "idle_pairs": len(pairs) - len(busy), "steps_per_s": 0.0}
     if len(pairs) > 1:
@@ -148,9 +153,9 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
     cols = [f"{k}_p50" for k in PARTS]
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
             "period mean | host exec | host exec CPU | host sample | host wait | host pre | host launch | host launch CPU | "
-            "host replay | graphs | dmi begin | dmi threads | syncs | syncs in forward | period - base | forward - base | "
-            "prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 29]
+            "host replay | graphs | dmi begin | dmi threads | syncs | syncs in forward | host probe | host probe CPU | "
+            "period - base | forward - base | prep+post+gap - base |")
+    lines = [head, "|" + " --- |" * 31]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})

@@ -28,6 +28,13 @@ asked through the environment:
   thread does N µs of Python and NumPy work of the kind dmi's step begin does (small arrays, dicts,
   lists; :func:`busy`), in a server without dmi. Whether such a step grows by N µs or by more
   tells dmi's own host time from what it does to the engine's code around it (caches, allocator).
+* ``DMI_PERF_PROBE=N`` (with ``DMI_PERF_STEPCLOCK``): before every N-th step the engine's thread
+  does a fixed amount of host work (:func:`probe`, the same every time, about 0.2 ms on a dev box)
+  and the step's row records its wall and CPU ms (``probe``, ``probe_cpu``): how fast this host runs
+  this thread's code at that moment, apart from what the step does. vLLM's own host code ran about
+  a third slower with dmi in the process (RESULTS.md, twenty-third session); if the probe slows as
+  much, the thread itself is slower (a lower clock, colder caches; CPU ms up), or waits (the GIL:
+  wall up, CPU not), whatever code it runs.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import threading
 
 log = logging.getLogger("dmi.perf")
 _done = False
+PROBE_ROUNDS = 10            # probe(): ~0.2 ms of host work on a dev box
 
 
 def register() -> None:
@@ -71,21 +79,36 @@ def _host_sink() -> None:
     ZarrExporter.write_step = write_step
 
 
-def busy(us: float) -> int:
-    """``us`` µs of the engine thread's time spent as a changed batch's step begin spends it: many
-    short NumPy calls on arrays of a few hundred elements, small dicts and lists made and dropped.
-    Returns a number made from the work's results (the work is used, not skipped)."""
-    import time
+def _work_round() -> int:
+    """One round of host work of the kind a changed batch's step begin does: short NumPy calls on
+    arrays of a few hundred elements, small dicts and lists made and dropped. Returns a number made
+    from its results (the work is used, not skipped)."""
     import numpy as np
-    end, rounds = time.perf_counter() + us * 1e-6, 0
+    counts = np.arange(1, 61, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    rows = np.repeat(starts, counts) + np.arange(int(counts.sum())) % 7
+    keep = rows[rows % 3 != 0]
+    index = {int(i): k for k, i in enumerate(keep[:32])}
+    return len([v for v in index.values() if v % 2]) + int(keep[-1])
+
+
+def busy(us: float) -> int:
+    """``us`` µs of the engine thread's time in rounds of :func:`_work_round`."""
+    import time
+    end, out = time.perf_counter() + us * 1e-6, 0
     while time.perf_counter() < end:
-        counts = np.arange(1, 61, dtype=np.int64)
-        starts = np.cumsum(counts) - counts
-        rows = np.repeat(starts, counts) + np.arange(int(counts.sum())) % 7
-        keep = rows[rows % 3 != 0]
-        index = {int(i): k for k, i in enumerate(keep[:32])}
-        rounds += len([v for v in index.values() if v % 2]) + int(keep[-1])
-    return rounds
+        out += _work_round()
+    return out
+
+
+def probe(rounds: int = PROBE_ROUNDS) -> tuple[float, float, int]:
+    """(wall ms, CPU ms, a number made from the results) of a fixed amount of host work: ``rounds``
+    rounds of :func:`_work_round`."""
+    import time
+    t0, c0, out = time.perf_counter(), time.thread_time(), 0
+    for _ in range(rounds):
+        out += _work_round()
+    return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3, out
 
 
 def _busy_runner(mod) -> None:
@@ -197,6 +220,8 @@ class StepClock:
         # DMI_PERF_SYNCS: where the engine's thread synchronized with the GPU in a step (place -> count)
         self.syncs = collections.Counter() if os.environ.get("DMI_PERF_SYNCS", "") not in ("", "0") else None
         self.thread = None              # the engine's thread (execute_model's)
+        self.probe_every = int(os.environ.get("DMI_PERF_PROBE", "0") or 0)    # probe() before every N-th step
+        self.steps = 0
 
     @classmethod
     def install(cls, path: str) -> None:
@@ -234,8 +259,13 @@ class StepClock:
             n = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
             if not n:
                 return execute(self, scheduler_output, *args, **kwargs)
+            probed = clock.probe_every and clock.steps % clock.probe_every == 0
+            clock.steps += 1
+            took = probe() if probed else None     # (before the step's clock starts: its own times stay clean)
             row = {"t": time.time(), "reqs": len(scheduler_output.num_scheduled_tokens), "tokens": n,
                    "wait": 0.0, "ev": [clock._event()]}
+            if took is not None:
+                row["probe"], row["probe_cpu"] = round(took[0], 4), round(took[1], 4)
             clock.cur = row
             watching = clock.syncs is not None and clock.cuda
             if watching:

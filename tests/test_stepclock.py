@@ -100,6 +100,23 @@ def test_bins_print_a_table_for_each_usual_size(tmp_path, capsys):
     assert "| vanilla | 0 | 0 |" in decode_light and "| 39 |" in decode_light      # 40 decode steps, the last without a next
 
 
+def test_a_probe_is_its_steps_figure_and_the_step_before_it_is_left_out():
+    """A probe (fixed host work before a step, DMI_PERF_PROBE) lengthens the period of the step
+    before it: that pair is left out, and the probe's times are the probed step's host figures."""
+    rows = _steps(40, period=6.0, forward=5.0, gap=0.5)
+    for i in range(0, 40, 8):
+        rows[i].update(probe=0.2 + 0.01 * i, probe_cpu=0.19)
+        if i:                                     # the probe ran in the gap before step i
+            for r in rows[i:]:
+                r["t"] += 0.002
+                r["g"] = [x + 2.0 for x in r["g"]]
+    d = stepclock.summarize(rows)["decode"]
+    assert d["steps"] == 39 - 4                   # the last has no next; 4 steps before a probe left out
+    assert d["period"] == pytest.approx(6.0) and d["host_period"] == pytest.approx(6.0)
+    assert d["probe"] == pytest.approx(0.2 + 0.01 * 16) and d["probe_cpu"] == pytest.approx(0.19)
+    assert "| host probe | host probe CPU |" in stepclock.table([("vanilla", 16.0, 0, stepclock.summarize(rows))])
+
+
 def test_cpu_rows_without_gpu_times_keep_the_host_columns():
     rows = [{"t": 1.0 + i * 0.01, "reqs": 2, "tokens": 2, "exec": 3.0, "sample": 0.5, "wait": 0.0, "g": None}
             for i in range(5)]
@@ -130,7 +147,7 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
     import dmi
     busy_ms = 25.0
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", DMI_PERF_STEPCLOCK=str(tmp_path / "clock.jsonl"),
-               DMI_PERF_BUSY_US=str(busy_ms * 1e3),
+               DMI_PERF_BUSY_US=str(busy_ms * 1e3), DMI_PERF_PROBE="2",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__, str(tmp_path / "v.zarr")], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -147,6 +164,10 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
         assert row["graphs"] == 0 and row["replay"] == 0      # enforce_eager: the forward replays no CUDA graph
         mixed = row["tokens"] > row["reqs"]
         assert (row["pre"] - begin >= busy_ms) == mixed, row      # busy work before a prefill step's forward only
+    probed = [i for i, row in enumerate(rows) if "probe" in row]
+    assert probed == list(range(0, len(rows), 2))                # every second step, before its clock started
+    for i in probed:
+        assert 0 < rows[i]["probe_cpu"] <= rows[i]["probe"] * 1.1 + 0.05
     for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
         total_ms = sum(row["dmi"][i] for row in rows)
         assert total_ms == pytest.approx(stats["host_us_per_step"]["wall"][key] * stats["steps"] / 1e3, rel=0.01, abs=0.01)
