@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -477,25 +476,21 @@ class Server:
     def stop(self, timeout: float = 90) -> float:
         """SIGINT (vLLM shuts down, dmi closes its store), then the process group is killed."""
         t0 = time.perf_counter()
-        if self.proc is not None and Server.hurry:      # a deadline: no time for a clean shutdown
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            self._log.close()
-            return time.perf_counter() - t0
-        if self.proc is not None and self.proc.poll() is None:
+        hurry = Server.hurry                   # a deadline: no time for a clean shutdown, SIGKILL at once
+        if self.proc is not None and self.proc.poll() is None and not hurry:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 log(f"  {self.name}: no exit {timeout:.0f} s after SIGINT; killing its process group")
         if self.proc is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
+            for sig in (signal.SIGKILL,) if hurry else (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(self.proc.pid, sig)       # the engine core process(es) this server started
                 except (ProcessLookupError, PermissionError):
                     break
-                time.sleep(2)
+                if not hurry:
+                    time.sleep(2)
             self.proc.wait()
         self._log.close()
         return time.perf_counter() - t0

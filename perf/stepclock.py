@@ -80,10 +80,10 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     ``IDLE_MS`` later (the engine had no request) is left out: one such gap outweighs thousands
     of steps in a mean."""
     rows = sorted(rows, key=lambda r: r["t"])
-    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if t0 <= a["t"] <= t1 and not a.get("_next")]
     # a probe (perf/vllm_plugins.py) runs before its step's clock starts, so it lengthens the step
     # before it: that pair is left out (the probed step's own pair keeps its probe figures)
-    pairs = [(a, b) for a, b in pairs if "probe" not in b]
+    pairs = [(a, b) for a, b in zip(rows, rows[1:])
+             if t0 <= a["t"] <= t1 and not a.get("_next") and "probe" not in b]
     busy = [(a, b) for a, b in pairs if (b["t"] - a["t"]) * 1e3 <= IDLE_MS]
     out = {"steps": len(pairs), "idle_pairs": len(pairs) - len(busy), "steps_per_s": 0.0}
     if len(pairs) > 1:

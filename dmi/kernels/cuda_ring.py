@@ -62,11 +62,6 @@ DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each 
                               # the copy engine, the longest an engine's own small D2H waits behind the drain
 
 
-def traced_wanted() -> bool:
-    """Traced captures are opt-in (``DMI_TRACED=1``): slower than the op on the GPU so far (RESULTS.md)."""
-    return os.environ.get("DMI_TRACED", "0") == "1"
-
-
 def with_scratch(capacity: int, scratch: int) -> int:
     """Bytes to allocate for a payload ring of ``capacity`` bytes and ``scratch`` bytes of scratch
     rows (16-byte aligned: the scratch starts at a whole element of any site dtype)."""
@@ -134,7 +129,8 @@ class KernelRing(Ring):
         self.max_rows = int(max_step_tokens or DEFAULT_MAX_ROWS)
         self.device_bytes = self.pinned_bytes = 0
         # traced captures' scratch rows, past the payload's end: allocated only where they may run
-        self.scratch_bytes = SCRATCH_BYTES if traced_wanted() else 0
+        # (opt-in, DMI_TRACED=1: slower than the op on the GPU so far, perf/RESULTS.md)
+        self.scratch_bytes = SCRATCH_BYTES if os.environ.get("DMI_TRACED", "0") == "1" else 0
         self.graph_mode = False   # tests: launch as while capturing a CUDA graph (no host values baked in)
 
     def setup(self, plan, dtype, device) -> None:
