@@ -75,6 +75,11 @@ online() {
   for f in /tmp/dmi-online/server-*.log; do    # the servers' own logs, their tails
     [ -f "$f" ] && tail -n 150 "$f" > "$OUT/$(basename "$f")"
   done
+  # --probe: each engine's threads at exit (perf/vllm_plugins.py), and which cores are hyperthread siblings
+  for f in /tmp/dmi-online/stepclock-*.jsonl.threads.json; do
+    [ -f "$f" ] && echo "$(basename "$f" .jsonl.threads.json): $(cat "$f")"
+  done | tee "$OUT/threads.txt"
+  echo "cores $(nproc), siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
 }
 
 left() { echo $((DEADLINE_S - (SECONDS - START))); }

@@ -25,7 +25,9 @@ during the step, on the same GIL); ``syncs`` and ``syncs in forward``: the engin
 synchronizing torch calls in the step and inside its forward (servers run with ``DMI_PERF_SYNCS``,
 ``perf/online.py --syncs``); ``host probe`` and its CPU: the ms of a fixed piece of host work the
 engine's thread did before some steps (``DMI_PERF_PROBE``, ``perf/online.py --probe``): the same
-work in every server, so a slower probe is a slower host thread, not more work.
+work in every server, so a slower probe is a slower host thread, not more work; ``torch probe``
+and its CPU: a fixed number of tiny torch ops launched there too (slower alone: torch or the
+CUDA driver, not the thread).
 
     python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
     python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
@@ -46,7 +48,7 @@ import numpy as np
 PARTS = ("period", "prep", "forward", "post", "gap")
 IDLE_MS = 50.0              # a longer pause between two steps: the engine was idle, not slow
 HOST = ("exec", "exec_cpu", "sample", "wait", "pre", "launch", "launch_cpu", "replay", "graphs", "dmi_begin", "threads",
-        "syncs", "fwd_syncs", "probe", "probe_cpu")
+        "syncs", "fwd_syncs", "probe", "probe_cpu", "probe_torch", "probe_torch_cpu")
 
 
 def load(path) -> list[dict]:
@@ -154,8 +156,9 @@ def table(entries: list[tuple[str, float, int, dict]], base: str = "vanilla", ki
     head = ("| config | rate | window | steps/s | steps | reqs | tokens | period | prep | forward | post | gap | "
             "period mean | host exec | host exec CPU | host sample | host wait | host pre | host launch | host launch CPU | "
             "host replay | graphs | dmi begin | dmi threads | syncs | syncs in forward | host probe | host probe CPU | "
+            "torch probe | torch probe CPU | "
             "period - base | forward - base | prep+post+gap - base |")
-    lines = [head, "|" + " --- |" * 31]
+    lines = [head, "|" + " --- |" * 33]
     f = lambda v: f"{v:.3f}" if v is not None else ""    # noqa: E731
     for name, rate, rep, s in entries:
         d = s.get(kind, {})

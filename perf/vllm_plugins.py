@@ -34,7 +34,11 @@ asked through the environment:
   this thread's code at that moment, apart from what the step does. vLLM's own host code ran about
   a third slower with dmi in the process (RESULTS.md, twenty-third session); if the probe slows as
   much, the thread itself is slower (a lower clock, colder caches; CPU ms up), or waits (the GIL:
-  wall up, CPU not), whatever code it runs.
+  wall up, CPU not), whatever code it runs. A second probe, ``probe_torch`` (:func:`probe_torch`),
+  times a fixed number of tiny in-place torch ops (kernel launches on a GPU): slower there alone
+  is torch or the CUDA driver, not the thread. With each batch of rows the engine process also
+  rewrites ``PATH.threads.json`` (:meth:`StepClock.process_report`): its busiest threads' CPU
+  seconds, the machine's busy cores and the CUDA allocator's driver calls since the first probe.
 """
 from __future__ import annotations
 
@@ -43,10 +47,12 @@ import json
 import logging
 import os
 import threading
+from pathlib import Path
 
 log = logging.getLogger("dmi.perf")
 _done = False
 PROBE_ROUNDS = 10            # probe(): ~0.2 ms of host work on a dev box
+PROBE_LAUNCHES = 40          # probe_torch(): in-place ops a probe launches
 
 
 def register() -> None:
@@ -109,6 +115,19 @@ def probe(rounds: int = PROBE_ROUNDS) -> tuple[float, float, int]:
     for _ in range(rounds):
         out += _work_round()
     return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3, out
+
+
+def probe_torch(x, launches: int = PROBE_LAUNCHES) -> tuple[float, float]:
+    """(wall ms, CPU ms) of ``launches`` in-place torch ops on ``x`` (a small tensor on the engine's
+    device: each one a dispatch and, on a GPU, a kernel launch, never a sync): how fast this thread
+    gets through torch and the CUDA driver, the calls vLLM's host code between its pieces is made of.
+    Beside :func:`probe` it tells a thread slower at everything from a slower driver (a lock another
+    thread's CUDA calls hold, a full launch queue)."""
+    import time
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(launches):
+        x.add_(1)
+    return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def _busy_runner(mod) -> None:
@@ -186,6 +205,25 @@ def _install_hooks(model) -> None:
     log.warning("dmi perf hooks: %d layer hooks + final norm + logits, copying to the CPU", len(layers))
 
 
+def thread_times() -> dict:
+    """This process's threads' CPU seconds (``name/tid``: user + system, from /proc), the machine's
+    busy CPU seconds (every core, /proc/stat) and the wall time they were read at."""
+    import time
+    ticks = os.sysconf("SC_CLK_TCK")
+    named = {str(t.native_id): t.name for t in threading.enumerate()}    # Python's names (the OS's say "python")
+    threads = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:             # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        threads[f"{named.get(task.name, name)}/{task.name}"] = (int(rest[11]) + int(rest[12])) / ticks    # utime + stime
+    total = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(total) - total[3] - total[4]) / ticks          # less idle and iowait
+    return {"t": time.perf_counter(), "threads": threads, "machine_busy": busy}
+
+
 class StepClock:
     """Per engine step (one ``execute_model`` + ``sample_tokens`` of the worker), appended as a
     JSON line to ``path`` in batches: ``t`` (wall time at the step's start), ``reqs``, ``tokens``,
@@ -221,6 +259,8 @@ class StepClock:
         self.syncs = collections.Counter() if os.environ.get("DMI_PERF_SYNCS", "") not in ("", "0") else None
         self.thread = None              # the engine's thread (execute_model's)
         self.probe_every = int(os.environ.get("DMI_PERF_PROBE", "0") or 0)    # probe() before every N-th step
+        self.probe_x = None             # probe_torch()'s tensor, made at the first probe
+        self.threads0 = None            # thread_times() at the first probe
         self.steps = 0
 
     @classmethod
@@ -234,6 +274,17 @@ class StepClock:
             clock._watch_syncs()
         import atexit
         atexit.register(clock.flush, True)
+
+    def probe(self) -> dict:
+        """The probes' figures for a step's row (:func:`probe`, :func:`probe_torch`); the first one
+        also snapshots every thread's CPU time, against which :meth:`flush` reports at exit."""
+        if self.probe_x is None:
+            self.probe_x = self.torch.zeros(64, device="cuda" if self.cuda else "cpu")
+            self.threads0 = thread_times()
+        wall, cpu, _ = probe()
+        twall, tcpu = probe_torch(self.probe_x)
+        return {"probe": round(wall, 4), "probe_cpu": round(cpu, 4),
+                "probe_torch": round(twall, 4), "probe_torch_cpu": round(tcpu, 4)}
 
     def _event(self):
         if not self.cuda:
@@ -261,11 +312,9 @@ class StepClock:
                 return execute(self, scheduler_output, *args, **kwargs)
             probed = clock.probe_every and clock.steps % clock.probe_every == 0
             clock.steps += 1
-            took = probe() if probed else None     # (before the step's clock starts: its own times stay clean)
+            took = clock.probe() if probed else {}      # (before the step's clock starts: its own times stay clean)
             row = {"t": time.time(), "reqs": len(scheduler_output.num_scheduled_tokens), "tokens": n,
-                   "wait": 0.0, "ev": [clock._event()]}
-            if took is not None:
-                row["probe"], row["probe_cpu"] = round(took[0], 4), round(took[1], 4)
+                   "wait": 0.0, "ev": [clock._event()], **took}
             clock.cur = row
             watching = clock.syncs is not None and clock.cuda
             if watching:
@@ -402,6 +451,23 @@ class StepClock:
             return None
         return [wall[k] for k in ("batch", "begin", "end")], threads
 
+    def process_report(self) -> dict:
+        """Since the first probe: CPU seconds of the busiest threads of this process (by name and
+        id: a thread that spins, or that shares the engine's GIL, shows here), the machine's busy
+        cores on average, and the CUDA caching allocator's driver calls and retries (a server whose
+        allocator keeps going back to cudaMalloc / cudaFree pays for it in host time)."""
+        now = thread_times()
+        span = max(now["t"] - self.threads0["t"], 1e-9)
+        cpu = {k: round(v - self.threads0["threads"].get(k, 0.0), 3) for k, v in now["threads"].items()}
+        busy = (now["machine_busy"] - self.threads0["machine_busy"]) / span
+        out = {"pid": os.getpid(), "span_s": round(span, 1), "machine_busy_cores": round(busy, 2),
+               "threads_cpu_s": dict(sorted(((k, v) for k, v in cpu.items() if v > 0.01), key=lambda kv: -kv[1])[:14])}
+        if self.cuda:
+            stats = self.torch.cuda.memory_stats()
+            out["allocator"] = {k: stats.get(k) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                                          "num_sync_all_streams")}
+        return out
+
     def resolve(self) -> None:
         """Rows whose events have all fired, onto the GPU timeline (no waiting)."""
         while self.pending:
@@ -431,6 +497,8 @@ class StepClock:
                     return
             self.last = None
             self.resolve()
+        if self.threads0 is not None:    # (rewritten at each flush: a server killed at the end still leaves one)
+            Path(self.path + ".threads.json").write_text(json.dumps(self.process_report()) + "\n")
         if final and self.syncs:
             import sys
             print(f"dmi-perf: synchronizing torch calls of the engine's thread in steps, by place "

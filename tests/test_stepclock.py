@@ -105,7 +105,7 @@ def test_a_probe_is_its_steps_figure_and_the_step_before_it_is_left_out():
     before it: that pair is left out, and the probe's times are the probed step's host figures."""
     rows = _steps(40, period=6.0, forward=5.0, gap=0.5)
     for i in range(0, 40, 8):
-        rows[i].update(probe=0.2 + 0.01 * i, probe_cpu=0.19)
+        rows[i].update(probe=0.2 + 0.01 * i, probe_cpu=0.19, probe_torch=0.1, probe_torch_cpu=0.09)
         if i:                                     # the probe ran in the gap before step i
             for r in rows[i:]:
                 r["t"] += 0.002
@@ -114,7 +114,11 @@ def test_a_probe_is_its_steps_figure_and_the_step_before_it_is_left_out():
     assert d["steps"] == 39 - 4                   # the last has no next; 4 steps before a probe left out
     assert d["period"] == pytest.approx(6.0) and d["host_period"] == pytest.approx(6.0)
     assert d["probe"] == pytest.approx(0.2 + 0.01 * 16) and d["probe_cpu"] == pytest.approx(0.19)
-    assert "| host probe | host probe CPU |" in stepclock.table([("vanilla", 16.0, 0, stepclock.summarize(rows))])
+    assert d["probe_torch"] == pytest.approx(0.1) and d["probe_torch_cpu"] == pytest.approx(0.09)
+    text = stepclock.table([("vanilla", 16.0, 0, stepclock.summarize(rows))])
+    assert "| host probe | host probe CPU | torch probe | torch probe CPU |" in text
+    head, rule, row = text.splitlines()
+    assert head.count("|") == rule.count("|") == row.count("|")      # every column has its rule and its cell
 
 
 def test_cpu_rows_without_gpu_times_keep_the_host_columns():
@@ -168,6 +172,11 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
     assert probed == list(range(0, len(rows), 2))                # every second step, before its clock started
     for i in probed:
         assert 0 < rows[i]["probe_cpu"] <= rows[i]["probe"] * 1.1 + 0.05
+        assert 0 < rows[i]["probe_torch_cpu"] <= rows[i]["probe_torch"] * 1.1 + 0.05
+    # the engine reports its threads' CPU since the first probe: the engine's own thread among them
+    report = json.loads((tmp_path / "clock.jsonl.threads.json").read_text())
+    assert report["span_s"] > 0 and report["machine_busy_cores"] > 0
+    assert report["threads_cpu_s"]["MainThread/" + str(report["pid"])] > 0 and "allocator" not in report   # (no CUDA here)
     for i, key in enumerate(("batch", "begin", "end")):   # the session's per-step means, rounded to 0.1 µs
         total_ms = sum(row["dmi"][i] for row in rows)
         assert total_ms == pytest.approx(stats["host_us_per_step"]["wall"][key] * stats["steps"] / 1e3, rel=0.01, abs=0.01)
