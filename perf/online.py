@@ -694,12 +694,17 @@ def window_table(rows: list[dict], base: dict) -> str:
     """Each window of each configuration against vanilla's window of the same index (the same
     requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
     itself, 64 req/s on the H200: TTFT p50 31 ms in one window, 1387 in another), which the medians
-    of the main table mix; here each window's TTFT says which it did."""
+    of the main table mix; here each window's TTFT says which it did. With ``--probe``, each
+    window's host probe (mean ms of the same fixed host work on the engine's thread): how fast the
+    host ran then, which drifts between windows (and machines) by as much as dmi costs."""
     lines = ["| config | load | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
-             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla | SM MHz p50 (low) | vanilla's |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla | SM MHz p50 (low) | vanilla's | "
+             "host probe (ms) | vanilla's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     clock = lambda w: (f"{w['gpu']['sm_mhz_p50']:.0f} ({w['gpu']['sm_mhz_min']:.0f})"    # noqa: E731
                        if w.get("gpu") else "")
+    probe = lambda w: (lambda v: f"{v:.3f}" if v is not None else "")(     # noqa: E731
+        (w.get("stepclock") or {}).get("all", {}).get("probe"))
     for (config, rate), windows in windows_by_rate(rows).items():
         if config == "vanilla":
             continue
@@ -713,7 +718,7 @@ def window_table(rows: list[dict], base: dict) -> str:
                 config, label(rate), str(rep), f"{w['done']}/{w['sent']}", f"{w['ttft_p50']:.0f}", f"{ref['ttft_p50']:.0f}",
                 f"{w['tpot_p50']:.2f}", f"{ref['tpot_p50']:.2f}",
                 f"{w['tpot_p50'] / ref['tpot_p50']:.3f}" if ref["tpot_p50"] > 0 else "",
-                f"{paired[0]:.3f}" if paired else "", clock(w), clock(ref)]) + " |")
+                f"{paired[0]:.3f}" if paired else "", clock(w), clock(ref), probe(w), probe(ref)]) + " |")
     return "\n".join(lines)
 
 

@@ -261,6 +261,7 @@ class StepClock:
         self.probe_every = int(os.environ.get("DMI_PERF_PROBE", "0") or 0)    # probe() before every N-th step
         self.probe_x = None             # probe_torch()'s tensor, made at the first probe
         self.threads0 = None            # thread_times() at the first probe
+        self.threads_seen: dict = {}    # every thread's latest CPU seconds (process_report)
         self.steps = 0
 
     @classmethod
@@ -457,8 +458,9 @@ class StepClock:
         cores on average, and the CUDA caching allocator's driver calls and retries (a server whose
         allocator keeps going back to cudaMalloc / cudaFree pays for it in host time)."""
         now = thread_times()
+        self.threads_seen.update(now["threads"])       # (a thread that ended, dmi's at its close, keeps its last figure)
         span = max(now["t"] - self.threads0["t"], 1e-9)
-        cpu = {k: round(v - self.threads0["threads"].get(k, 0.0), 3) for k, v in now["threads"].items()}
+        cpu = {k: round(v - self.threads0["threads"].get(k, 0.0), 3) for k, v in self.threads_seen.items()}
         busy = (now["machine_busy"] - self.threads0["machine_busy"]) / span
         out = {"pid": os.getpid(), "span_s": round(span, 1), "machine_busy_cores": round(busy, 2),
                "threads_cpu_s": dict(sorted(((k, v) for k, v in cpu.items() if v > 0.01), key=lambda kv: -kv[1])[:14])}

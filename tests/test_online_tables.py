@@ -59,11 +59,15 @@ def test_window_table_pairs_each_window_with_vanillas_of_the_same_index():
     cells = [[c.strip() for c in x.strip("|").split("|")] for x in lines]
     assert cells[0][2] == "0" and cells[0][8] == "1.100" and cells[0][9] == "1.100"
     assert cells[1][2] == "1" and cells[1][5] == "1387" and cells[1][8] == "1.020" and cells[1][9] == "1.020"
-    assert cells[0][10:] == ["", ""]                            # no GPU samples (a CPU run, an older baseline)
+    assert cells[0][10:] == ["", "", "", ""]                    # no GPU samples, no probe (a CPU run, an older baseline)
     dmi[0]["gpu"] = online.gpu_summary("1980, 612.5, 61\n1755, 700.1, 66\n[N/A], [N/A], [N/A]\n1980, 650.0, 63\n")
     vanilla[0]["gpu"] = online.gpu_summary("1980, 600.0, 60\n")
     row = next(x for x in online.window_table(vanilla + dmi, base).splitlines() if x.startswith("| dmi-hidden | 16 | 0"))
-    assert [c.strip() for c in row.strip("|").split("|")][10:] == ["1980 (1755)", "1980 (1980)"]
+    assert [c.strip() for c in row.strip("|").split("|")][10:12] == ["1980 (1755)", "1980 (1980)"]
+    dmi[0]["stepclock"] = {"all": {"probe": 0.9351}}           # (--probe: the window's mean host probe)
+    vanilla[0]["stepclock"] = {"all": {"probe": 0.685}}
+    row = next(x for x in online.window_table(vanilla + dmi, base).splitlines() if x.startswith("| dmi-hidden | 16 | 0"))
+    assert [c.strip() for c in row.strip("|").split("|")][12:] == ["0.935", "0.685"]
     assert dmi[0]["gpu"]["samples"] == 3 and dmi[0]["gpu"]["temp_c_max"] == 66
 
 
