@@ -278,7 +278,7 @@ class StepClock:
 
     def probe(self) -> dict:
         """The probes' figures for a step's row (:func:`probe`, :func:`probe_torch`); the first one
-        also snapshots every thread's CPU time, against which :meth:`flush` reports at exit."""
+        also snapshots every thread's CPU time, against which each :meth:`flush` reports."""
         if self.probe_x is None:
             self.probe_x = self.torch.zeros(64, device="cuda" if self.cuda else "cpu")
             self.threads0 = thread_times()
