@@ -703,8 +703,11 @@ def window_table(rows: list[dict], base: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     clock = lambda w: (f"{w['gpu']['sm_mhz_p50']:.0f} ({w['gpu']['sm_mhz_min']:.0f})"    # noqa: E731
                        if w.get("gpu") else "")
-    probe = lambda w: (lambda v: f"{v:.3f}" if v is not None else "")(     # noqa: E731
-        (w.get("stepclock") or {}).get("all", {}).get("probe"))
+
+    def probe(w) -> str:
+        ms = (w.get("stepclock") or {}).get("all", {}).get("probe")
+        return f"{ms:.3f}" if ms is not None else ""
+
     for (config, rate), windows in windows_by_rate(rows).items():
         if config == "vanilla":
             continue

@@ -36,9 +36,10 @@ asked through the environment:
   much, the thread itself is slower (a lower clock, colder caches; CPU ms up), or waits (the GIL:
   wall up, CPU not), whatever code it runs. A second probe, ``probe_torch`` (:func:`probe_torch`),
   times a fixed number of tiny in-place torch ops (kernel launches on a GPU): slower there alone
-  is torch or the CUDA driver, not the thread. With each batch of rows the engine process also
-  rewrites ``PATH.threads.json`` (:meth:`StepClock.process_report`): its busiest threads' CPU
-  seconds, the machine's busy cores and the CUDA allocator's driver calls since the first probe.
+  is torch or the CUDA driver, not the thread. Before every ``REPORT_EVERY``-th probe, and at exit,
+  the engine process also rewrites ``PATH.threads.json`` (:meth:`StepClock.process_report`): its
+  busiest threads' CPU seconds, the machine's busy cores and the CUDA allocator's driver calls
+  since the first probe.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ log = logging.getLogger("dmi.perf")
 _done = False
 PROBE_ROUNDS = 10            # probe(): ~0.2 ms of host work on a dev box
 PROBE_LAUNCHES = 40          # probe_torch(): in-place ops a probe launches
+REPORT_EVERY = 8             # probes from one threads report to the next (reading /proc: ~1.5 ms on a dev box)
 
 
 def register() -> None:
@@ -262,6 +264,7 @@ class StepClock:
         self.probe_x = None             # probe_torch()'s tensor, made at the first probe
         self.threads0 = None            # thread_times() at the first probe
         self.threads_seen: dict = {}    # every thread's latest CPU seconds (process_report)
+        self.probes = 0
         self.steps = 0
 
     @classmethod
@@ -278,10 +281,15 @@ class StepClock:
 
     def probe(self) -> dict:
         """The probes' figures for a step's row (:func:`probe`, :func:`probe_torch`); the first one
-        also snapshots every thread's CPU time, against which each :meth:`flush` reports."""
+        also snapshots every thread's CPU time, against which every ``REPORT_EVERY``-th reports
+        (:meth:`write_report`: here, where the pair before the probed step is left out of the step
+        figures, not in :meth:`flush`, which lands in a counted pair)."""
         if self.probe_x is None:
             self.probe_x = self.torch.zeros(64, device="cuda" if self.cuda else "cpu")
             self.threads0 = thread_times()
+        elif self.probes % REPORT_EVERY == 0:
+            self.write_report()
+        self.probes += 1
         wall, cpu, _ = probe()
         twall, tcpu = probe_torch(self.probe_x)
         return {"probe": round(wall, 4), "probe_cpu": round(cpu, 4),
@@ -470,6 +478,11 @@ class StepClock:
                                                           "num_sync_all_streams")}
         return out
 
+    def write_report(self) -> None:
+        """:meth:`process_report` into ``PATH.threads.json`` (rewritten: a server killed at the end
+        still leaves its latest)."""
+        Path(self.path + ".threads.json").write_text(json.dumps(self.process_report()) + "\n")
+
     def resolve(self) -> None:
         """Rows whose events have all fired, onto the GPU timeline (no waiting)."""
         while self.pending:
@@ -499,8 +512,8 @@ class StepClock:
                     return
             self.last = None
             self.resolve()
-        if self.threads0 is not None:    # (rewritten at each flush: a server killed at the end still leaves one)
-            Path(self.path + ".threads.json").write_text(json.dumps(self.process_report()) + "\n")
+        if final and self.threads0 is not None:
+            self.write_report()
         if final and self.syncs:
             import sys
             print(f"dmi-perf: synchronizing torch calls of the engine's thread in steps, by place "
