@@ -315,6 +315,10 @@ class TokenBucket:
         self._refill()
         self.level -= nbytes
 
+    def refund(self, nbytes: int) -> None:
+        """Give back what a step that never ran spent (:meth:`Ring.retract_ahead`)."""
+        self.level = min(self.burst, self.level + nbytes)
+
 
 class Ring:
     """Host side of Ring², independent of where the payload lives."""
@@ -337,6 +341,9 @@ class Ring:
         # wakes it early (ring or meta ring a quarter full, backpressure, flush, close).
         self.urgent = threading.Event()
         self.hurry = False
+        # the last step begun ahead of its forward: (its control, the byte head and the open step
+        # before it, the bucket and the bytes it spent), what retract_ahead restores
+        self._ahead_undo: tuple | None = None
 
     # --- backend hooks --------------------------------------------------------------------------
     def setup(self, plan, dtype, device) -> None:
@@ -405,15 +412,22 @@ class Ring:
 
     # --- host: steps ----------------------------------------------------------------------------
     def begin_step(self, step: int, tokens, pad: np.ndarray,
-                   wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout") -> StepControl:
+                   wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout",
+                   ahead: bool = False) -> StepControl | None:
         """wanted: (site, sel, rows, bytes, priority) for every site with rows this step, or a
-        :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it)."""
+        :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it).
+
+        ahead: the step is begun before its forward is known to come (the HF adapter's next decode
+        step, while the GPU runs the current one). Only a layout that fits now is begun (else None:
+        nothing waits, nothing is dropped), and :meth:`retract_ahead` can undo it."""
         self._before_step()
         if isinstance(wanted, StepLayout):
-            ctrl = self._begin_laid_out(step, tokens, pad, wanted)
-            if ctrl is not None:
+            ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead)
+            if ctrl is not None or ahead:
                 return ctrl
             wanted, sizes = wanted.wanted, wanted.sizes.tolist()
+        elif ahead:
+            return None
         else:
             sizes = [align_up(w[3]) for w in wanted]
         self.raise_if_failed()
@@ -486,10 +500,11 @@ class Ring:
         if 4 * self.bytes.used > self.bytes.capacity or 4 * (self.next_seq - self.freed_seq) > self.meta_records:
             self.urgent.set()
 
-    def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout) -> StepControl | None:
+    def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout,
+                        ahead: bool = False) -> StepControl | None:
         """begin_step for a reused layout; None where the general path must decide (the bandwidth
         cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
-        per site)."""
+        per site), and for a step begun ahead that would wait."""
         if layout.total > self.bytes.capacity or (self.bucket is not None and self.bucket.wait_for(layout.total) > 0):
             return None
         self.raise_if_failed()
@@ -505,7 +520,7 @@ class Ring:
                 if block is not None and self.next_seq + n + 1 - self.freed_seq <= self.meta_records:
                     break
                 self.bytes.head = head
-                if self.mode == "best_effort":
+                if self.mode == "best_effort" or ahead:
                     return None
                 t0 = t0 or time.perf_counter()
                 self.urgent.set()
@@ -519,9 +534,37 @@ class Ring:
             self.next_seq += n + 1
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
                                layout=layout, base=base, nbytes=layout.total)
+            if ahead:
+                self._ahead_undo = (ctrl, head, self.current, self.bucket, layout.total)
             self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl
+
+    def retract_ahead(self) -> bool:
+        """Undo the last step begun ahead if it is still the open, newest step (its forward never
+        came): its ring space, meta seqs, bucket bytes and step count are given back and the device
+        flag is disarmed, as if it had never begun. False: nothing to undo."""
+        undo, self._ahead_undo = self._ahead_undo, None
+        if undo is None:
+            return False
+        ctrl, head, before, bucket, spent = undo
+        with self.cond:
+            if ctrl.ended or self.current is not ctrl or not self.pending or self.pending[-1] is not ctrl:
+                return False
+            self.pending.pop()
+            self.bytes.head = head
+            self.next_seq = ctrl.first_seq
+            self.current = before
+            self.stats.steps -= 1
+            if bucket is not None and bucket is self.bucket:     # (not one set_limits replaced since)
+                bucket.refund(spent)
+            self.cond.notify_all()
+        self.disarm()
+        return True
+
+    def disarm(self) -> None:
+        """The device side captures nothing until the next step is published (kernel rings: the
+        control block's enable word; the CPU ring captures for the open step only)."""
 
     def _within_bandwidth(self, step: int, tokens, wanted: list, sizes: list[int], keep: list[int]) -> list[int]:
         """The captures of ``keep`` the D2H budget lets through now. ``full`` waits for the bucket

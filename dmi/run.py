@@ -111,6 +111,11 @@ class Run:
         self._window_at = 0.0
         # graph-replayed steps (stepped(), vLLM's decode steps) open a drain window once launched
         self.drain_paced = os.environ.get("DMI_DRAIN_PACED", "1") != "0"
+        # stepped() begins the next decode step while the GPU runs this one (DMI_STEP_AHEAD=0: off)
+        self.step_ahead = os.environ.get("DMI_STEP_AHEAD", "1") != "0"
+        self._ahead: _Ahead | None = None
+        self._epoch = 0                      # bumped by changes that a step begun ahead did not see
+        self.steps_ahead = [0, 0]            # steps begun ahead: taken by their forward, retracted
         self.thread_cpu_s: dict[str, float] = {}     # CPU seconds of the drain and export threads, once ended
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
@@ -141,6 +146,7 @@ class Run:
 
     def abort_step(self) -> None:
         """Close the open step as aborted (its forward raised); frees the run for other threads."""
+        self._retract_ahead()
         self._external = False
         self.ring.end_step(aborted=True)
         self._owner.release_step()
@@ -148,6 +154,7 @@ class Run:
     def _orphaned(self) -> None:
         """The thread that owned the run exited inside a step: close that step as aborted."""
         self._external, self._gen_mask = False, None
+        self._retract_ahead()
         self.ring.end_step(aborted=True)
 
     @contextlib.contextmanager
@@ -164,6 +171,8 @@ class Run:
                 self.abort_step()
             raise
         finally:
+            if self._owner.depth == 1:
+                self._retract_ahead()        # the step begun after the last forward: none came
             self._owner.exit()
 
     def stepped(self, fn, step_inputs):
@@ -180,7 +189,8 @@ class Run:
                 self.abort_step()
                 raise
             self.end_step()
-            self.drain_window()      # a graph replay launched: the GPU is busy, the host has time
+            self._begin_ahead()      # a graph replay launched: the GPU is busy, the host has time
+            self.drain_window()
             return out
         return call
 
@@ -214,6 +224,7 @@ class Run:
                                   f"copied to the host", key="policy.d2h_bytes_per_s",
                                   fix="give a rate such as 2GiB, or None for uncapped")
         self.ring.set_limits(mode, rate)
+        self._epoch += 1                 # (a step begun ahead under the old limits is begun again)
         policy.mode, policy.d2h_bytes_per_s = mode, rate
         self.policy_changes.append({"step": self._step, "mode": mode, "d2h_bytes_per_s": rate})
 
@@ -223,6 +234,7 @@ class Run:
         calls return on the host. Nothing is copied."""
         self.enabled = bool(enabled)
         self.ring.null = not self.enabled
+        self._epoch += 1
 
     def step_begin_op(self, tokens, attention_mask, position_ids, past) -> None:
         """``dmi::step_begin``: the host work of an eager forward's step (none inside a graph
@@ -249,6 +261,7 @@ class Run:
         """HF: a step from the tensors the top-level forward received ([batch, seq] grid)."""
         gen, self._gen_mask = self._gen_mask, None
         if not self.enabled:
+            self._retract_ahead()
             return
         batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
         mask_t = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
@@ -260,12 +273,16 @@ class Run:
             # a decode step of the same batch (the mask grew by one column): its token is real, as
             # generate() guarantees, and positions advance by one. No device read, no sync.
             m.total += 1
+            ahead = self._ahead
+            if ahead is not None and ahead.epoch == self._epoch:    # begun already, as this one
+                self._ahead = None
+                m.last_pos = ahead.position
+                self._commit(ahead.layout)
+                self.steps_ahead[0] += 1
+                return
             m.last_pos = m.last_pos + 1
-            st = StepTokens(step=self._step, batch=batch, seq=1, rows=m.arange, request=m.req, position=m.last_pos,
-                            phase=m.decode, local=m.zeros)
-            if m.keep is not None:        # some requests opted out (set_request_ids(capture=...))
-                st = st.subset(m.keep)
-            self._begin_tokens(st, m.pad)   # the batch's rows again: its first decode step's layout is reused
+            # the batch's rows again: its first decode step's layout is reused
+            self._begin_tokens(self._decode_tokens(m, m.last_pos), m.pad)
             return
         mask = mask_t.detach().cpu().numpy() if mask_t is not None else None
         pos = position_ids.detach().cpu().numpy() if position_ids is not None and mask is None else None
@@ -307,9 +324,56 @@ class Run:
                 raise
         self._external = True
 
+    def _decode_tokens(self, m: "_Mirror", position: np.ndarray) -> StepTokens:
+        """The rows of a decode step of the mirrored batch at ``position`` (one token per row)."""
+        st = StepTokens(step=self._step, batch=m.batch, seq=1, rows=m.arange, request=m.req, position=position,
+                        phase=m.decode, local=m.zeros)
+        return st if m.keep is None else st.subset(m.keep)    # some requests opted out (set_request_ids)
+
+    def _begin_ahead(self) -> None:
+        """After a compiled forward's launch (:meth:`stepped`): begin the batch's next decode step
+        now, while the GPU runs this one, so the host work between two of generate()'s forwards
+        (where the GPU waits for it: generate() syncs on its stop check every step) shrinks to a
+        few checks when that step comes (:meth:`_begin`). Only inside generate() (an ``exclusive``
+        block, whose end retracts a step that never came), with stateless token filters (nothing
+        counted twice), and only where the step's layout fits now (the ring never waits or drops
+        here: that is left to the step's own begin)."""
+        m = self._mirror
+        if (self._ahead is not None or not (self.step_ahead and self.enabled and self._stateless_filters)
+                or m is None or self._owner.depth == 0 or m.thread != threading.get_ident()):
+            return
+        position = m.last_pos + 1
+        st = self._decode_tokens(m, position)
+        try:
+            layout = self._layout_for(st, None, None)
+            ctrl = self.ring.begin_step(self._step, st, m.pad, layout, ahead=True)
+        except Exception:              # the step's own begin meets (and raises) the same error
+            self.ring.retract_ahead()
+            return
+        if ctrl is not None:
+            self._ahead = _Ahead(position, layout, self._epoch)
+
+    def _retract_ahead(self) -> None:
+        """Give back the step begun ahead: its forward did not come, or came as another step."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.steps_ahead[1] += self.ring.retract_ahead()
+
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
                       held: dict | None = None) -> None:
+        self._retract_ahead()
         st.step = self._step
+        layout = self._layout_for(st, keep, held)
+        self.ring.begin_step(self._step, st, pad, layout)
+        self._commit(layout)
+
+    def _commit(self, layout: StepLayout) -> None:
+        """A begun step counts: its selection in the accounting, its number taken."""
+        self._count(layout)
+        self._step += 1
+
+    def _layout_for(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout:
+        """The step's layout: the last step's or a remembered one where its rows are the same."""
         layout = self._same_rows_layout(st, keep, held)
         if layout is None:
             key = _rows_key(st, held) if keep is None and self._stateless_filters else None
@@ -327,9 +391,7 @@ class Run:
                 if len(self._layouts) > LAYOUTS_KEPT:
                     self._layouts.pop(next(iter(self._layouts)))
                 self._last_rows = (st, held, layout)
-        self.ring.begin_step(self._step, st, pad, layout)
-        self._count(layout)
-        self._step += 1
+        return layout
 
     def _same_rows_layout(self, st: StepTokens, keep: dict | None, held: dict | None) -> StepLayout | None:
         """The last laid-out step's layout when this step carries that step's very row arrays and
@@ -580,6 +642,8 @@ class Run:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every step begun so far is drained and handed to the store (True), or the
         timeout passed (False). The run stays open."""
+        if self._owner.thread in (None, threading.get_ident()):
+            self._retract_ahead()         # (a step begun ahead outside generate(): stepped() called directly)
         self.ring.hurry = True            # the drain polls fast until this returns
         self.ring.urgent.set()
         try:
@@ -634,6 +698,7 @@ class Run:
         store is then marked ``failed``, not ``closed``, though all it holds is consistent)."""
         if self._closed:
             return
+        self._retract_ahead()
         self.ring.end_step(aborted=error is not None)       # a step whose forward never finished
         self._external = False
         self._closed = True
@@ -728,6 +793,14 @@ def _alive(ident: int) -> bool:
 
 def _name(ident: int) -> str:
     return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
+class _Ahead:
+    """A decode step begun ahead of its forward (:meth:`Run._begin_ahead`)."""
+    __slots__ = ("position", "layout", "epoch")
+
+    def __init__(self, position: np.ndarray, layout: StepLayout, epoch: int):
+        self.position, self.layout, self.epoch = position, layout, epoch
 
 
 class _Mirror:

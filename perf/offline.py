@@ -12,6 +12,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   "-> zarr": written to a Zarr store (timed until the last row is in the store);
   "-> host": the same capture drained to pinned host memory with the store writes skipped
   (timed until the last row is on the host): the capture path without the exporter;
+* "-> host, begun at forward" (``--ahead-row``, compiled mode): the same with each decode step
+  begun right before its forward (``DMI_STEP_AHEAD=0``), where generate()'s GPU waits for it,
+  instead of while the GPU runs the step before (``Run._begin_ahead``, the default);
 * "-> host, drain on timer" (``--timer-row``): the same with no drain window after each step's
   launch (``Run.drain_window``): the drain runs on its 100 ms timer only, as before windows;
 * "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
@@ -299,7 +302,12 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                         go()
                 return skip
             record("dmi hidden+logits -> host", reps_of(stepped(run, False), run=run), run, sites=n_hidden,
-                   note=f"ring {ring / GiB:.2f} GiB")
+                   note=f"ring {ring / GiB:.2f} GiB, {run.steps_ahead[0]} steps begun ahead")
+            if run.step_ahead and args.ahead_row and mode == "compiled":
+                run.step_ahead = False             # each decode step begun before its forward, as before
+                record("dmi hidden+logits -> host, begun at forward", reps_of(stepped(run, False), run=run), run,
+                       sites=n_hidden, note="DMI_STEP_AHEAD=0")
+                run.step_ahead = True
             if run.drain_paced and args.timer_row:
                 run.drain_paced = False            # the drain on its 100 ms timer only (run.drain_window)
                 record("dmi hidden+logits -> host, drain on timer", reps_of(stepped(run, False), run=run), run,
@@ -412,6 +420,8 @@ def main(argv=None):
                     help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
+    ap.add_argument("--ahead-row", action="store_true",
+                    help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
     ap.add_argument("--timer-row", action="store_true",
                     help="also the host row with the drain on its timer only (no drain window after each step)")
     ap.add_argument("--no-copy-at-step", dest="copy_at_step_row", action="store_false",

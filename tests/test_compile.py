@@ -9,6 +9,7 @@ differently from eager; the GPU suite runs inductor and CUDA graphs.)
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import dmi
@@ -93,3 +94,74 @@ def test_patched_layers_compile_to_one_graph(encoded, write_spec, tmp_path):
     assert len(eager) > 3
     for key, e in eager.items():
         np.testing.assert_array_equal(compiled[key], e, err_msg=str(key))
+
+
+def _compiled_generate_kwargs(new: int) -> dict:
+    """generate() with a static cache and its compiled forward (``Run.stepped``): on the CPU with
+    the ``aot_eager`` backend, which transformers compiles for on CUDA devices only unless told."""
+    from transformers import CompileConfig
+    config = CompileConfig(backend="aot_eager", fullgraph=False, mode=None)
+    config._compile_all_devices = True
+    return dict(max_new_tokens=new, do_sample=False, cache_implementation="static", compile_config=config)
+
+
+def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_otherwise(
+        encoded, write_spec, tmp_path, monkeypatch):
+    """generate() syncs on its stop check every step, so the host work before each compiled
+    forward is time the GPU waits. ``Run.stepped`` therefore begins the batch's next decode step
+    right after launching the current one (``Run._begin_ahead``), and the next forward takes it.
+    The store is the same, bit for bit, as with steps begun at their forward (``DMI_STEP_AHEAD=0``)
+    and equals the model's own hidden states; the step begun after each generate's last forward
+    is given back (nothing stored, counted or numbered for it), also when a request opts out
+    (rows subset) and when generate raises between two forwards."""
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post, final_norm]
+          - sites: [logits]
+            tokens: last
+        policy: {d2h_bytes_per_s: 1GiB}
+    """)
+    new = 6
+    kw = _compiled_generate_kwargs(new)
+    model, ref = model_pair("qwen3", attn="sdpa")
+    with torch.no_grad():
+        want = ref.generate(**encoded, **kw, output_hidden_states=True, return_dict_in_generate=True)
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupted(input_ids, scores):            # raises after the 3rd decode step's forward was launched
+        if input_ids.shape[1] == encoded["input_ids"].shape[1] + 3:
+            raise Interrupt
+        return scores
+
+    stores, ahead = {}, {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("DMI_STEP_AHEAD", on)
+        torch._dynamo.reset()
+        store = tmp_path / f"ahead{on}.zarr"
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+            out = run.model.generate(**encoded, **kw)
+            run.set_request_ids(capture=[True, False, True])
+            run.model.generate(**encoded, **kw)
+            with pytest.raises(Interrupt):
+                run.model.generate(**encoded, **kw, logits_processor=[interrupted])
+            run.model.generate(**encoded, **kw)
+            ahead[on], steps = list(run.steps_ahead), run.stats()["steps"]
+        torch._dynamo.reset()
+        assert torch.equal(out, want.sequences)
+        assert steps == 3 * new + 4, steps     # the interrupted generate ran its prefill and 3 decode steps
+        stores[on] = _arrays(dmi.open(store))
+    # per whole generate, its decode steps after the first were begun ahead, and the last one's given back
+    assert ahead == {"1": [3 * (new - 2) + 2, 4], "0": [0, 0]}, ahead
+    assert stores["1"].keys() == stores["0"].keys()
+    for key, a in stores["1"].items():
+        np.testing.assert_array_equal(a, stores["0"][key], err_msg=str(key))
+    ds = dmi.open(tmp_path / "ahead1.zarr")["final_norm"].dataset
+    steps, fin = ds.step.values, ds.final_norm.values
+    assert np.array_equal(np.unique(steps), np.arange(3 * new + 4))       # numbered without gaps
+    assert np.array_equal(ds.step.values, dmi.open(tmp_path / "ahead0.zarr")["final_norm"].dataset.step.values)
+    mask = encoded["attention_mask"].bool()
+    for k, hs in enumerate(want.hidden_states):      # the first generate: the model's own final norm output
+        rows = hs[-1][mask] if k == 0 else hs[-1][:, 0]
+        np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")

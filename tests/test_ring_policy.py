@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dmi
-from dmi.ring import ByteRing, StepLayout, _LaidOutSlots, align_up
+from dmi.ring import ByteRing, CpuRing, StepLayout, TokenBucket, _LaidOutSlots, align_up
 from conftest import model_pair
 
 
@@ -48,6 +48,40 @@ def test_a_laid_out_steps_single_slot_equals_the_one_the_drain_builds():
     assert single[2].seq == 51 and single[2].offset == 4096 + align_up(1000 + 37 * 7)
     with pytest.raises(KeyError):
         single[3]
+
+
+def test_a_step_begun_ahead_is_given_back_as_if_never_begun_and_never_waits_or_drops():
+    """Ring.begin_step(ahead=True), the HF adapter's next decode step begun before its forward is
+    known to come: retract_ahead restores ring space, meta seqs, step count, open step and bucket,
+    so the step begun in its place gets the same block and seqs. Where the step would wait (ring
+    full, bucket empty) it is not begun at all: no stall, no drop, nothing to give back."""
+    ring = CpuRing(64 << 10, 64)
+    ring.bucket = TokenBucket(1e6, clock=lambda: 0.0)     # (a frozen clock: no refill meanwhile)
+    layout = StepLayout([(site, np.arange(4), np.arange(4), 6000, 0) for site in range(3)])   # 3 x 6144 bytes
+    pad = np.zeros(4, np.int64)
+    ring.begin_step(0, None, pad, layout)
+    ring.end_step()
+
+    def state():
+        return ring.bytes.head, ring.next_seq, ring.stats.steps, ring.current, list(ring.pending)
+
+    before, level = state(), ring.bucket.level
+    ahead = ring.begin_step(1, None, pad, layout, ahead=True)
+    assert ahead is not None and ring.current is ahead and ring.bucket.level < level
+    assert ring.retract_ahead() and state() == before and ring.bucket.level == level
+    assert not ring.retract_ahead()                       # once
+    taken = ring.begin_step(1, None, pad, layout)
+    assert (taken.base, taken.first_seq, taken.end_seq) == (ahead.base, ahead.first_seq, ahead.end_seq)
+    ring.end_step()
+    assert [c.step for c in ring.drain_ready(8)] == [0, 1]
+    ring.begin_step(2, None, pad, layout)            # 3 x 18 KiB pending: a 4th step does not fit now
+    ring.end_step()
+    assert ring.begin_step(3, None, pad, layout, ahead=True) is None
+    ring.bucket = TokenBucket(1000, clock=lambda: 0.0)
+    ring.bucket.spend(1000)                          # an empty bucket: the step would wait for it
+    ring.drain_steps(ring.drain_ready(8))
+    assert ring.begin_step(3, None, pad, layout, ahead=True) is None and not ring.retract_ahead()
+    assert ring.stats.stall_seconds == 0 and not ring.stats.drops and ring.stats.steps == 3
 
 
 def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, write_spec, tmp_path):

@@ -474,11 +474,14 @@ class KernelRing(Ring):
         what the device already has in flight, then write the record, ``seq`` last."""
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
-        self.ctrl[:1].zero_()                  # disarm: a stray replay captures nothing
+        self.disarm()                          # a stray replay captures nothing
         rec = self.meta[ctrl.end_seq % self.meta_records]
         rec["step"], rec["site"], rec["flags"] = ctrl.step, -1, flags
         rec["offset"] = rec["nbytes"] = rec["rows"] = rec["src_seq"] = 0
         rec["seq"] = ctrl.end_seq
+
+    def disarm(self) -> None:
+        self.ctrl[:1].zero_()                  # (stream-ordered after the last step's control words)
 
     def capture(self, site, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
         cur = self.current if self.current is not None and not self.current.ended else None

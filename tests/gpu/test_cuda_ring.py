@@ -270,12 +270,16 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
         stats = run.stats()
         copied_at_step = run.ring.steps_copied_at_step
         windows = run.drain_windows
+        ahead = list(run.steps_ahead)
     skips = counters["inductor"]["cudagraph_skips"]
     torch._dynamo.reset()
     assert skips == 0, dict(counters["inductor"])
     assert stats["steps"] == 2 * new and stats["dropped_captures"] == 0 and stats["not_run"] == 0
     assert (copied_at_step > 0) == (copy_at_step == "1")
     assert 0 < windows <= 2 * new        # compiled (graph-replayed) steps opened drain windows
+    # each decode step after a generate's first was begun while the GPU ran the step before it; the
+    # one begun after a generate's last forward was given back (steps above: none counted for it)
+    assert ahead == [2 * (new - 2), 2], ahead
     tree = dmi.open(tmp_path / "s.zarr")
     lg = tree["logits"].dataset
     want = torch.cat([torch.cat(first.logits), torch.cat(second.logits)]).float().cpu().numpy()
