@@ -5,6 +5,7 @@ a stopwatch for host calls, and CPU clocks of a run's threads."""
 from __future__ import annotations
 
 import collections
+import gc
 import time
 
 import torch
@@ -16,6 +17,9 @@ class Stopwatch:
     thread of the process held it) or in a blocking CUDA call."""
 
     def __init__(self):
+        self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, 0
+
+    def clear(self) -> None:
         self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, 0
 
     def wrap(self, fn):
@@ -79,6 +83,28 @@ def thread_cpu(thread) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     except (OSError, TypeError):
         return 0.0
+
+
+class GcClock:
+    """Seconds the process spent in Python's cyclic garbage collector, and full (generation 2)
+    collections, since it was made (``gc.callbacks``). A full collection walks every tracked object:
+    after torch.compile has built its graphs that heap is large, and one landing inside a timed run
+    slows whichever configuration runs then, vanilla or not."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t = 0.0, 0, None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self.full += info.get("generation") == 2
+            self._t = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on)
 
 
 class CpuClock:

@@ -15,6 +15,11 @@ CUDA ring.
 cache): between two steps the model's forward runs, so dmi's host work meets cold caches, as it
 does in a real run (dev box: publish_control 28 µs there against 4 µs in the loop).
 
+``--in-generate N --compiled``: generate()'s compiled forward (``Run.stepped``): the host calls
+before the forward (what generate()'s GPU waits for: it syncs on its stop check every step), after
+its launch (the next decode step begun ahead, ``Run._begin_ahead``) and at its end, with steps begun
+ahead and at their forward, alternating (dev box: 13 µs before the forward against 63-68).
+
 ``--engine vllm``: the host work of one vLLM engine step instead (``Session.on_forward`` and
 ``on_step_end`` without the engine): a continuous batch of ``--batch`` requests, ``--prefill`` of
 them in a chunk of their prompt, the rest decoding, turned into the step's rows
@@ -94,6 +99,10 @@ def main(argv=None) -> None:
     ap.add_argument("--in-generate", type=int, default=0, metavar="N",
                     help="hf: time the step's host calls inside a real generate() of N new tokens (static cache: "
                          "caches as cold as the model leaves them), not in a loop")
+    ap.add_argument("--compiled", action="store_true",
+                    help="with --in-generate: generate()'s compiled forward (GPU: reduce-overhead CUDA graphs; CPU: "
+                         "backend eager), the host calls around it with decode steps begun ahead of their forward "
+                         "and at it (Run.step_ahead), alternating")
     args = ap.parse_args(argv)
     import transformers as tf
     cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
@@ -109,7 +118,7 @@ def main(argv=None) -> None:
     if args.engine == "vllm":
         return vllm_steps(run, args)
     if args.in_generate:
-        return in_generate(model, run, enc, args.in_generate)
+        return (in_compiled_generate if args.compiled else in_generate)(model, run, enc, args.in_generate)
     ring = run.ring
     steps = []
     publish = ring.publish_control
@@ -165,6 +174,36 @@ def in_generate(model, run, enc, new: int) -> None:
         run.close()
     print(f"{DEV}: {len(run.plan.sites)} sites, batch {enc['input_ids'].shape[0]}, inside generate() ({new} steps, "
           f"thread CPU us/step): " + ", ".join(f"{k.lstrip('_')} {c.cpu_seconds / new * 1e6:.1f}" for k, c in clocks.items()))
+
+
+def in_compiled_generate(model, run, enc, new: int) -> None:
+    """Thread CPU per step of the host calls around generate()'s compiled forward (``Run.stepped``),
+    decode steps begun ahead and at their forward (``run.step_ahead``), alternating (see --compiled)."""
+    from transformers import CompileConfig
+    config = CompileConfig(mode="reduce-overhead") if DEV == "cuda" else CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True         # (CPU: transformers compiles for accelerators only unless told)
+    kw = dict(do_sample=False, cache_implementation="static", compile_config=config, max_new_tokens=new)
+    calls = {"begin_step": "before the forward", "_begin_ahead": "after its launch", "end_step": "end"}
+    clocks = {name: Stopwatch() for name in calls}
+    try:
+        with Skip(run), torch.no_grad():
+            model.generate(**kw, **enc)         # compiles (and records the CUDA graphs)
+            model.generate(**kw, **enc)
+            for name in calls:
+                setattr(run, name, clocks[name].wrap(getattr(run, name)))
+            for ahead in (True, False, True, False):
+                run.step_ahead = ahead
+                for c in clocks.values():
+                    c.clear()
+                steps, taken = run._step, run.steps_ahead[0]
+                model.generate(**kw, **enc)
+                run.flush()
+                steps = run._step - steps
+                print(f"{DEV}: steps {'begun ahead' if ahead else 'begun at their forward'}: {steps} steps, "
+                      f"{run.steps_ahead[0] - taken} taken ahead; thread CPU us/step: "
+                      + ", ".join(f"{label} {clocks[name].cpu_seconds / steps * 1e6:.1f}" for name, label in calls.items()))
+    finally:
+        run.close()
 
 
 def vllm_steps(run, args) -> None:

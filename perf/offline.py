@@ -27,6 +27,11 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.
 
+"GC s/run" is the time Python's garbage collector took inside each timed run (median) and the
+full collections among them, for the configuration and for the vanilla runs paired with it: after
+a compile the heap is large and a full collection would cost a noticeable part of whichever run it
+lands in (on the H200: 0-2 ms a run, no full collection, RESULTS.md).
+
 Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
 dmi runs on a twin of the model sharing its weights, and every timed run of a configuration
 follows a timed vanilla run of the unpatched model: ratio = median vanilla time of those pairs /
@@ -72,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
-from gpuclock import gpu_profile   # noqa: E402
+from gpuclock import GcClock, gpu_profile   # noqa: E402
 
 MODELS = {
     "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -196,6 +201,9 @@ def store_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="dmi-perf-"))
 
 
+GC = GcClock()      # garbage collection inside each timed run (table column "GC s/run")
+
+
 def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     if name not in _MODEL:
         _MODEL.clear()
@@ -221,11 +229,12 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     rows = {}
 
     def record(label, timed_runs, run=None, sites=0, note=""):
-        times, before, vtimes, busy, after = timed_runs
+        times, before, vtimes, busy, after, gcs, vgcs = timed_runs
         t = statistics.median(times)
         row = {"model": name, "batch": batch, "mode": mode, "config": label, "seconds": t, "runs": [round(x, 3) for x in times],
                "tok_s": batch * new / t, "note": note}
         row["vanilla_runs"] = [round(x, 3) for x in vtimes]
+        row["gc_s"], row["vanilla_gc_s"] = gcs, vgcs     # per run: (GC seconds, full collections)
         if busy is not None:
             row["gpu_ms_step"], row["compute_ms_step"] = busy["busy_ms"], busy["compute_ms"]
             if "vanilla" in rows and "gpu_ms_step" in rows["vanilla"]:
@@ -263,14 +272,20 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         if paired:
             vanilla()
         before = run.stats() if run is not None else None
-        times, vtimes = [], []
+        times, vtimes, gcs, vgcs = [], [], [], []
+
+        def clocked(f, into: list, gcs_into: list) -> None:
+            s, full = GC.seconds, GC.full
+            into.append(timed(f))
+            gcs_into.append((round(GC.seconds - s, 4), GC.full - full))
+
         for _ in range(n):
             if paired:
-                vtimes.append(timed(vanilla))
-            times.append(timed(fn))
+                clocked(vanilla, vtimes, vgcs)
+            clocked(fn, times, gcs)
         after = run.stats() if run is not None else None
         busy = gpu_profile(fn, new) if args.gpu_busy and DEV == "cuda" else None
-        return times, before, vtimes, busy, after
+        return times, before, vtimes, busy, after, gcs, vgcs
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
@@ -379,10 +394,19 @@ def _hooked(model, enc, kw):
     return len(sink)
 
 
+def _gc_cell(per_run: list | None) -> str:
+    """Median GC seconds per run and the full collections of all runs."""
+    if not per_run:
+        return ""
+    return "%.3f (%d)" % (statistics.median(s for s, _ in per_run), sum(f for _, f in per_run))
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | mode | config | tok/s | ratio | pairs (low / median / high) | s (median) | GPU ms/step | "
-            "GPU ratio | compute ratio | GB/run | D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step |")
-    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "GPU ratio | compute ratio | GB/run | D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step | "
+            "GC s/run (full) | its vanilla's |")
+    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+                   "---: | ---: | ---: | ---: |"]
     for r in rows:
         dm = r.get("bytes") is not None
         pairs = r.get("pair_ratios") or []
@@ -394,7 +418,8 @@ def table(rows: list[dict]) -> str:
                  "%.2f" % (r["bytes"] / 1e9) if dm else "", "%.1f" % r["d2h_gbs"] if dm else "",
                  str(r["drops"]) if dm else "", "%.2f" % (r["ring"] / GiB) if dm else "",
                  "%.0f" % (r["gpu_bytes"] / 2**20) if dm else "",
-                 "%.2f" % r["us_site_step"] if "us_site_step" in r else ""]
+                 "%.2f" % r["us_site_step"] if "us_site_step" in r else "",
+                 _gc_cell(r.get("gc_s")), _gc_cell(r.get("vanilla_gc_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

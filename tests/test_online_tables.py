@@ -88,16 +88,19 @@ def test_gpu_sampler_without_nvidia_smi_records_nothing(monkeypatch, tmp_path):
 
 def test_offline_table_shows_each_pair_beside_the_ratio_of_medians():
     """perf/offline.py: the ratio of medians can be a lucky draw of vanilla's spread, so the table
-    shows each run's own ratio to the vanilla run before it (lowest, median, highest)."""
+    shows each run's own ratio to the vanilla run before it (lowest, median, highest), and the
+garbage collector's share of the runs beside their vanilla runs'."""
     import offline
     base = {"model": "qwen3-8b", "batch": 32, "mode": "compiled", "tok_s": 2000.0, "seconds": 3.9}
     rows = [dict(base, config="vanilla", ratio=1.0),
             dict(base, config="dmi hidden+logits -> host", ratio=1.002, pair_ratios=[0.947, 0.948, 1.037],
-                 bytes=5.97e9, d2h_gbs=1.5, drops=0, ring=1.25 * 2**30, gpu_bytes=1282 * 2**20)]
+                 bytes=5.97e9, d2h_gbs=1.5, drops=0, ring=1.25 * 2**30, gpu_bytes=1282 * 2**20,
+                 gc_s=[(0.12, 1), (0.02, 0)], vanilla_gc_s=[(0.0, 0), (0.25, 1)])]
     lines = offline.table(rows).splitlines()
     assert len(lines) == 4 and all(line.count("|") == lines[0].count("|") for line in lines)
     cells = [c.strip() for c in lines[3].strip("|").split("|")]
     assert cells[5:7] == ["1.002", "0.947 / 0.948 / 1.037"] and cells[13] == "0"
+    assert cells[-2:] == ["0.070 (1)", "0.125 (1)"]     # GC inside the runs: median s, full collections
     assert [c.strip() for c in lines[2].strip("|").split("|")][6] == ""       # vanilla: no pairs
 
 
