@@ -6,6 +6,8 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 ``reduce-overhead``: CUDA graphs) generate. Rows, per model, batch and mode:
 
 * vanilla: the unpatched model (the denominator of every ratio);
+* vanilla twin (A/A) (``--aa-row``): an unpatched twin (below), compiled on its own and timed
+  paired with vanilla as the dmi rows are: what the harness's alternation of two models costs;
 * dmi null: sites patched, capture disabled by the device flag (``run.set_enabled(False)``);
 * dmi hidden+logits: every layer's ``resid_post``, ``final_norm`` and last-token ``logits``,
   full policy (lossless, backpressure), GPU ring <= 1 GiB where one prefill step fits it;
@@ -289,6 +291,10 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
+        if args.aa_row:        # an unpatched twin timed as the dmi rows are: what alternating two models costs
+            aa = twin(model)
+            record("vanilla twin (A/A)", reps_of(lambda: aa.generate(**enc, **kw)), note="no dmi")
+            del aa
         if mode == "eager" and not args.no_baselines:
             record("baseline forward_hook->cpu", reps_of(lambda: _hooked(dmodel, enc, kw), max(1, reps - 1)),
                    note="(sync .to('cpu') of every layer output, final norm, last logits)")
@@ -445,6 +451,9 @@ def main(argv=None):
                     help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
+    ap.add_argument("--aa-row", action="store_true",
+                    help="also an unpatched twin of the model (its own compile), timed paired with vanilla as the "
+                         "dmi rows are: the A/A ratio, what alternating two models costs without dmi")
     ap.add_argument("--ahead-row", action="store_true",
                     help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
     ap.add_argument("--timer-row", action="store_true",
