@@ -103,9 +103,6 @@ class GcClock:
             self.full += info.get("generation") == 2
             self._t = None
 
-    def close(self) -> None:
-        gc.callbacks.remove(self._on)
-
 
 class CpuClock:
     """CPU time per step of the model's thread and of the run's drain and export threads."""
