@@ -75,7 +75,7 @@ online() {
   for f in /tmp/dmi-online/server-*.log; do    # the servers' own logs, their tails
     [ -f "$f" ] && tail -n 150 "$f" > "$OUT/$(basename "$f")"
   done
-  # --probe: each engine's threads as of its last step-clock flush (perf/vllm_plugins.py), and which cores are hyperthread siblings
+  # --probe: each engine's threads as of its latest report (every 8th probe and exit: perf/vllm_plugins.py), and which cores are hyperthread siblings
   for f in /tmp/dmi-online/stepclock-*.jsonl.threads.json; do
     [ -f "$f" ] && echo "$(basename "$f" .jsonl.threads.json): $(cat "$f")"
   done | tee "$OUT/threads.txt"

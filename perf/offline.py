@@ -61,6 +61,7 @@ exporter writes about 0.1 GB/s (see RESULTS.md). Results are printed (``--result
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -103,6 +104,13 @@ MODELS["tiny"] = ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num
 GiB = 1 << 30
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _MODEL: dict = {}
+
+
+@functools.cache
+def _gc_clock() -> GcClock:
+    """The process's one GC clock ("GC s/run"), made by the first matrix, not at import: other perf
+    scripts import this module and need no callback on their collections."""
+    return GcClock()
 
 
 def build(name: str):
@@ -203,9 +211,6 @@ def store_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="dmi-perf-"))
 
 
-GC = GcClock()      # garbage collection inside each timed run (table column "GC s/run")
-
-
 def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     if name not in _MODEL:
         _MODEL.clear()
@@ -229,6 +234,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     int_bytes = (real + (new - 1) * batch) * int_row
     reps = args.repeats
     rows = {}
+    gc_clock = _gc_clock()
 
     def record(label, timed_runs, run=None, sites=0, note=""):
         times, before, vtimes, busy, after, gcs, vgcs = timed_runs
@@ -277,9 +283,9 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         times, vtimes, gcs, vgcs = [], [], [], []
 
         def clocked(f, into: list, gcs_into: list) -> None:
-            s, full = GC.seconds, GC.full
+            s, full = gc_clock.seconds, gc_clock.full
             into.append(timed(f))
-            gcs_into.append((round(GC.seconds - s, 4), GC.full - full))
+            gcs_into.append((round(gc_clock.seconds - s, 4), gc_clock.full - full))
 
         for _ in range(n):
             if paired:
