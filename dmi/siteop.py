@@ -1,17 +1,21 @@
 """The site ops: registered torch custom ops, opaque to torch.compile (no graph breaks).
 
-``dmi::capture(x, ticket, run, site)`` copies the selected rows of ``x`` into the run's ring;
-``dmi::capture_sum(x, y, ticket, run, site)`` those of ``x + y`` (a site the engine holds as two
-tensors: vLLM's residual stream), without the sum as an op of the graph: a compiled graph would
-give it an elementwise kernel of its own, where the engine fuses that add into its next norm.
-``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
+``dmi::capture(x, ticket, run, site, site_id)`` copies the selected rows of ``x`` into the run's
+ring; ``dmi::capture_sum(x, y, ticket, run, site, site_id)`` those of ``x + y`` (a site the engine
+holds as two tensors: vLLM's residual stream), without the sum as an op of the graph: a compiled
+graph would give it an elementwise kernel of its own, where the engine fuses that add into its next
+norm. ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
 
-``site`` is a tensor (the run's ``site_tensors``; the op finds the site by its address), not an int:
-an int is a constant of the compiled graph, different in every layer, and vLLM compiles a layer's
-piece once and reuses it for every layer whose piece is the same graph up to its inputs (as
-weights are). With ints, every layer's piece was its own compile: once ~94 s against vanilla's
-12 s for Qwen3-8B on the H200, though a later fresh compile of that build took 28.7 s against
-the tensor sites' 31.5 (perf/RESULTS.md, twenty-second and twenty-fourth sessions).
+A site is named in one of two ways. Code compiled layer by layer (vLLM compiles a layer's piece
+once and reuses it for every layer whose piece is the same graph up to its inputs, as weights are;
+``layer.compile()``) passes ``site_id``, a tensor (the run's ``site_tensors``; the op finds the
+site by its address), and ``site`` -1: an int is a constant of the graph, different in every
+layer, and with ints every layer's piece was its own compile (once ~94 s against vanilla's 12 s
+for Qwen3-8B on the H200, though a later fresh compile took 28.7 s against the tensor sites'
+31.5: perf/RESULTS.md, twenty-second and twenty-fourth sessions). Code that compiles the whole
+model as one graph (generate()'s compiled forward, under :func:`constant_sites`) passes ``site``
+and no tensor: there nothing is reused across layers, and every tensor input costs each call
+host time (Dynamo's guards and prologue).
 
 All of them mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
 graph (a capture never moves before its step's begin or after its end) and keeps them from being
@@ -34,6 +38,7 @@ Patched model code calls :func:`site` (returns the tensor it was given): a later
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -59,8 +64,8 @@ def unregister_run(run_id: int) -> None:
 # that runs outside a CUDA graph (vLLM's mixed prefill steps, torch.compile without cudagraphs)
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
-_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, Tensor site) -> ()")
-_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, Tensor site) -> ()")
+_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id) -> ()")
+_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site, Tensor? site_id) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
@@ -77,17 +82,18 @@ def _op(name: str):
 
 
 @_op("capture")
-def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: torch.Tensor) -> None:
+def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id: Optional[torch.Tensor]) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(r.site_of(site), x)
+        r.capture(site if site_id is None else r.site_of(site_id), x)
 
 
 @_op("capture_sum")
-def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: torch.Tensor) -> None:
+def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int,
+                site_id: Optional[torch.Tensor]) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(r.site_of(site), x, y)
+        r.capture(site if site_id is None else r.site_of(site_id), x, y)
 
 
 @_op("step_begin")
@@ -127,16 +133,46 @@ class SiteHandle:
         return cls(run.id, site, run.site_tensors[site], run.ticket, traced(site) if traced is not None else None)
 
 
+_constant_sites = False       # True while a whole-model compiled call runs (constant_sites)
+
+
+def constant_sites(fn):
+    """``fn`` (a compiled callable tracing the whole model at once, e.g. generate()'s compiled
+    forward) with its sites traced as constants of the graph: ``site=i, site_id=None``. A site
+    tensor is a graph input, and each input costs every call of the compiled code host time
+    (Dynamo's guards on it and the handle that holds it, the prologue that fetches it through the
+    patched module's closure, AOT's wrapper): ~2 µs a site a call on the dev box
+    (perf/RESULTS.md, twenty-seventh session), for a graph that compiles the model once and reuses
+    nothing across layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps
+    the tensors, so that every layer reuses one graph (``int site`` -1 there, the same in every
+    layer). Dynamo guards the flag: the graph traced under it runs only under it."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        global _constant_sites
+        saved, _constant_sites = _constant_sites, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _constant_sites = saved
+    return call
+
+
+def _site_args(handle: SiteHandle) -> tuple:
+    """(site, site_id) as compiled code passes them to the op (see constant_sites)."""
+    return (handle.site, None) if _constant_sites else (-1, handle.site_id)
+
+
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
     """The call patched into model code: capture ``x`` and hand it on unchanged.
 
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
     if torch.compiler.is_compiling():
+        site_at, site_id = _site_args(handle)
         if handle.traced is not None:
-            traced_capture(handle.traced, x, handle.ticket, handle.site_id)
+            traced_capture(handle.traced, x, handle.ticket, site_at if site_id is None else site_id)
         else:
-            torch.ops.dmi.capture(x, handle.ticket, handle.run, handle.site_id)
+            torch.ops.dmi.capture(x, handle.ticket, handle.run, site_at, site_id)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
@@ -147,10 +183,11 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
 def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
     """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
     if torch.compiler.is_compiling():
-        if handle.traced is not None:
-            traced_capture(handle.traced, x + y, handle.ticket, handle.site_id)   # (inductor fuses the sum in)
+        site_at, site_id = _site_args(handle)
+        if handle.traced is not None:       # (inductor fuses the sum in)
+            traced_capture(handle.traced, x + y, handle.ticket, site_at if site_id is None else site_id)
         else:
-            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, handle.site_id)
+            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, site_at, site_id)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:

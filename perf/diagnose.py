@@ -73,12 +73,12 @@ def main():
     # --- micro: the pieces of one eager capture --------------------------------------------------
     x = torch.randn(16, 1, 1024, dtype=torch.bfloat16, device="cuda")
     ticket = torch.zeros(1, dtype=torch.int64, device="cuda")
-    print(f"op dispatch, no run registered: {per_call(lambda: torch.ops.dmi.capture(x, ticket, 99999, ticket)):.1f} us/call")
+    print(f"op dispatch, no run registered: {per_call(lambda: torch.ops.dmi.capture(x, ticket, 99999, -1, ticket)):.1f} us/call")
     run = dmi.load(model, hook_spec=spec, store="/tmp/diag.zarr", overwrite=True)
     run.set_enabled(False)
     site = run.plan.sites[0]
     print(f"ring.capture (null, launch):    {per_call(lambda: run.ring.capture(site, x)):.1f} us/call")
-    print(f"op -> ring.capture (null):      {per_call(lambda: torch.ops.dmi.capture(x, run.ticket, run.id, run.site_tensors[0])):.1f} us/call")
+    print(f"op -> ring.capture (null):      {per_call(lambda: torch.ops.dmi.capture(x, run.ticket, run.id, -1, run.site_tensors[0])):.1f} us/call")
     launcher = run.ring.sites[0]
     print(f"_SiteLaunch.launch (null):      {per_call(lambda: launcher.launch(run.ring, x, None)):.1f} us/call")
     r = run.ring

@@ -8,6 +8,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 * vanilla: the unpatched model (the denominator of every ratio);
 * vanilla twin (A/A) (``--aa-row``): an unpatched twin (below), compiled on its own and timed
   paired with vanilla as the dmi rows are: what the harness's alternation of two models costs;
+* ``--rounds N`` (compiled mode): the A/A twin, dmi null and dmi hidden+logits -> host timed
+  round-robin instead of one after the other, every run after its own vanilla run, so every row
+  meets the same alternation and drift and the A/A row calibrates the others (other rows skipped);
 * dmi null: sites patched, capture disabled by the device flag (``run.set_enabled(False)``);
 * dmi hidden+logits: every layer's ``resid_post``, ``final_norm`` and last-token ``logits``,
   full policy (lossless, backpressure), GPU ring <= 1 GiB where one prefill step fits it;
@@ -282,11 +285,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         before = run.stats() if run is not None else None
         times, vtimes, gcs, vgcs = [], [], [], []
 
-        def clocked(f, into: list, gcs_into: list) -> None:
-            s, full = gc_clock.seconds, gc_clock.full
-            into.append(timed(f))
-            gcs_into.append((round(gc_clock.seconds - s, 4), gc_clock.full - full))
-
+        clocked = clocked_with(gc_clock)
         for _ in range(n):
             if paired:
                 clocked(vanilla, vtimes, vgcs)
@@ -297,6 +296,10 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
+        if args.rounds and mode == "compiled":
+            return _rounds(model, dmodel, enc, kw, hidden_spec(int(args.ring_gib * GiB) if args.ring_gib else
+                                                               ring_for(hid_prefill), args.host_mib << 20),
+                           n_sites=L + 2, args=args, record=record, vanilla=vanilla, clocked=clocked_with(gc_clock))
         if args.aa_row:        # an unpatched twin timed as the dmi rows are: what alternating two models costs
             aa = twin(model)
             record("vanilla twin (A/A)", reps_of(lambda: aa.generate(**enc, **kw)), note="no dmi")
@@ -390,6 +393,76 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     log(f"  (bytes expected per run: hidden+logits {hid_bytes / 1e9:.2f} GB, prefill step {hid_prefill / 1e9:.2f} GB)")
 
 
+def clocked_with(gc_clock: GcClock):
+    def clocked(f, into: list, gcs_into: list) -> None:
+        """Time f into ``into``, and the GC's seconds and full collections during it into ``gcs_into``."""
+        s, full = gc_clock.seconds, gc_clock.full
+        into.append(timed(f))
+        gcs_into.append((round(gc_clock.seconds - s, 4), gc_clock.full - full))
+    return clocked
+
+
+_COUNTED = ("bytes_drained", "dropped_captures", "stall_seconds")
+
+
+def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocked) -> None:
+    """``--rounds N``: the A/A twin, dmi null and dmi hidden+logits -> host timed round-robin, N
+    rounds, the order rotating each round, every run right after a timed vanilla run. Each row then
+    meets the same alternation of compiled models (which slows vanilla's own runs by 5-7 %, RESULTS.md)
+    and the same drift of the host, so the A/A row is the others' calibration: a dmi row's cost is
+    its paired ratio against the A/A row's, not against 1."""
+    aa = twin(model)
+    sd = store_dir()
+    run = dmi.load(dmodel, hook_spec=spec, store=sd / "hidden.zarr", overwrite=True)
+
+    def null():
+        run.set_enabled(False)
+        try:
+            dmodel.generate(**enc, **kw)
+        finally:
+            run.set_enabled(True)
+
+    def hidden():
+        with Skip(run):
+            dmodel.generate(**enc, **kw)
+            run.flush()
+
+    configs = [("vanilla twin (A/A)", lambda: aa.generate(**enc, **kw), False),
+               ("dmi null", null, True), ("dmi hidden+logits -> host", hidden, True)]
+    runs = {label: ([], [], [], [], dict.fromkeys(_COUNTED, 0)) for label, _, _ in configs}
+    try:
+        for _, fn, _ in configs:
+            fn(), fn()            # warm-up: compiles, records CUDA graphs
+        vanilla()
+        for r in range(args.rounds):
+            for label, fn, dmi_row in configs[r % 3:] + configs[:r % 3]:
+                times, vtimes, gcs, vgcs, counted = runs[label]
+                clocked(vanilla, vtimes, vgcs)
+                before = run.stats()
+                clocked(fn, times, gcs)
+                after = run.stats()
+                for k in _COUNTED:
+                    counted[k] += after[k] - before[k]
+        for label, fn, dmi_row in configs:
+            times, vtimes, gcs, vgcs, counted = runs[label]
+            busy = gpu_profile(fn, kw["max_new_tokens"]) if args.gpu_busy and DEV == "cuda" else None
+            zero = dict.fromkeys(_COUNTED, 0)
+            record(label, (times, zero if dmi_row else None, vtimes, busy, counted if dmi_row else None, gcs, vgcs),
+                   run if dmi_row else None, sites=n_sites if dmi_row else 0,
+                   note=f"{args.rounds} rounds" + (f", {run.steps_ahead[0]} steps begun ahead" if label.endswith("host")
+                                                    else ""))
+        aa_pairs = statistics.median(v / d for v, d in zip(runs[configs[0][0]][1], runs[configs[0][0]][0]))
+        for label, _, _ in configs[1:]:
+            times, vtimes = runs[label][:2]
+            print(f"  {label}: median pair ratio / the A/A row's = "
+                  f"{statistics.median(v / d for v, d in zip(vtimes, times)) / aa_pairs:.3f}", flush=True)
+    finally:
+        run.close()
+        shutil.rmtree(sd, ignore_errors=True)
+        gc.collect()
+        torch._dynamo.reset()
+
+
 def _hooked(model, enc, kw):
     """The naive baseline: forward hooks that copy to the CPU synchronously."""
     sink = []
@@ -460,6 +533,9 @@ def main(argv=None):
     ap.add_argument("--aa-row", action="store_true",
                     help="also an unpatched twin of the model (its own compile), timed paired with vanilla as the "
                          "dmi rows are: the A/A ratio, what alternating two models costs without dmi")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="compiled mode: time the A/A twin, dmi null and dmi hidden+logits -> host round-robin, this "
+                         "many rounds, each run paired with a vanilla run (the other rows and options are skipped)")
     ap.add_argument("--ahead-row", action="store_true",
                     help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
     ap.add_argument("--timer-row", action="store_true",

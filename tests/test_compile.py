@@ -165,3 +165,45 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
     for k, hs in enumerate(want.hidden_states):      # the first generate: the model's own final norm output
         rows = hs[-1][mask] if k == 0 else hs[-1][:, 0]
         np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")
+
+
+def test_generate_compiled_forward_names_sites_as_constants_and_layer_compiles_keep_tensors(
+        encoded, write_spec, tmp_path):
+    """generate()'s compiled forward traces the whole model once, so its sites are constants of the
+    graph (``dmi.siteop.constant_sites``): the patched graph takes the unpatched graph's inputs
+    and the ticket, nothing per site (each input costs every call Dynamo host time). The same
+    patched model compiled layer by layer still names its sites by tensor (one graph for all
+    layers: test_patched_layers_compile_to_one_graph)."""
+    from transformers import CompileConfig
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post, attn.q, final_norm]
+    """)
+    inputs: dict = {"vanilla": [], "dmi": []}
+
+    def recording(key):
+        from torch._dynamo.backends.common import aot_autograd
+        def fw(gm, example_inputs):
+            inputs[key].append(len(example_inputs))
+            return gm
+        return aot_autograd(fw_compiler=fw)
+
+    def kw(key):
+        config = CompileConfig(backend=recording(key), fullgraph=True, mode=None)
+        config._compile_all_devices = True
+        return dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+
+    model, ref = model_pair("qwen3", attn="sdpa")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = ref.generate(**encoded, **kw("vanilla"))
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "gen.zarr") as run:
+            got = run.model.generate(**encoded, **kw("dmi"))
+            n_sites = len(run.plan.sites)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert n_sites == 2 * model.config.num_hidden_layers + 1
+    assert inputs["vanilla"] and len(inputs["dmi"]) == len(inputs["vanilla"]), inputs
+    assert [d - v for d, v in zip(inputs["dmi"], inputs["vanilla"])] == [1] * len(inputs["vanilla"]), inputs
+    steps = dmi.open(tmp_path / "gen.zarr")["final_norm"].dataset.step.values
+    assert np.array_equal(np.unique(steps), np.arange(3))       # every step captured under the constant sites

@@ -71,10 +71,11 @@ def _compiling_for(ring_key: int) -> bool:
     return True
 
 
-def capture(t: TracedSite, x: torch.Tensor, ticket: torch.Tensor, site_id: torch.Tensor) -> None:
+def capture(t: TracedSite, x: torch.Tensor, ticket: torch.Tensor, site_id: "torch.Tensor | int") -> None:
     """Scatter the step's selected rows of ``x`` into the payload ring (traced: no op, no launch).
     ``ticket`` is read only to follow the step's begin (``dmi.siteop``'s module doc); ``site_id``
-    (the site's index as a tensor, not a constant: layers compile alike) locates its control words."""
+    (the site's index: a tensor where layers compile alike, an int in a whole-model graph) locates
+    its control words."""
     _compiling_for(t.ring_key)
     rows = token_rows(x, t.layout, t.row_elems).to(t.dtype)
     ctrl, w = t.ctrl, t.ctrl.shape[0]

@@ -9,7 +9,7 @@ import torch
 
 from ...errors import AnchorError
 from ...plan import Plan
-from ...siteop import SiteHandle
+from ...siteop import SiteHandle, constant_sites
 from ...spec import Document
 from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, parameter_position, rewrite_forward, wrap_io
 
@@ -155,7 +155,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
 
     @functools.wraps(compiled_call)
     def get_compiled_call(*args, **kwargs):
-        return run.stepped(compiled_call(*args, **kwargs), step_inputs)
+        return run.stepped(constant_sites(compiled_call(*args, **kwargs)), step_inputs)
 
     # one generate() at a time per run: its steps share the run's request bookkeeping, so another
     # thread's step meanwhile is refused (Run.exclusive)
