@@ -322,7 +322,8 @@ def section_generate() -> None:
 def section_traced() -> None:
     """Compiled forwards capture the ring's traceable sites as traced torch ops (dmi.kernels.traced:
     a scatter at destinations read from the control block; the end kernel publishes the records):
-    every step's captures equal the CPU path's, with padded prompts (a listed selection: its
+    every step's captures equal the CPU path's, sites named by tensor or as constants (generate()'s
+    compiled forward), with padded prompts (a listed selection: its
     inverse map), a last-token filter, int32 router ids, and sites left to the op (head selection,
     transformers' logits). ``backend="eager"`` runs the traced graph's ops in place, as inductor's
     code does; ``aot_eager`` would write copies of the ring, and is refused at the first step."""
@@ -335,6 +336,7 @@ def section_traced() -> None:
     from dmi.errors import CaptureError
     from dmi.models import tiny_tokenizer
     from dmi.kernels.cuda_ring import SCRATCH_BYTES, InterpretRing
+    from dmi.siteop import constant_sites
     torch.set_num_threads(2)
     # the traced scratch rows are allocated only where traced captures may run
     assert InterpretRing(1 << 16, 64).scratch_t.numel() == 1 << 16
@@ -351,7 +353,7 @@ def section_traced() -> None:
     }
     for family, spec in specs.items():
         outs, traced = {}, None
-        for kind in ("cpu", "traced"):
+        for kind in ("cpu", "traced", "traced-const"):
             os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
             model, _ = model_pair(family, attn="sdpa")
             with torch.no_grad():
@@ -359,17 +361,20 @@ def section_traced() -> None:
             torch._dynamo.reset()
             with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
                 forward = run.model.forward
-                if kind == "traced":
+                if kind != "cpu":
                     traced = [run.plan.sites[i].name for i in run.ring.traced]
                     forward = torch.compile(forward, fullgraph=True, backend="eager")
+                if kind == "traced-const":       # sites as constants, as generate()'s compiled forward names them
+                    forward = constant_sites(forward)
                 outs[kind] = [forward(**enc).logits for _ in range(3)]
                 stats = run.stats()
             assert stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
         torch._dynamo.reset()
-        assert all(torch.equal(a, b) for a, b in zip(outs["cpu"], outs["traced"]))
         assert traced and not any(n.endswith(".attn.k") or n == "logits" for n in traced), traced
-        n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-traced.zarr")
-        print(family, "traced:", len(traced), "sites; arrays equal:", n)
+        for kind in ("traced", "traced-const"):
+            assert all(torch.equal(a, b) for a, b in zip(outs["cpu"], outs[kind]))
+            n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
+            print(family, kind, len(traced), "sites; arrays equal:", n)
     # a backend that functionalizes the scatters without writing the ring in place: a clear error
     os.environ["DMI_RING"] = "interpret"
     model, _ = model_pair("qwen3", attn="sdpa")
