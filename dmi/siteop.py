@@ -141,9 +141,8 @@ def constant_sites(fn):
     forward) with its sites traced as constants of the graph: ``site=i, site_id=None``. A site
     tensor is a graph input, and each input costs every call of the compiled code host time
     (Dynamo's guards on it and the handle that holds it, the prologue that fetches it through the
-    patched module's closure, AOT's wrapper): ~2 µs a site a call on the dev box
-    (perf/RESULTS.md, twenty-seventh session), for a graph that compiles the model once and reuses
-    nothing across layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps
+    patched module's closure, AOT's wrapper; ~1.2 µs a site a call on the dev box with guards
+    skipped: perf/callcost.py), in a graph that reuses nothing across layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps
     the tensors, so that every layer reuses one graph (``int site`` -1 there, the same in every
     layer). Dynamo guards the flag: the graph traced under it runs only under it."""
     @functools.wraps(fn)
