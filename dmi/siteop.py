@@ -142,9 +142,10 @@ def constant_sites(fn):
     tensor is a graph input, and each input costs every call of the compiled code host time
     (Dynamo's guards on it and the handle that holds it, the prologue that fetches it through the
     patched module's closure, AOT's wrapper; ~1.2 µs a site a call on the dev box with guards
-    skipped: perf/callcost.py), in a graph that reuses nothing across layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps
-    the tensors, so that every layer reuses one graph (``int site`` -1 there, the same in every
-    layer). Dynamo guards the flag: the graph traced under it runs only under it."""
+    skipped: perf/callcost.py), in a graph that reuses nothing across layers. Code compiled layer
+    by layer (vLLM's pieces, ``layer.compile()``) keeps the tensors, so that every layer reuses
+    one graph (``int site`` -1 there, the same in every layer). Dynamo guards the flag: the graph
+    traced under it runs only under it."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         global _constant_sites
@@ -156,9 +157,17 @@ def constant_sites(fn):
     return call
 
 
-def _site_args(handle: SiteHandle) -> tuple:
-    """(site, site_id) as compiled code passes them to the op (see constant_sites)."""
-    return (handle.site, None) if _constant_sites else (-1, handle.site_id)
+def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> None:
+    """What traced code records for a site (``x``, or ``x + y``): traced ops where the ring traces
+    the site, else the op; the site named as :func:`constant_sites` says."""
+    site_at, site_id = (handle.site, None) if _constant_sites else (-1, handle.site_id)
+    if handle.traced is not None:        # (inductor fuses a sum in)
+        traced_capture(handle.traced, x if y is None else x + y, handle.ticket,
+                       site_at if site_id is None else site_id)
+    elif y is None:
+        torch.ops.dmi.capture(x, handle.ticket, handle.run, site_at, site_id)
+    else:
+        torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, site_at, site_id)
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
@@ -167,11 +176,7 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
     if torch.compiler.is_compiling():
-        site_at, site_id = _site_args(handle)
-        if handle.traced is not None:
-            traced_capture(handle.traced, x, handle.ticket, site_at if site_id is None else site_id)
-        else:
-            torch.ops.dmi.capture(x, handle.ticket, handle.run, site_at, site_id)
+        _compiled_capture(handle, x)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
@@ -182,11 +187,7 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
 def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
     """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
     if torch.compiler.is_compiling():
-        site_at, site_id = _site_args(handle)
-        if handle.traced is not None:       # (inductor fuses the sum in)
-            traced_capture(handle.traced, x + y, handle.ticket, site_at if site_id is None else site_id)
-        else:
-            torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, site_at, site_id)
+        _compiled_capture(handle, x, y)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:

@@ -26,6 +26,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     runs, calls = [], {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        store = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory()))
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         models = {"vanilla": model, "A/A twin": twin(model)}
         for label in ("dmi null, site tensors", "dmi null, constant sites"):
             m = twin(model)

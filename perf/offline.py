@@ -237,7 +237,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
     int_bytes = (real + (new - 1) * batch) * int_row
     reps = args.repeats
     rows = {}
-    gc_clock = _gc_clock()
+    clocked = clocked_with(_gc_clock())
 
     def record(label, timed_runs, run=None, sites=0, note=""):
         times, before, vtimes, busy, after, gcs, vgcs = timed_runs
@@ -284,8 +284,6 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             vanilla()
         before = run.stats() if run is not None else None
         times, vtimes, gcs, vgcs = [], [], [], []
-
-        clocked = clocked_with(gc_clock)
         for _ in range(n):
             if paired:
                 clocked(vanilla, vtimes, vgcs)
@@ -296,10 +294,10 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
     with torch.no_grad():
         record("vanilla", reps_of(vanilla, paired=False))
+        ring = int(args.ring_gib * GiB) if args.ring_gib else ring_for(hid_prefill)
         if args.rounds and mode == "compiled":
-            return _rounds(model, dmodel, enc, kw, hidden_spec(int(args.ring_gib * GiB) if args.ring_gib else
-                                                               ring_for(hid_prefill), args.host_mib << 20),
-                           n_sites=L + 2, args=args, record=record, vanilla=vanilla, clocked=clocked_with(gc_clock))
+            return _rounds(model, dmodel, enc, kw, hidden_spec(ring, args.host_mib << 20), n_sites=L + 2, args=args,
+                           record=record, vanilla=vanilla, clocked=clocked)
         if args.aa_row:        # an unpatched twin timed as the dmi rows are: what alternating two models costs
             aa = twin(model)
             record("vanilla twin (A/A)", reps_of(lambda: aa.generate(**enc, **kw)), note="no dmi")
@@ -313,7 +311,6 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
         sd = store_dir()
         n_hidden = L + 2
-        ring = int(args.ring_gib * GiB) if args.ring_gib else ring_for(hid_prefill)
         run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer),
                        store=sd / "hidden.zarr", overwrite=True)
         try:
@@ -435,7 +432,8 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
             fn(), fn()            # warm-up: compiles, records CUDA graphs
         vanilla()
         for r in range(args.rounds):
-            for label, fn, dmi_row in configs[r % 3:] + configs[:r % 3]:
+            k = r % len(configs)
+            for label, fn, dmi_row in configs[k:] + configs[:k]:
                 times, vtimes, gcs, vgcs, counted = runs[label]
                 clocked(vanilla, vtimes, vgcs)
                 before = run.stats()

@@ -167,8 +167,7 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
         np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")
 
 
-def test_generate_compiled_forward_names_sites_as_constants_and_layer_compiles_keep_tensors(
-        encoded, write_spec, tmp_path):
+def test_generate_compiled_forward_names_sites_as_constants(encoded, write_spec, tmp_path):
     """generate()'s compiled forward traces the whole model once, so its sites are constants of the
     graph (``dmi.siteop.constant_sites``): the patched graph takes the unpatched graph's inputs
     and the ticket, nothing per site (each input costs every call Dynamo host time). The same
