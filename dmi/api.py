@@ -79,6 +79,7 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     else:
         check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
     m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
+    hf.check_unpatched(m)
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))

@@ -58,6 +58,11 @@ def unregister_run(run_id: int) -> None:
     _RUNS.pop(run_id, None)
 
 
+def run_of(run_id: int):
+    """The open run with this id, or None."""
+    return _RUNS.get(run_id)
+
+
 # Defined through torch.library.Library, not torch.library.custom_op: the dispatcher then calls the
 # Python kernel directly. custom_op's wrappers cost 6.9 µs a call under inference_mode (vLLM),
 # 16.7 under no_grad and 31.9 with grad on the dev box, against 3.0 / 3.1 / 3.8 here; traced code
@@ -118,19 +123,26 @@ def step_end(ticket: torch.Tensor, run: int, after: Optional[list] = None) -> No
 
 
 class SiteHandle:
-    """What a patched module instance knows about one of its sites: ``site`` (its index, for eager
-    code) and ``site_id`` (the same as the tensor compiled code passes). ``traced``: how compiled
-    code captures it as torch ops (:class:`dmi.kernels.traced.TracedSite`), or None (the op)."""
-    __slots__ = ("run", "site", "site_id", "ticket", "traced")
+    """What patched code holds for one site: ``run`` (the run's id), ``site`` (its index, for eager
+    code and whole-model graphs), ``site_id`` (the same as the tensor code compiled layer by layer
+    passes) and ``traced`` (how compiled code captures it as torch ops,
+    :class:`dmi.kernels.traced.TracedSite`, or None: the op). No tensor the run shares across
+    sites is held here: compiled code reads the run's ticket through one path for every site
+    (:func:`run_ticket`), where a handle's own would be one more guard each (an aliasing check)."""
+    __slots__ = ("run", "site", "site_id", "traced")
 
-    def __init__(self, run: int, site: int, site_id: torch.Tensor, ticket: torch.Tensor, traced=None):
-        self.run, self.site, self.site_id, self.ticket, self.traced = run, site, site_id, ticket, traced
+    def __init__(self, run: int, site: int, site_id: torch.Tensor, traced=None):
+        self.run, self.site, self.site_id, self.traced = run, site, site_id, traced
 
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
         """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
-        traced = getattr(run.ring, "traced_site", None)
-        return cls(run.id, site, run.site_tensors[site], run.ticket, traced(site) if traced is not None else None)
+        return cls(run.id, site, run.site_tensors[site], run.traced_sites.get(site))
+
+
+def run_ticket(run_id: int) -> torch.Tensor:
+    """The run's ticket, read where compiled code reads it for every site (one graph input, one guard)."""
+    return _RUNS[run_id].ticket
 
 
 _constant_sites = False       # True while a whole-model compiled call runs (constant_sites)
@@ -140,12 +152,11 @@ def constant_sites(fn):
     """``fn`` (a compiled callable tracing the whole model at once, e.g. generate()'s compiled
     forward) with its sites traced as constants of the graph: ``site=i, site_id=None``. A site
     tensor is a graph input, and each input costs every call of the compiled code host time
-    (Dynamo's guards on it and the handle that holds it, the prologue that fetches it through the
-    patched module's closure, AOT's wrapper; ~1.2 µs a site a call on the dev box with guards
-    skipped: perf/callcost.py), in a graph that reuses nothing across layers. Code compiled layer
-    by layer (vLLM's pieces, ``layer.compile()``) keeps the tensors, so that every layer reuses
-    one graph (``int site`` -1 there, the same in every layer). Dynamo guards the flag: the graph
-    traced under it runs only under it."""
+    (Dynamo's guards on it, the prologue that fetches it, AOT's wrapper; ~1.2 µs a site a call on
+    the dev box with guards skipped: perf/callcost.py), in a graph that reuses nothing across
+    layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps the tensors,
+    so that every layer reuses one graph (``int site`` -1 there, the same in every layer). Dynamo
+    guards the flag: the graph traced under it runs only under it."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         global _constant_sites
@@ -161,13 +172,13 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
     """What traced code records for a site (``x``, or ``x + y``): traced ops where the ring traces
     the site, else the op; the site named as :func:`constant_sites` says."""
     site_at, site_id = (handle.site, None) if _constant_sites else (-1, handle.site_id)
+    ticket = run_ticket(handle.run)
     if handle.traced is not None:        # (inductor fuses a sum in)
-        traced_capture(handle.traced, x if y is None else x + y, handle.ticket,
-                       site_at if site_id is None else site_id)
+        traced_capture(handle.traced, x if y is None else x + y, ticket, site_at if site_id is None else site_id)
     elif y is None:
-        torch.ops.dmi.capture(x, handle.ticket, handle.run, site_at, site_id)
+        torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id)
     else:
-        torch.ops.dmi.capture_sum(x, y, handle.ticket, handle.run, site_at, site_id)
+        torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id)
 
 
 def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:

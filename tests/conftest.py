@@ -53,6 +53,13 @@ def model_pair(family: str, attn: str = "eager", seed: int = 0):
     return model, copy.deepcopy(model)
 
 
+def patched_modules(model) -> list:
+    """The modules dmi has patched: an observed one's class is a patched subclass (or, where the
+    instance had a forward of its own, it has dmi's bound on top); the model gets its step wrapper."""
+    return [m for m in model.modules()
+            if "forward" in m.__dict__ or "_dmi_sites" in m.__dict__ or "_dmi_unpatched" in type(m).__dict__]
+
+
 @pytest.fixture
 def write_spec(tmp_path):
     """Write a YAML hook spec (dedented text) to a file and return its path."""

@@ -167,6 +167,43 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
         np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")
 
 
+def test_compiled_forward_guards_a_site_by_its_handle_alone(encoded, write_spec, tmp_path):
+    """Every call of a compiled forward evaluates Dynamo's guards first (host time the GPU waits
+    for in generate()). A patched module's forward is its class's (dmi.adapters.hf.patch), so
+    nothing of it is guarded through the instance, and the run's ticket is one graph input guarded
+    once: a site adds only its handle's few attributes (the instance-level closures before cost
+    ~10 guards a site more, and an aliasing check of each site's ticket)."""
+    import re
+    from transformers import CompileConfig
+    spec = write_spec("""
+        capture:
+          - sites: [resid_pre, resid_post, attn.q, mlp.out, final_norm]
+    """)
+    guards: list = []
+
+    def kw():
+        keep = lambda entries: guards.append([e.name for e in entries]) or [True] * len(entries)   # noqa: E731
+        config = CompileConfig(backend="eager", fullgraph=True, mode=None, options={"guard_filter_fn": keep})
+        config._compile_all_devices = True
+        return dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+
+    model, ref = model_pair("qwen3", attn="sdpa")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = ref.generate(**encoded, **kw())
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "gen.zarr") as run:
+            got = run.model.generate(**encoded, **kw())
+            n_sites = len(run.plan.sites)
+    torch._dynamo.reset()
+    assert torch.equal(got, want) and len(guards) == 2, len(guards)
+    names = guards[1]
+    assert not [n for n in names if re.search(r"\._modules\['[^']+'\]\.forward", n)]     # no instance forward
+    assert len([n for n in names if n.endswith(".ticket")]) == 1, [n for n in names if n.endswith(".ticket")]
+    per_site = [n for n in names if "['_dmi_sites']" in n]
+    assert 0 < len(per_site) <= 8 * n_sites, (len(per_site), n_sites)
+    assert dmi.open(tmp_path / "gen.zarr")["final_norm"].dataset.step.size > 0
+
+
 def test_generate_compiled_forward_names_sites_as_constants(encoded, write_spec, tmp_path):
     """generate()'s compiled forward traces the whole model once, so its sites are constants of the
     graph (``dmi.siteop.constant_sites``): the patched graph takes the unpatched graph's inputs

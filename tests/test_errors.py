@@ -29,6 +29,8 @@ from dmi.models import build_tiny_model, tiny_config
 from dmi.plan import Plan, build_plan
 from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
 
+from conftest import patched_modules
+
 DMI_DIR = Path(dmi.__file__).resolve().parent
 QWEN3_SPEC = builtin_spec_dir() / "qwen3.yaml"
 GOOD = {"capture": [{"sites": ["resid_post"]}]}
@@ -525,7 +527,7 @@ def test_arch_spec_anchor_missing_in_this_transformers(tmp_path, store):
                 f"install transformers {rng}"))
     assert not store.exists(), "a load that failed to patch left a store behind"
     # the model is left unpatched and still runs
-    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not patched_modules(model)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
 
@@ -538,7 +540,7 @@ def test_anchor_error_names_the_site_whose_anchor_is_missing(tmp_path, store):
                  store=store, arch_spec=arch)
     check(info, AnchorError, file=arch, line=line_of(arch, "no_such_variable"), key="sites.attn.v.hf")
     # nothing stays patched
-    assert not [m for m in model.modules() if "forward" in m.__dict__ or "_dmi_sites" in m.__dict__]
+    assert not patched_modules(model)
 
 
 # --- the model argument -----------------------------------------------------------------------------
@@ -731,5 +733,5 @@ def test_failed_attach_leaves_no_module_patched(tmp_path, store):
     with pytest.raises(AnchorError) as info:
         dmi.load(model, hook_spec={"capture": [{"sites": ["attn.q", "mlp.act"]}]}, store=store, arch_spec=arch)
     check(info, AnchorError, file=arch, key="sites.mlp.act.hf", says=("no_such_param",))
-    assert not [m for m in model.modules() if "forward" in m.__dict__ or "_dmi_sites" in m.__dict__]
+    assert not patched_modules(model)
     assert not store.exists()

@@ -11,7 +11,7 @@ import dmi
 from dmi.models import build_tiny_model, tiny_config
 from dmi.inspect_store import format_summary, summarize
 from dmi.zdtype import BF16
-from conftest import model_pair
+from conftest import model_pair, patched_modules
 
 
 def test_pattern_on_sdpa_model_equals_eager_output_attentions(encoded, write_spec, tmp_path):
@@ -66,16 +66,59 @@ def test_load_from_config_and_from_pretrained_dir(tokenizer, write_spec, tmp_pat
 def test_close_detaches_and_model_is_unchanged(encoded, write_spec, tmp_path):
     model, ref = model_pair("qwen3_moe")
     spec = write_spec("capture: [{sites: ['*']}]\n")
+    classes = {m: type(m) for m in model.modules()}
     run = dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr")
-    patched = [m for m in model.modules() if "forward" in m.__dict__]
-    assert len(patched) > 10
+    assert len(patched_modules(model)) > 10
+    # a patched module is still what it was: its class's name, an instance of that class
+    assert all(type(m).__name__ == cls.__name__ and isinstance(m, cls) for m, cls in classes.items())
     run.close()
-    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    assert not patched_modules(model)
+    assert all(type(m) is cls for m, cls in classes.items())
     with torch.no_grad():
         torch.testing.assert_close(model(**encoded).logits, ref(**encoded).logits, rtol=0, atol=0)
     # every site of the family was captured, and each group has rows
     tree = dmi.open(tmp_path / "o.zarr")
     assert tree.attrs["dmi_status"] == "closed" and tree.attrs["steps"] == 0
+
+
+def test_a_module_with_a_forward_of_its_own_keeps_it(encoded, write_spec, tmp_path):
+    """A module whose instance already has a forward (accelerate's offload hooks put one there)
+    keeps calling it with dmi's sites around it, and has it back after close."""
+    model, ref = model_pair("qwen3")
+    layer = model.model.layers[1]
+    calls = []
+
+    def own_forward(*args, **kwargs):           # stands in for accelerate's hook
+        calls.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = own_forward
+    spec = write_spec("capture: [{sites: [resid_pre, resid_post, attn.q], layers: [1]}]\n")
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        out = run.model(**encoded, output_hidden_states=True)
+        assert calls and type(layer) is type(model.model.layers[0])     # bound on the instance, not by class
+    with torch.no_grad():
+        want = ref(**encoded, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+    # only the module's own forward is left (the helper counts any instance forward)
+    assert layer.__dict__["forward"] is own_forward and patched_modules(model) == [layer]
+    assert set(layer.__dict__) & {"_dmi_sites", "_dmi_prior_forward"} == set()
+    tree = dmi.open(tmp_path / "o.zarr")
+    valid = encoded["attention_mask"].bool().reshape(-1).numpy()
+    for name, hidden in (("resid_pre", want.hidden_states[1]), ("resid_post", want.hidden_states[2])):
+        got = tree[f"layers/{name}"].dataset[name].sel(layer=1).values
+        np.testing.assert_array_equal(got, hidden.reshape(-1, hidden.shape[-1])[valid].numpy())
+
+
+def test_a_model_an_open_run_patched_is_refused(write_spec, tmp_path):
+    model, _ = model_pair("qwen3")
+    spec = write_spec("capture: [{sites: [resid_post]}]\n")
+    with dmi.load(model, hook_spec=spec, store=tmp_path / "a.zarr"):
+        with pytest.raises(dmi.errors.DmiError, match=r"already patched by an open run .*a\.zarr.*Fix: close that run"):
+            dmi.load(model, hook_spec=spec, store=tmp_path / "b.zarr")
+        assert not (tmp_path / "b.zarr").exists()
+    with dmi.load(model, hook_spec=spec, store=tmp_path / "b.zarr"):    # closed: loads again
+        pass
 
 
 def test_moe_ids_and_float32_weights_keep_their_dtype_in_bf16(encoded, write_spec, tmp_path):

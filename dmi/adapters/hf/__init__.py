@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import torch
 
-from ...errors import AnchorError
+from ...errors import AnchorError, DmiError
 from ...plan import Plan
-from ...siteop import SiteHandle, constant_sites
+from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
-from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, parameter_position, rewrite_forward, wrap_io
+from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, parameter_position, patch_module
 
 
 def transformers_version() -> str:
@@ -50,49 +50,58 @@ def _anchor_error(arch: Document, site_name: str, module, what: str) -> AnchorEr
         f"({inspect.getsourcefile(type(module))})")
 
 
+def check_unpatched(model: torch.nn.Module) -> None:
+    """Refuse a model another open run has patched: its sites would feed both runs' keys."""
+    for name, m in model.named_modules():
+        handles = m.__dict__.get(SITES_ATTR)
+        if handles:
+            other = run_of(next(iter(handles.values())).run)
+            raise DmiError(f"dmi.load: this {type(model).__name__} is already patched by an open run (module "
+                           f"{name or '(the model)'}, store {getattr(other, 'store', '?')}). Fix: close that run "
+                           f"(run.close(), or leave its with block) before loading another on the same model")
+
+
 def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
     """Patch every planned site into ``model``; returns a function that undoes it."""
-    source_edits: dict[torch.nn.Module, list[tuple[str, SourceEdit]]] = defaultdict(list)
-    io: dict[torch.nn.Module, tuple[list, list]] = defaultdict(lambda: ([], []))
+    edits: dict[torch.nn.Module, list[SourceEdit]] = defaultdict(list)
+    inputs: dict[torch.nn.Module, list] = defaultdict(list)
+    outputs: dict[torch.nn.Module, list] = defaultdict(list)
     handles: dict[torch.nn.Module, dict[str, SiteHandle]] = defaultdict(dict)
     for s in plan.sites:
         anchor = s.anchor
         module = _module(model, anchor["module"], s.layer)
         if module is None:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
-        handle = SiteHandle.of(run, s.index)
+        handles[module][s.canonical] = SiteHandle.of(run, s.index)
         if "assign" in anchor or "compute" in anchor:
-            source_edits[module].append((s.canonical, SourceEdit.of(s.canonical, anchor)))
-            handles[module][s.canonical] = handle
+            edits[module].append(SourceEdit.of(s.canonical, anchor))
         elif "input" in anchor:
             try:
                 pos, name = parameter_position(module, anchor["input"])
             except AnchorNotFound as e:
                 raise _anchor_error(arch, s.canonical, module, str(e)) from None
-            io[module][0].append((pos, name, handle))
+            inputs[module].append((pos, name, s.canonical))
         else:
-            io[module][1].append((anchor["output"], handle))
+            outputs[module].append((anchor["output"], s.canonical))
 
-    patched: list[torch.nn.Module] = []
+    undo: list = []
+    saved = {name: model.__dict__[name] for name in _STEP_ATTRS if name in model.__dict__}
 
     def detach() -> None:
-        for m in patched:
-            for name in ("forward", SITES_ATTR) + _STEP_ATTRS:
-                m.__dict__.pop(name, None)
+        for fn in reversed(undo):
+            fn()
+        undo.clear()
+        for name in _STEP_ATTRS:
+            model.__dict__.pop(name, None)
+        model.__dict__.update(saved)
 
     try:
-        for module, edits in source_edits.items():
+        for module, sites in handles.items():
+            mod_edits = tuple(sorted(edits[module], key=lambda e: e.canonical))
             try:
-                fn = rewrite_forward(type(module), tuple(sorted((e for _, e in edits), key=lambda e: e.canonical)))
+                undo.append(patch_module(module, sites, mod_edits, tuple(inputs[module]), tuple(outputs[module])))
             except AnchorNotFound as e:
-                raise _anchor_error(arch, e.site or edits[0][0], module, str(e)) from None
-            patched.append(module)
-            setattr(module, SITES_ATTR, handles[module])
-            bind_rewritten(module, fn)
-        for module, (inputs, outputs) in io.items():
-            patched.append(module)
-            wrap_io(module, inputs, outputs)
-        patched.append(model)
+                raise _anchor_error(arch, e.site or mod_edits[0].canonical, module, str(e)) from None
         _wrap_step(model, run)
     except BaseException:
         detach()            # a half-patched model is never handed back
@@ -113,7 +122,7 @@ def _step_inputs(given: dict) -> tuple:
 def _wrap_step(model: torch.nn.Module, run) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
     inner = model.forward
-    ticket, run_id = run.ticket, run.id
+    run_id = run.id
     traced = list(getattr(run.ring, "traced_views", {}).values()) or None   # step_end follows their writes (dmi.siteop)
     params = list(inspect.signature(inner).parameters)
 
@@ -126,6 +135,7 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
         past_len = cache.get_seq_length() if cache is not None else 0
         past_t = past_len if isinstance(past_len, torch.Tensor) else None      # static caches keep it on device
         mask = mask if isinstance(mask, torch.Tensor) else None
+        ticket = run_ticket(run_id)     # (where the site ops read it: one graph input)
         torch.ops.dmi.step_begin(tokens, mask, position_ids, 0 if past_t is not None else past_len,
                                  past_t, ticket, run_id)
         if torch.compiler.is_compiling():
@@ -171,4 +181,4 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     model.generate = generate_
 
 
-_STEP_ATTRS = ("prepare_inputs_for_generation", "get_compiled_call", "generate")
+_STEP_ATTRS = ("forward", "prepare_inputs_for_generation", "get_compiled_call", "generate")

@@ -5,11 +5,19 @@ Two mechanisms, chosen by the anchor kind of the architecture spec:
 * ``assign`` / ``compute`` anchors rewrite the class's ``forward`` from its source (AST): after
   the anchored assignment we insert ``var = __dmi_site__(self, "attn.q", var)``; after the
   anchored call we insert ``__dmi_compute__(self, "attn.pattern", ...)``. The rewritten function
-  is compiled once per class and bound to each observed instance.
-* ``input`` / ``output`` anchors wrap the instance's ``forward`` in a small function that passes
-  the tensor through the site op.
+  is compiled once per class.
+* ``input`` / ``output`` anchors wrap ``forward`` in a function generated once per class and
+  anchor set, with the argument positions, names and output indices written into its code.
 
-Instances that observe nothing keep their original ``forward``.
+An observed instance gets that forward through its class: its ``__class__`` becomes a subclass
+made once per (class, patched forward), with the original's name (:func:`patch_module`), and the
+instance holds only its sites' handles (``_dmi_sites``). A compiled forward then guards a patched
+module as any module, by its type, plus each handle's few attributes (an instance-level
+``forward`` closing over lists of handles cost ~10 guards a site more, evaluated before every
+call; perf/callcost.py). An instance that already has a ``forward`` of its own (accelerate's
+hooks) keeps it, with the patched forward bound on top.
+
+Instances that observe nothing keep their class.
 """
 from __future__ import annotations
 
@@ -156,28 +164,66 @@ def rewrite_forward(cls: type, edits: tuple[SourceEdit, ...]):
     return new_fn
 
 
-def wrap_io(module: torch.nn.Module, inputs: list[tuple[int, str, SiteHandle]], outputs: list[tuple[int, SiteHandle]]):
-    """Wrap ``module.forward`` so the named inputs and outputs pass through the site op."""
-    inner = module.forward
+def _call_prior(self, *args, **kwargs):
+    """An instance's own forward from before dmi patched it (accelerate's hooks)."""
+    return self._dmi_prior_forward(*args, **kwargs)
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if inputs:
-            args = list(args)
-            for pos, name, handle in inputs:
-                if pos < len(args):
-                    args[pos] = site(handle, args[pos])
-                elif name in kwargs:
-                    kwargs[name] = site(handle, kwargs[name])
-        out = inner(*args, **kwargs)
-        for index, handle in outputs:
-            if isinstance(out, (tuple, list)):
-                site(handle, out[index])
-            else:
-                site(handle, out)
-        return out
 
-    module.forward = forward
+@functools.lru_cache(maxsize=None)
+def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[tuple[int, str], ...]):
+    """``inner`` (a forward taking ``self``) with ``inputs`` ((position, name, canonical)) passed
+    through the site op before it and ``outputs`` ((index, canonical)) after it. Generated code:
+    positions, names and indices are constants of it, and its globals are its own (Dynamo guards
+    them once, whatever instance runs it)."""
+    lines = ["def forward(self, *args, **kwargs):", f"    sites = self.__dict__[{SITES_ATTR!r}]"]
+    for pos, name, canonical in inputs:
+        lines += [f"    if len(args) > {pos}:",
+                  f"        args = args[:{pos}] + (__dmi_capture__(sites[{canonical!r}], args[{pos}]),) + args[{pos + 1}:]",
+                  f"    elif {name!r} in kwargs:",
+                  f"        kwargs[{name!r}] = __dmi_capture__(sites[{canonical!r}], kwargs[{name!r}])"]
+    lines.append("    out = __dmi_inner__(self, *args, **kwargs)")
+    for index, canonical in outputs:
+        lines.append(f"    __dmi_capture__(sites[{canonical!r}], out[{index}] if isinstance(out, (tuple, list)) else out)")
+    lines.append("    return out")
+    scope = {"__dmi_capture__": site, "__dmi_inner__": inner}
+    exec(compile("\n".join(lines), f"<dmi: {getattr(inner, '__qualname__', 'forward')} with sites>", "exec"), scope)
+    fn = scope["forward"]
+    fn.__wrapped__, fn.__doc__ = inner, inner.__doc__
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def patched_class(cls: type, forward) -> type:
+    """``cls`` with ``forward`` as its forward: what an observed instance's ``__class__`` becomes."""
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__, "_dmi_unpatched": cls})
+
+
+def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits: tuple = (), inputs: tuple = (),
+                 outputs: tuple = ()):
+    """Patch one observed instance: ``edits`` (:class:`SourceEdit`, sorted) rewrite its class's
+    forward, ``inputs`` / ``outputs`` wrap it; ``handles``: its sites by canonical name. Returns
+    the function that undoes it. Raises AnchorNotFound before changing anything."""
+    cls = type(module)
+    prior = module.__dict__.get("forward")
+    inner = rewrite_forward(cls, edits) if edits else cls.forward if prior is None else _call_prior
+    forward = io_forward(inner, inputs, outputs) if inputs or outputs else inner
+    module.__dict__[SITES_ATTR] = handles
+    if prior is None:
+        module.__class__ = patched_class(cls, forward)
+
+        def undo():
+            module.__class__ = cls
+            module.__dict__.pop(SITES_ATTR, None)
+    else:
+        module.__dict__["_dmi_prior_forward"] = prior
+        module.forward = types.MethodType(forward, module)
+
+        def undo():
+            module.__dict__["forward"] = prior
+            for name in (SITES_ATTR, "_dmi_prior_forward"):
+                module.__dict__.pop(name, None)
+    return undo
 
 
 def parameter_position(module: torch.nn.Module, spec: int | str) -> tuple[int, str]:
