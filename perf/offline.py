@@ -296,8 +296,8 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
         record("vanilla", reps_of(vanilla, paired=False))
         ring = int(args.ring_gib * GiB) if args.ring_gib else ring_for(hid_prefill)
         if args.rounds and mode == "compiled":
-            return _rounds(model, dmodel, enc, kw, hidden_spec(ring, args.host_mib << 20), n_sites=L + 2, args=args,
-                           record=record, vanilla=vanilla, clocked=clocked)
+            return _rounds(model, dmodel, enc, kw, hidden_spec(ring, args.host_mib << 20, writer=args.writer),
+                           n_sites=L + 2, args=args, record=record, vanilla=vanilla, clocked=clocked)
         if args.aa_row:        # an unpatched twin timed as the dmi rows are: what alternating two models costs
             aa = twin(model)
             record("vanilla twin (A/A)", reps_of(lambda: aa.generate(**enc, **kw)), note="no dmi")
@@ -403,11 +403,12 @@ _COUNTED = ("bytes_drained", "dropped_captures", "stall_seconds")
 
 
 def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocked) -> None:
-    """``--rounds N``: the A/A twin, dmi null and dmi hidden+logits -> host timed round-robin, N
-    rounds, the order rotating each round, every run right after a timed vanilla run. Each row then
-    meets the same alternation of compiled models (which slows vanilla's own runs by 5-7 %, RESULTS.md)
-    and the same drift of the host, so the A/A row is the others' calibration: a dmi row's cost is
-    its paired ratio against the A/A row's, not against 1."""
+    """``--rounds N``: the A/A twin, dmi null, dmi hidden+logits -> host and (unless ``--no-zarr``)
+    -> zarr (``--writer``) timed round-robin, N rounds, the order rotating each round, every run
+    right after a timed vanilla run. Each row then meets the same alternation of compiled models
+    (which slows vanilla's own runs by 5-7 %, RESULTS.md) and the same drift of the host, so the A/A
+    row is the others' calibration: a dmi row's cost is its paired ratio against the A/A row's, not
+    against 1. The Zarr row's store grows by a run's bytes each round (6 GB for Qwen3-8B batch 32)."""
     aa = twin(model)
     sd = store_dir()
     run = dmi.load(dmodel, hook_spec=spec, store=sd / "hidden.zarr", overwrite=True)
@@ -424,8 +425,14 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
             dmodel.generate(**enc, **kw)
             run.flush()
 
+    def stored():
+        dmodel.generate(**enc, **kw)
+        run.flush()
+
     configs = [("vanilla twin (A/A)", lambda: aa.generate(**enc, **kw), False),
                ("dmi null", null, True), ("dmi hidden+logits -> host", hidden, True)]
+    if not args.no_zarr:
+        configs.append((f"dmi hidden+logits -> zarr ({args.writer})", stored, True))
     runs = {label: ([], [], [], [], dict.fromkeys(_COUNTED, 0)) for label, _, _ in configs}
     try:
         for _, fn, _ in configs:
@@ -532,8 +539,9 @@ def main(argv=None):
                     help="also an unpatched twin of the model (its own compile), timed paired with vanilla as the "
                          "dmi rows are: the A/A ratio, what alternating two models costs without dmi")
     ap.add_argument("--rounds", type=int, default=0,
-                    help="compiled mode: time the A/A twin, dmi null and dmi hidden+logits -> host round-robin, this "
-                         "many rounds, each run paired with a vanilla run (the other rows and options are skipped)")
+                    help="compiled mode: time the A/A twin, dmi null, dmi hidden+logits -> host and (unless --no-zarr) "
+                         "-> zarr round-robin, this many rounds, each run paired with a vanilla run (the other rows "
+                         "and options are skipped)")
     ap.add_argument("--ahead-row", action="store_true",
                     help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
     ap.add_argument("--timer-row", action="store_true",
