@@ -51,7 +51,7 @@ def _anchor_error(arch: Document, site_name: str, module, what: str) -> AnchorEr
 
 
 def check_unpatched(model: torch.nn.Module) -> None:
-    """Refuse a model another open run has patched: its sites would feed both runs' keys."""
+    """Refuse a model another open run has patched: its sites would feed both runs."""
     for name, m in model.named_modules():
         handles = m.__dict__.get(SITES_ATTR)
         if handles:
