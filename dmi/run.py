@@ -63,9 +63,6 @@ class Run:
         # each site's identity as a tensor the site ops take (dmi.siteop: compiled layers stay alike)
         self.site_tensors = [torch.full((1,), s.index, dtype=torch.int64, device=device) for s in plan.sites]
         self._site_of = {t.data_ptr(): i for i, t in enumerate(self.site_tensors)}
-        # the sites compiled code captures as traced torch ops (dmi.kernels.traced; DMI_TRACED=1), by index
-        traced = getattr(self.ring, "traced_site", None)
-        self.traced_sites = {s.index: t for s in plan.sites if traced and (t := traced(s.index)) is not None}
         self._cuda = device.type == "cuda"
         if self._cuda:   # the site ops' inputs (the ticket they mutate) in CUDA graphs: static addresses, never copied
             for t in (self.ticket, *self.site_tensors):

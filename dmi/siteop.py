@@ -137,7 +137,8 @@ class SiteHandle:
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
         """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
-        return cls(run.id, site, run.site_tensors[site], run.traced_sites.get(site))
+        traced = getattr(run.ring, "traced_site", None)
+        return cls(run.id, site, run.site_tensors[site], traced(site) if traced is not None else None)
 
 
 def run_ticket(run_id: int) -> torch.Tensor:

@@ -217,7 +217,7 @@ def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits:
             module.__dict__.pop(SITES_ATTR, None)
     else:
         module.__dict__["_dmi_prior_forward"] = prior
-        module.forward = types.MethodType(forward, module)
+        bind_rewritten(module, forward)
 
         def undo():
             module.__dict__["forward"] = prior
