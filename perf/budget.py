@@ -2,7 +2,7 @@
 the model at vanilla speed (dropping, and recording what it dropped), ``full`` must slow it down
 smoothly (stalling, losing nothing). One process on the GPU, ratios against vanilla.
 
-    python perf/budget.py [--model qwen3-8b] [--batch 32] [--new 128] [--caps 0.25,0.5,1.0]
+    python perf/budget.py [--model qwen3-8b] [--batch 32] [--new 128] [--caps 0.25,0.5,1.0] [--rounds N]
 
 ``--caps`` are fractions of the uncapped run's measured capture rate (bytes per second of
 generate). Store writes are skipped (as perf/offline.py's "-> host" rows): the cap is on the
@@ -11,6 +11,12 @@ copies to the host. One run, one compiled graph: the policy changes between conf
 unpatched twin (ratio = median vanilla / median configuration); each configuration is also
 profiled once for its GPU busy time per step (GPU ratio), which the host-bound wall time of
 compiled generate does not show reliably (perf/RESULTS.md).
+
+``--rounds N``: the configurations and an unpatched twin of the model (A/A) take turns instead,
+N rounds, the order rotating each round, every run right after a vanilla run, as perf/offline.py's
+``--rounds``: each row meets the same alternation of compiled models and the same drift of the
+host, and is also given over the A/A row's median pair (what alternating two models costs the
+harness without dmi). The caps are fractions of the capture rate of the last uncapped warm-up run.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--caps", default="0.25,0.5,1.0")
+    ap.add_argument("--rounds", type=int, default=0, help="round-robin with an A/A twin row, this many rounds")
     ap.add_argument("--copy-at-step", action="store_true", help="the CUDA ring copies each step out as the next "
                     "begins (DMI_COPY_AT_STEP=1)")
     args = ap.parse_args(argv)
@@ -59,11 +66,17 @@ def main(argv=None) -> None:
         run = dmi.load(dmodel, hook_spec=spec, store=sd / "budget.zarr", overwrite=True)
         if hasattr(run.ring, "copy_at_step"):
             run.ring.copy_at_step = args.copy_at_step
+        configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
+                                                      for m in ("best_effort", "full")]
+        if args.rounds:
+            try:
+                _rounds(model, dmodel, run, enc, kw, configs, args, v_prof)
+            finally:
+                run.close()
+            return
         print("| policy | cap GB/s | ratio | GPU ratio | compute ratio | s (median) | stall s/run | captured GB/run "
               "| dropped GB/run | drop fraction |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
-                                                      for m in ("best_effort", "full")]
         rate = None
         try:
             with Skip(run):
@@ -96,6 +109,70 @@ def main(argv=None) -> None:
                           f"{dropped / max(got + dropped, 1):.3f} |", flush=True)
         finally:
             run.close()
+
+
+def _rounds(model, dmodel, run, enc, kw, configs, args, v_prof) -> None:
+    """``--rounds N``: the A/A twin and every (mode, cap) configuration round-robin (module doc)."""
+    aa = twin(model)
+    profile = v_prof is not None
+
+    def vanilla():
+        model.generate(**enc, **kw)
+
+    def setup(mode, cap, rate):
+        run.set_enabled(mode != "null")
+        if mode != "null":
+            run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else max(int(cap * rate), 1))
+
+    def go():
+        dmodel.generate(**enc, **kw)
+        run.flush()
+
+    with Skip(run):
+        aa.generate(**enc, **kw), aa.generate(**enc, **kw)       # compiles the twin
+        setup("full", None, None)
+        go()                                                     # compiles dmi's graph
+        before = run.stats()
+        t = timed(go)
+        rate = (run.stats()["bytes_drained"] - before["bytes_drained"]) / t
+        rows = [("vanilla twin (A/A)", None, None)] + [(f"{m} ({'uncapped' if c is None else f'{c:.2f} x rate'})", m, c)
+                                                       for m, c in configs]
+        pairs = {label: [] for label, *_ in rows}
+        sums = {label: dict.fromkeys(("bytes_drained", "dropped_bytes", "stall_seconds"), 0.0) for label, *_ in rows}
+        times = {label: [] for label, *_ in rows}
+        for r in range(args.rounds):
+            k = r % len(rows)
+            for label, mode, cap in rows[k:] + rows[:k]:
+                if mode is not None:
+                    setup(mode, cap, rate)
+                v = timed(vanilla)
+                before = run.stats()
+                t = timed(go if mode is not None else lambda: aa.generate(**enc, **kw))
+                after = run.stats()
+                pairs[label].append(v / t)
+                times[label].append(t)
+                for key in sums[label]:
+                    sums[label][key] += after[key] - before[key]
+    aa_pair = statistics.median(pairs[rows[0][0]])
+    print(f"uncapped capture rate {rate / 1e9:.2f} GB/s; {args.rounds} rounds, each run after a vanilla run; "
+          f"the A/A row's median pair {aa_pair:.3f}")
+    print("| policy | cap GB/s | pairs (low / median / high) | over A/A | GPU ratio | compute ratio | s (median) "
+          "| stall s/run | captured GB/run | dropped GB/run | drop fraction |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    n = args.rounds
+    for label, mode, cap in rows:
+        p = sorted(pairs[label])
+        gpu = " | "
+        if profile and mode is not None:
+            setup(mode, cap, rate)
+            with Skip(run):
+                prof = gpu_profile(go, args.new)
+            gpu = f"{v_prof['busy_ms'] / prof['busy_ms']:.3f} | {v_prof['compute_ms'] / prof['compute_ms']:.3f}"
+        got, dropped, stall = (sums[label][k] / n for k in ("bytes_drained", "dropped_bytes", "stall_seconds"))
+        over = "" if mode is None else f"**{statistics.median(p) / aa_pair:.3f}**"
+        print(f"| {label} | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {p[0]:.3f} / {statistics.median(p):.3f} / "
+              f"{p[-1]:.3f} | {over} | {gpu} | {statistics.median(times[label]):.3f} | {stall:.3f} | {got / 1e9:.2f} | "
+              f"{dropped / 1e9:.2f} | {dropped / max(got + dropped, 1):.3f} |", flush=True)
 
 
 if __name__ == "__main__":
