@@ -18,6 +18,7 @@ from .plan import Plan, check_policy_fits
 from .spec import parse_bytes
 from .ring import Ring, StepLayout, make_ring
 from .siteop import register_run, unregister_run
+from .subscribers import Subscribers, Subscription
 from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
 
 _STOP = object()
@@ -58,6 +59,8 @@ class Run:
                                             _run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,
                                             resume=resume, tp=tp)
         self.store = str(self.exporter.path)
+        self._tp = tp is not None
+        self.subscribers = Subscribers(plan, str(self.dtype).removeprefix("torch."))
         self.id = register_run(self)
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)
         # each site's identity as a tensor the site ops take (dmi.siteop: compiled layers stay alike)
@@ -622,6 +625,8 @@ class Run:
             for ctrl, records, _ in steps:
                 try:
                     self.exporter.write_step(ctrl, records, self.requests.ids, self.ring.stats.drops)
+                    if self.subscribers:
+                        self.subscribers.deliver(ctrl, records, self.requests.ids)
                 except BaseException as e:     # surfaces in the caller's next step, flush or close
                     self._fail(e)
                 finally:
@@ -685,6 +690,21 @@ class Run:
                 "dropped_bytes": sum(d.bytes for d in drops), "drops_by_reason": by_reason,
                 "requests": len(self.requests.ids), "committed_step": exp.committed_step,
                 "store_bytes": exp.store_bytes, "store_error": None if exp.error is None else str(exp.error)}
+
+    def subscribe(self, fn, sites: str | list[str] | None = None) -> Subscription:
+        """Call ``fn(captures)`` with each drained step's captures of ``sites`` (names, canonical
+        names or globs of the captured sites; None: all): ``captures`` maps each site's full name to
+        a :class:`dmi.subscribers.Capture` (its rows, their request, position and phase, the values
+        as numpy arrays the function may keep). Calls run on the export thread, in step order, each
+        step once; an exception stops capture and reaches the caller at its next step, ``flush()``
+        or ``close()``. Steps already drained are not replayed. ``.cancel()`` on the returned
+        subscription stops it."""
+        if self._tp:
+            raise CaptureError("subscribe: not supported with tensor parallelism (each rank drains only its "
+                               "shard of a site). Fix: subscribe on a run without tensor parallelism")
+        if self._closed:
+            raise CaptureError(f"subscribe: the run of {self.store} is closed. Fix: subscribe before close()")
+        return self.subscribers.add(fn, sites)
 
     def set_request_ids(self, ids: list[str] | None = None, *, capture=None) -> None:
         """Name the rows of the next batch this thread starts (else they are r0, r1, ...) and,

@@ -201,6 +201,8 @@ def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path
             "policy": {"ring_bytes": "32MiB"}, "store": {"writer": writer}}
     run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm",
                    **ENGINE, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+    live: list[dict] = []
+    run.subscribe(live.append, sites=["final_norm", "logits"])       # live subscriber: the store's rows, as they drain
     prefix = rng.integers(3, 300, size=BLOCK + 12).tolist()
     try:
         seqs = generate(run, [{"prompt_token_ids": prefix + [7, 8]}], SamplingParams(max_tokens=2, temperature=0))
@@ -226,6 +228,12 @@ def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path
         hits += start > 0
     assert hits >= 1, "no prefix-cache hit happened: the test lost its point"
     assert_accounting(tree)
+    for site in ("final_norm", "logits"):
+        got = [c[site] for c in live if site in c]
+        ds = tree[site].dataset
+        np.testing.assert_array_equal(np.concatenate([g.values[site] for g in got]), ds[site].values)
+        np.testing.assert_array_equal(np.concatenate([g.request for g in got]), ds.request.values)
+        np.testing.assert_array_equal(np.concatenate([g.position for g in got]), ds.position.values)
 
 
 def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
@@ -410,6 +418,8 @@ def test_engine_in_another_process(tmp_path, monkeypatch):
     run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
     try:
         assert run.run is None                                  # not in this process
+        with pytest.raises(dmi.DmiError, match="subscribe: vLLM's engine runs in another process"):
+            run.subscribe(print)
         seqs = generate(run, PROMPTS, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         run.close()
         tree = dmi.open(tmp_path / "v.zarr")

@@ -42,6 +42,14 @@ class VllmRun:
     def stats(self) -> dict:
         return self.run.stats() if self.run is not None else {}
 
+    def subscribe(self, fn, sites=None):
+        """:meth:`dmi.run.Run.subscribe` on the engine's run: needs the engine in this process
+        (``dmi.load`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless told otherwise)."""
+        if self.run is None:
+            raise DmiError("subscribe: vLLM's engine runs in another process, where the captures are drained. "
+                           "Fix: load with VLLM_ENABLE_V1_MULTIPROCESSING=0 (dmi.load's default), or read the store")
+        return self.run.subscribe(fn, sites)
+
     def refused_requests(self) -> dict[str, str]:
         """Request id -> why its dmi options were narrowed in the worker (in-process engines)."""
         return dict(self._session.gate.refused) if self._session is not None else {}
