@@ -96,7 +96,7 @@ class Subscribers:
         if not subs:
             return
         wanted = frozenset().union(*(s.sites for s in subs))
-        captures = {c_index: c for c_index, c in self._decode(ctrl, records, request_ids, wanted)}
+        captures = dict(self._decode(ctrl, records, request_ids, wanted))
         for sub in subs:
             mine = {c.site: c for i, c in captures.items() if i in sub.sites}
             if not mine:
@@ -110,7 +110,9 @@ class Subscribers:
     def _decode(self, ctrl, records, request_ids, wanted: frozenset[int]):
         """(site index, Capture) of each record of a subscribed site."""
         tokens = ctrl.tokens
-        ids = np.asarray(request_ids, dtype=object)
+        # the step's requests' names, looked up once (the table grows with every request served)
+        in_step = np.unique(tokens.request)
+        names = np.array([request_ids[i] for i in in_step.tolist()], dtype=object)
         for slot, rec, data in records:
             if slot.site not in wanted:
                 continue
@@ -130,5 +132,6 @@ class Subscribers:
                 nb = n * o.row_elems * dtype.itemsize
                 values[o.name] = data[offset:offset + nb].view(dtype).reshape(n, *o.shape).copy()
                 offset += nb
-            yield slot.site, Capture(ctrl.step, site.name, ids[tokens.request[sel]], tokens.position[sel].copy(),
+            yield slot.site, Capture(ctrl.step, site.name, names[np.searchsorted(in_step, tokens.request[sel])],
+                                     tokens.position[sel].copy(),
                                      _PHASES[tokens.phase[sel]], values)
