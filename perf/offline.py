@@ -17,6 +17,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   "-> zarr": written to a Zarr store (timed until the last row is in the store);
   "-> host": the same capture drained to pinned host memory with the store writes skipped
   (timed until the last row is on the host): the capture path without the exporter;
+* "-> host + live probe" (``--probe-row``; in ``--rounds`` too): the same with a live subscriber
+  (``Run.subscribe``) dotting the middle layer's ``resid_post`` rows with a direction as each step
+  drains, on the export thread;
 * "-> host, begun at forward" (``--ahead-row``, compiled mode): the same with each decode step
   begun right before its forward (``DMI_STEP_AHEAD=0``), where generate()'s GPU waits for it,
   instead of while the GPU runs the step before (``Run._begin_ahead``, the default);
@@ -207,6 +210,27 @@ class Skip:
         self.run.exporter.write_step = self.saved
 
 
+def probed(run, fn):
+    """``fn`` with a live linear probe subscribed (``Run.subscribe``): a random direction dotted with
+    every row of the middle layer's residual stream, each step as it drains (what a safety team's
+    probe does), cancelled after."""
+    mid = run.plan.sites[len(run.plan.sites) // 2]
+    w = np.random.default_rng(0).standard_normal(mid.shape[-1]).astype(np.float32)
+    scores = []
+
+    def probe(captures):
+        for c in captures.values():
+            scores.append(c.values[mid.canonical.split(".")[-1]].astype(np.float32) @ w)
+
+    def go():
+        sub = run.subscribe(probe, sites=mid.name)
+        try:
+            fn()
+        finally:
+            sub.cancel()
+    return go
+
+
 def store_dir() -> Path:
     shm = Path("/dev/shm")
     if shm.exists() and shutil.disk_usage(shm).free > 48 * GiB:
@@ -330,6 +354,9 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                 return skip
             record("dmi hidden+logits -> host", reps_of(stepped(run, False), run=run), run, sites=n_hidden,
                    note=f"ring {ring / GiB:.2f} GiB, {run.steps_ahead[0]} steps begun ahead")
+            if args.probe_row:
+                record("dmi hidden+logits -> host + live probe", reps_of(probed(run, stepped(run, False)), run=run),
+                       run, sites=n_hidden, note="a subscriber scoring the middle layer's rows")
             if run.step_ahead and args.ahead_row and mode == "compiled":
                 run.step_ahead = False             # each decode step begun before its forward, as before
                 record("dmi hidden+logits -> host, begun at forward", reps_of(stepped(run, False), run=run), run,
@@ -431,6 +458,8 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
 
     configs = [("vanilla twin (A/A)", lambda: aa.generate(**enc, **kw), False),
                ("dmi null", null, True), ("dmi hidden+logits -> host", hidden, True)]
+    if args.probe_row:
+        configs.append(("dmi hidden+logits -> host + live probe", probed(run, hidden), True))
     if not args.no_zarr:
         configs.append((f"dmi hidden+logits -> zarr ({args.writer})", stored, True))
     runs = {label: ([], [], [], [], dict.fromkeys(_COUNTED, 0)) for label, _, _ in configs}
@@ -542,6 +571,8 @@ def main(argv=None):
                     help="compiled mode: time the A/A twin, dmi null, dmi hidden+logits -> host and (unless --no-zarr) "
                          "-> zarr round-robin, this many rounds, each run paired with a vanilla run (the other rows "
                          "and options are skipped)")
+    ap.add_argument("--probe-row", action="store_true",
+                    help="also the host row with a live subscriber (Run.subscribe) scoring the middle layer's rows")
     ap.add_argument("--ahead-row", action="store_true",
                     help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
     ap.add_argument("--timer-row", action="store_true",
