@@ -18,6 +18,12 @@ the host work depends on the number of inputs and sites, not their size):
 Each is timed in rotation (``--reps`` rounds of 200 calls; thread CPU time per call: median, 10th
 percentile, minimum). ``--skip-guards`` runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``,
 which leaves the prologue and wrappers.
+
+``--generate N``: whole ``generate()`` calls instead, of 4 and of 4 + N new tokens (static cache, its
+compiled forward on the same replaying backend, so each decode step is generate()'s host work around
+a call that computes nothing): vanilla, the A/A twin and dmi null, in rotation; a decode step's
+thread CPU and wall time are the median over rounds of the two lengths' difference over N. Beside the compiled call, this counts what dmi adds to generate()'s own loop (its
+wrappers of ``generate``, ``prepare_inputs_for_generation`` and the compiled call: ``Run.stepped``).
 """
 from __future__ import annotations
 
@@ -80,7 +86,10 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--skip-guards", action="store_true")
+    ap.add_argument("--generate", type=int, default=0, metavar="N", help="time generate() of N new tokens instead")
     args = ap.parse_args(argv)
+    if args.generate:
+        return generate_cost(args)
     import transformers as tf
     cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
@@ -126,6 +135,62 @@ def main(argv=None) -> None:
         ts = sorted(ts)
         med = statistics.median(ts)
         print(f"| {label} | {med:.0f} | {ts[len(ts) // 10]:.0f} | {ts[0]:.0f} | {med - base:+.0f} |")
+
+
+def generate_cost(args) -> None:
+    """``--generate N`` (module doc): each configuration's generate() of 4 and of 4 + N tokens in
+    rotation; a decode step's cost is the median over rounds of their difference over N (the eager
+    prefill, the same in both, cancels)."""
+    import transformers as tf
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    spec = hidden_spec(64 << 20, 64 << 20)
+    spec["capture"] = [{"sites": args.sites.split(",")}]
+    enc = {"input_ids": torch.randint(3, cfg.vocab_size, (args.batch, 16)),
+           "attention_mask": torch.ones(args.batch, 16, dtype=torch.long)}
+    short, n = 4, args.generate
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        # one static graph per cache length (the replayed outputs have the shapes of the first call)
+        stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64))
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        models = {"vanilla": model, "A/A twin": twin(model)}
+        run = stack.enter_context(dmi.load(twin(model), hook_spec=spec, store=store / "null.zarr"))
+        run.set_enabled(False)
+        models["dmi null"] = run.model
+        configs = {}
+        for label, m in models.items():
+            config = tf.CompileConfig(backend=replaying_backend(), fullgraph=True, mode=None)
+            config._compile_all_devices = True      # (transformers compiles for CUDA devices only unless told)
+            configs[label] = config
+            for new in (short, short + n):
+                m.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           cache_implementation="static", compile_config=config)
+        print(f"{args.layers} layers, {len(run.plan.sites)} sites ({args.sites}), batch {args.batch}: generate() of "
+              f"{short} and of {short + n} tokens; µs per decode step (median over rounds of the difference / {n})")
+        times: dict = {(label, new, clock): [] for label in models for new in (short, short + n)
+                       for clock in ("cpu", "wall")}
+        for r in range(args.reps):
+            order = list(models)[r % len(models):] + list(models)[:r % len(models)]
+            for label in order:
+                for new in (short, short + n):
+                    t, w = time.thread_time(), time.perf_counter()
+                    models[label].generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                           cache_implementation="static", compile_config=configs[label])
+                    times[label, new, "cpu"].append(time.thread_time() - t)
+                    times[label, new, "wall"].append(time.perf_counter() - w)
+
+    def step(label, clock):      # each round's long call less its short call, right before it: the median
+        return statistics.median((a - b) / n * 1e6 for a, b in zip(times[label, short + n, clock],
+                                                                   times[label, short, clock]))
+    base = {clock: step("A/A twin", clock) for clock in ("cpu", "wall")}
+    print("| generate | thread CPU | - A/A | wall | - A/A |\n| --- | ---: | ---: | ---: | ---: |")
+    for label in models:
+        c, w = step(label, "cpu"), step(label, "wall")
+        print(f"| {label} | {c:.0f} | {c - base['cpu']:+.0f} | {w:.0f} | {w - base['wall']:+.0f} |")
 
 
 if __name__ == "__main__":

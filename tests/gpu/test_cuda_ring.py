@@ -264,7 +264,9 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
               compile_config=CompileConfig(mode="reduce-overhead"), output_logits=True, return_dict_in_generate=True)
     torch._dynamo.reset()
     counters.clear()
+    live: list[dict] = []
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "s.zarr") as run:
+        run.subscribe(live.append, sites="logits")         # a live subscriber: the store's rows as they drain
         first = run.model.generate(**enc, **kw)             # compiles; cudagraph warm-up and recording
         second = run.model.generate(**enc, **kw)            # replays
         stats = run.stats()
@@ -284,6 +286,8 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
     lg = tree["logits"].dataset
     want = torch.cat([torch.cat(first.logits), torch.cat(second.logits)]).float().cpu().numpy()
     np.testing.assert_array_equal(lg.logits.values, want)       # every replay stored its own step
+    assert [c["logits"].step for c in live] == list(range(2 * new))
+    np.testing.assert_array_equal(np.concatenate([c["logits"].values["logits"] for c in live]).astype(np.float32), want)
     mask = encoded["attention_mask"]
     B = mask.shape[0]
     fin = tree["final_norm"].dataset
