@@ -126,3 +126,36 @@ def test_subscribe_refuses_sites_not_captured_and_cancel_stops_calls(encoded, wr
     assert len(rec.calls) == 2 and sub.steps == 2
     with pytest.raises(dmi.CaptureError, match="closed"):
         run.subscribe(rec)
+
+
+def test_a_slow_subscriber_under_best_effort_drops_and_counts_what_it_never_saw(encoded, write_spec, tmp_path):
+    """A subscriber slower than the model holds host staging as a slow store does: under
+    ``best_effort`` the ring then drops whole captures (never stalls), each one counted; the
+    subscriber sees exactly the rows the store keeps, and stored + dropped = selected per site."""
+    model, _ = model_pair("qwen3")
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post, final_norm]
+        policy: {mode: best_effort, ring_bytes: 40KiB, host_bytes: 16KiB}
+    """)
+    seen, released = Recorder(), threading.Event()
+
+    def slow(captures):
+        released.wait(30)          # holds the first step's staging until generate() returned
+        seen(captures)
+
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.subscribe(slow)
+        run.model.generate(**encoded, max_new_tokens=40, do_sample=False)     # never waits for the subscriber
+        released.set()
+        stats = run.stats()
+    assert stats["dropped_captures"] > 0 and stats["stall_seconds"] == 0
+    tree = dmi.open(tmp_path / "o.zarr")
+    a = tree.attrs
+    for site, n in a["rows_selected"].items():
+        assert n == a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site], site
+    assert a["rows_dropped"]["final_norm"] > 0
+    fin = tree["final_norm"].dataset
+    np.testing.assert_array_equal(seen.rows("final_norm"), fin.final_norm.values)
+    np.testing.assert_array_equal(seen.rows("final_norm", "step"), fin.step.values)
+    np.testing.assert_array_equal(seen.rows("final_norm", "position"), fin.position.values)
