@@ -66,6 +66,19 @@ def replaying_backend():
     return aot_autograd(fw_compiler=fw)
 
 
+def tiny_setup(args):
+    """(config, model, hook spec): a tiny-width Qwen3 of ``--layers`` layers and ``--sites`` of every layer."""
+    import transformers as tf
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    spec = hidden_spec(64 << 20, 64 << 20)
+    spec["capture"] = [{"sites": args.sites.split(",")}]
+    return cfg, model, spec
+
+
 def decode_inputs(model, cfg, batch: int, prompt: int) -> dict:
     """A static cache after a prefill of ``prompt`` tokens, and one decode step's arguments."""
     import transformers as tf
@@ -90,14 +103,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.generate:
         return generate_cost(args)
-    import transformers as tf
-    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    spec = hidden_spec(64 << 20, 64 << 20)
-    spec["capture"] = [{"sites": args.sites.split(",")}]
+    cfg, model, spec = tiny_setup(args)
     runs, calls = [], {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
@@ -142,13 +148,7 @@ def generate_cost(args) -> None:
     rotation; a decode step's cost is the median over rounds of their difference over N (the eager
     prefill, the same in both, cancels)."""
     import transformers as tf
-    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    spec = hidden_spec(64 << 20, 64 << 20)
-    spec["capture"] = [{"sites": args.sites.split(",")}]
+    cfg, model, spec = tiny_setup(args)
     enc = {"input_ids": torch.randint(3, cfg.vocab_size, (args.batch, 16)),
            "attention_mask": torch.ones(args.batch, 16, dtype=torch.long)}
     short, n = 4, args.generate
