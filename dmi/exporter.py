@@ -346,6 +346,23 @@ def _view(raw: np.ndarray, dtype: str) -> np.ndarray:
     return raw.view(np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
 
 
+def computed_rows(tokens, slot, rec) -> np.ndarray:
+    """The step rows a site's record holds: every selected row of ``slot``, or for a tensor the
+    engine holds only in part (vLLM's logits: the step's last ``src_seq`` rows) those it computed."""
+    return slot.sel[tokens.local[slot.sel] >= tokens.seq - int(rec["src_seq"])]
+
+
+def output_views(outputs, n: int, data: np.ndarray, capture_dtype: str) -> dict[str, np.ndarray]:
+    """A record's bytes as each stored output's ``[n, *shape]`` view (bfloat16 as its uint16 bits)."""
+    arrays, offset = {}, 0
+    for o in outputs:
+        src = capture_dtype if o.kind == "float" else o.kind
+        nb = n * o.row_elems * ITEMSIZE[src]
+        arrays[o.name] = _view(data[offset:offset + nb], src).reshape(n, *o.shape)
+        offset += nb
+    return arrays
+
+
 def _copy_all(jobs) -> None:
     for dst, src in jobs:
         _copy_rows(dst, src)
@@ -617,8 +634,7 @@ class ZarrExporter:
             if not present:
                 continue
             slot, rec, _ = present[0]
-            keep = tokens.local[slot.sel] >= tokens.seq - int(rec["src_seq"])
-            sel = slot.sel[keep]
+            sel = computed_rows(tokens, slot, rec)
             for s, item in zip(g.sites, got):
                 if item is not None:
                     entry.nc[s.index] += len(slot.sel) - len(sel)
@@ -648,15 +664,9 @@ class ZarrExporter:
             _, rec, data = item
             if int(rec["rows"]) != n:
                 raise StoreError(f"site {s.name}: record has {int(rec['rows'])} rows, expected {n}")
-            arrays, offset = {}, 0
-            for o in outputs:
-                src = self.capture_dtype if o.kind == "float" else o.kind
-                nb = n * o.row_elems * ITEMSIZE[src]
-                arrays[o.name] = _view(data[offset:offset + nb], src).reshape(n, *o.shape)
-                offset += nb
             entry.stored[s.index] += n
             entry.bytes[s.index] += len(data)
-            yield li, arrays
+            yield li, output_views(outputs, n, data, self.capture_dtype)
 
     def _append(self, g: GroupBuffer, n: int, cols: dict, srcs: dict | None = None) -> None:
         """Copy n rows into the open chunk(s) of a group; a chunk that fills goes to the writers."""

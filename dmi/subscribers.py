@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import CaptureError, SpecError
-from .exporter import _PHASES
+from .exporter import _PHASES, computed_rows, output_views
 from .plan import Plan
 from .zdtype import BF16
 
@@ -117,21 +117,13 @@ class Subscribers:
             if slot.site not in wanted:
                 continue
             site = self.plan.sites[slot.site]
-            # rows of a tensor the engine holds only in part (vLLM's logits): those it computed, as
-            # the exporter keeps them (ZarrExporter._rows)
-            keep = tokens.local[slot.sel] >= tokens.seq - int(rec["src_seq"])
-            sel = slot.sel[keep]
+            sel = computed_rows(tokens, slot, rec)          # the rows the store keeps of this record
             n = len(sel)
             if int(rec["rows"]) != n:
                 raise CaptureError(f"site {site.name}: step {ctrl.step}'s record has {int(rec['rows'])} rows, "
                                    f"expected {n}")
-            values, offset = {}, 0
-            for o in site.outputs:
-                kind = self.capture_dtype if o.kind == "float" else o.kind
-                dtype = BF16 if kind == "bfloat16" else np.dtype(kind)
-                nb = n * o.row_elems * dtype.itemsize
-                values[o.name] = data[offset:offset + nb].view(dtype).reshape(n, *o.shape).copy()
-                offset += nb
+            values = {name: (v.view(BF16) if v.dtype == np.uint16 else v).copy()     # (uint16: bfloat16's bits)
+                      for name, v in output_views(site.outputs, n, data, self.capture_dtype).items()}
             yield slot.site, Capture(ctrl.step, site.name, names[np.searchsorted(in_step, tokens.request[sel])],
                                      tokens.position[sel].copy(),
                                      _PHASES[tokens.phase[sel]], values)

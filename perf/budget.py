@@ -68,9 +68,13 @@ def main(argv=None) -> None:
             run.ring.copy_at_step = args.copy_at_step
         configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
                                                       for m in ("best_effort", "full")]
+
+        def go():
+            dmodel.generate(**enc, **kw)
+            run.flush()
         if args.rounds:
             try:
-                _rounds(model, dmodel, run, enc, kw, configs, args, v_prof)
+                _rounds(model, run, gen, go, enc, kw, configs, args, v_prof)
             finally:
                 run.close()
             return
@@ -80,13 +84,8 @@ def main(argv=None) -> None:
         rate = None
         try:
             with Skip(run):
-                def go():
-                    dmodel.generate(**enc, **kw)
-                    run.flush()
                 for mode, cap in configs:
-                    run.set_enabled(mode != "null")
-                    if mode != "null":
-                        run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else int(cap * rate))
+                    set_policy(run, mode, cap, rate)
                     go(), go()            # the first compiles and records the graph; then warm
                     before = run.stats()
                     times, vtimes = [], []
@@ -111,26 +110,22 @@ def main(argv=None) -> None:
             run.close()
 
 
-def _rounds(model, dmodel, run, enc, kw, configs, args, v_prof) -> None:
-    """``--rounds N``: the A/A twin and every (mode, cap) configuration round-robin (module doc)."""
+def set_policy(run, mode: str, cap: float | None, rate: float | None) -> None:
+    """A configuration on the live run: null mode, or ``mode`` capped at ``cap`` x ``rate`` bytes/s."""
+    run.set_enabled(mode != "null")
+    if mode != "null":
+        run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else int(cap * rate))
+
+
+def _rounds(model, run, vanilla, go, enc, kw, configs, args, v_prof) -> None:
+    """``--rounds N``: the A/A twin and every (mode, cap) configuration round-robin (module doc);
+    ``vanilla`` and ``go`` run the unpatched model and the dmi run's generate."""
     aa = twin(model)
     profile = v_prof is not None
 
-    def vanilla():
-        model.generate(**enc, **kw)
-
-    def setup(mode, cap, rate):
-        run.set_enabled(mode != "null")
-        if mode != "null":
-            run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else max(int(cap * rate), 1))
-
-    def go():
-        dmodel.generate(**enc, **kw)
-        run.flush()
-
     with Skip(run):
         aa.generate(**enc, **kw), aa.generate(**enc, **kw)       # compiles the twin
-        setup("full", None, None)
+        set_policy(run, "full", None, None)
         go()                                                     # compiles dmi's graph
         before = run.stats()
         t = timed(go)
@@ -144,7 +139,7 @@ def _rounds(model, dmodel, run, enc, kw, configs, args, v_prof) -> None:
             k = r % len(rows)
             for label, mode, cap in rows[k:] + rows[:k]:
                 if mode is not None:
-                    setup(mode, cap, rate)
+                    set_policy(run, mode, cap, rate)
                 v = timed(vanilla)
                 before = run.stats()
                 t = timed(go if mode is not None else lambda: aa.generate(**enc, **kw))
@@ -164,7 +159,7 @@ def _rounds(model, dmodel, run, enc, kw, configs, args, v_prof) -> None:
         p = sorted(pairs[label])
         gpu = " | "
         if profile and mode is not None:
-            setup(mode, cap, rate)
+            set_policy(run, mode, cap, rate)
             with Skip(run):
                 prof = gpu_profile(go, args.new)
             gpu = f"{v_prof['busy_ms'] / prof['busy_ms']:.3f} | {v_prof['compute_ms'] / prof['compute_ms']:.3f}"

@@ -215,12 +215,13 @@ def probed(run, fn):
     every row of the middle layer's residual stream, each step as it drains (what a safety team's
     probe does), cancelled after."""
     mid = run.plan.sites[len(run.plan.sites) // 2]
+    out = mid.outputs[0].name
     w = np.random.default_rng(0).standard_normal(mid.shape[-1]).astype(np.float32)
     scores = []
 
     def probe(captures):
         for c in captures.values():
-            scores.append(c.values[mid.canonical.split(".")[-1]].astype(np.float32) @ w)
+            scores.append(c.values[out].astype(np.float32) @ w)
 
     def go():
         sub = run.subscribe(probe, sites=mid.name)
