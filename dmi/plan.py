@@ -89,6 +89,7 @@ class Policy:
     max_step_tokens: int | None = None
     on_store_error: str = "raise"
     d2h_bytes_per_s: int | None = None   # device-to-host cap on reserved step bytes (None: uncapped)
+    drain: str = "thread"                # policy.drain: a thread of this process, or a child process (ringshare)
 
 
 @dataclass
@@ -285,6 +286,12 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
                 hook_file=hook.file, hook_spec=spec)
+    if policy.drain == "process":      # the child that drains the ring writes the store too
+        if store.get("writer") == "thread":
+            raise hook.error(("store", "writer"), "store.writer: thread cannot go with policy.drain: process (the "
+                             "child process that drains the ring writes the store)",
+                             fix="remove store.writer or set it to process")
+        plan.writer = "process"
     check_policy_fits(plan, model_dtype_itemsize, hook)
     return plan
 
@@ -341,6 +348,7 @@ def _policy(hook: Document) -> Policy:
                 raise hook.error(("policy", key), str(e), fix="write a size such as 64MiB") from None
     out.meta_records = p.get("meta_records", out.meta_records)
     out.max_step_tokens = p.get("max_step_tokens")
+    out.drain = p.get("drain", out.drain)
     # a failed store write follows the mode unless said: full stops the model, best_effort drops
     out.on_store_error = p.get("on_store_error", "drop" if out.mode == "best_effort" else "raise")
     return out

@@ -311,6 +311,11 @@ class TokenBucket:
         self._refill()
         return max(0.0, (min(nbytes, self.burst) - self.level) / self.rate)
 
+    def fits(self, needs: np.ndarray) -> np.ndarray:
+        """``wait_for(n) == 0`` for each of ``needs`` at once (one refill)."""
+        self._refill()
+        return (needs <= 0) | (np.minimum(needs, self.burst) <= self.level)
+
     def spend(self, nbytes: int) -> None:
         self._refill()
         self.level -= nbytes
@@ -344,6 +349,9 @@ class Ring:
         # the last step begun ahead of its forward: (its control, the byte head and the open step
         # before it, the bucket and the bytes it spent), what retract_ahead restores
         self._ahead_undo: tuple | None = None
+        # policy.drain process (dmi.ringshare): the child's progress words, and what was taken of them
+        self.share = None
+        self._seen = None
 
     # --- backend hooks --------------------------------------------------------------------------
     def setup(self, plan, dtype, device) -> None:
@@ -454,12 +462,14 @@ class Ring:
                 if block is not None and self.next_seq + n_meta - self.freed_seq <= self.meta_records:
                     break
                 self.bytes.head = prev_head          # give back a byte reservation without meta slots
+                if self.reclaim():
+                    continue
                 if self.mode == "best_effort":
                     if not keep:
                         block = (prev_head % self.bytes.capacity, prev_head)
                         if self.next_seq + 1 - self.freed_seq <= self.meta_records:
                             break
-                        self.cond.wait(0.05)         # even an empty step needs its end marker slot
+                        self.cond.wait(self.wait_s)  # even an empty step needs its end marker slot
                         continue
                     self.urgent.set()
                     victim = min(keep, key=lambda i: (wanted[i][4], -i))
@@ -468,7 +478,7 @@ class Ring:
                     continue
                 t0 = t0 or time.perf_counter()
                 self.urgent.set()
-                self.cond.wait(0.05)
+                self.cond.wait(self.wait_s)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
@@ -504,8 +514,15 @@ class Ring:
                         ahead: bool = False) -> StepControl | None:
         """begin_step for a reused layout; None where the general path must decide (the bandwidth
         cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
-        per site), and for a step begun ahead that would wait."""
-        if layout.total > self.bytes.capacity or (self.bucket is not None and self.bucket.wait_for(layout.total) > 0):
+        per site), and for a step begun ahead that would wait. Under best_effort a bandwidth cap
+        with no room for the whole step takes the captures it has room for as a layout of its own
+        (:meth:`_within_bandwidth_laid_out`), still on this path."""
+        whole, dropped = layout, ()
+        if self.bucket is not None and self.bucket.wait_for(layout.total) > 0:
+            if self.mode != "best_effort" or ahead:
+                return None
+            layout, dropped = self._within_bandwidth_laid_out(whole)
+        if layout.total > self.bytes.capacity:
             return None
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
@@ -520,15 +537,19 @@ class Ring:
                 if block is not None and self.next_seq + n + 1 - self.freed_seq <= self.meta_records:
                     break
                 self.bytes.head = head
+                if self.reclaim():
+                    continue
                 if self.mode == "best_effort" or ahead:
                     return None
                 t0 = t0 or time.perf_counter()
                 self.urgent.set()
-                self.cond.wait(0.05)
+                self.cond.wait(self.wait_s)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
                 self.bucket.spend(layout.total)
+            if len(dropped):
+                self._record_laid_out_drops(step, tokens, whole, dropped)
             base, block_end = block
             first = self.next_seq
             self.next_seq += n + 1
@@ -587,6 +608,42 @@ class Ring:
             self._record_drop(step, tokens, wanted[victim], "bandwidth")
         return keep
 
+    def _within_bandwidth_laid_out(self, layout: StepLayout) -> tuple[StepLayout, np.ndarray]:
+        """:meth:`_within_bandwidth`'s best_effort choice for a laid-out step, without a loop over
+        its captures: the same victims (lowest priority first, the later capture first among
+        equals) until the rest fits the bucket, and the rest as a layout, made once per number of
+        victims and kept in ``layout.cache``. Returns (that layout, the dropped captures' indices
+        into ``layout``). A capped step so keeps the fast path (and the CUDA ring its cached control
+        words), where dropping capture by capture cost ~10 times the step's host time."""
+        cache = layout.cache
+        order = cache.get("drop_order")
+        if order is None:
+            prio = layout.priority() if callable(layout.priority) else layout.priority
+            layout.priority = prio
+            idx = np.arange(len(layout))
+            order = cache["drop_order"] = np.lexsort((-idx, np.asarray(prio, np.int64)))
+            cache["need_after"] = layout.total - np.concatenate(([0], np.cumsum(layout.sizes[order])))
+        k = int(np.argmax(self.bucket.fits(cache["need_after"])))      # victims: the fewest that make it fit
+        kept = cache.get(("bandwidth", k))
+        if kept is None:
+            keep = np.sort(order[k:])
+            prio = layout.priority
+            kept = cache[("bandwidth", k)] = StepLayout.of_arrays(
+                layout.site_ids[keep], layout.src[keep], layout.arrays, layout.nbytes[keep],
+                [prio[i] for i in keep.tolist()])
+        return kept, order[:k]
+
+    def _record_laid_out_drops(self, step: int, tokens, layout: StepLayout, dropped: np.ndarray) -> None:
+        """Drops of a laid-out step's captures (``dropped``: indices into ``layout``), each row
+        selection's requests found once."""
+        requests: dict[int, tuple] = {}
+        sites, srcs, sizes = layout.site_ids[dropped].tolist(), layout.src[dropped].tolist(), layout.nbytes[dropped].tolist()
+        for site, j, nbytes in zip(sites, srcs, sizes):
+            sel = layout.arrays[j][0]
+            if j not in requests:
+                requests[j] = tuple(np.unique(tokens.request[sel]).tolist())
+            self.stats.drops.append(Drop(step, site, requests[j], len(sel), nbytes, "bandwidth"))
+
     def _record_drop(self, step: int, tokens, want: tuple, reason: str) -> None:
         site, sel, _rows, nbytes, _priority = want
         self.stats.drops.append(Drop(step, site, tuple(np.unique(tokens.request[sel]).tolist()), len(sel), nbytes,
@@ -612,6 +669,39 @@ class Ring:
         if self.error is not None:
             err = self.error
             raise CaptureError(f"capture stopped: {type(err).__name__}: {err}") from err
+
+    @property
+    def wait_s(self) -> float:
+        """How long a step waiting for room sleeps before it looks again: the drain thread wakes it
+        (``cond``), a drain in another process cannot, so its progress words are polled."""
+        return 0.05 if self.share is None else 0.0005
+
+    def reclaim(self) -> bool:
+        """``policy.drain: process`` (:mod:`dmi.ringshare`), under ``cond``: take the child's
+        progress: the ring space and meta slots it freed (True if any), the pending steps it is
+        done with, its counts. False, and nothing, for a ring drained in this process."""
+        if self.share is None:
+            return False
+        from .ringshare import CAPTURED, DRAINED, FREED_SEQ, NOT_RUN, RECORDS, TAIL
+        w = self.share.words.copy()
+        seen, self._seen = (np.zeros_like(w) if self._seen is None else self._seen), w
+        st = self.stats
+        st.records += int(w[RECORDS] - seen[RECORDS])
+        st.bytes_drained += int(w[DRAINED] - seen[DRAINED])
+        st.bytes_captured += int(w[CAPTURED] - seen[CAPTURED])
+        st.not_run += int(w[NOT_RUN] - seen[NOT_RUN])
+        freed = False
+        if int(w[TAIL]) > self.bytes.tail:
+            self.bytes.release(int(w[TAIL]))
+            freed = True
+        if int(w[FREED_SEQ]) > self.freed_seq:
+            self.freed_seq = int(w[FREED_SEQ])
+            while self.pending and self.pending[0].end_seq < self.freed_seq:
+                self.pending.popleft()
+            freed = True
+        if freed:
+            self.cond.notify_all()
+        return freed
 
     # --- drain ---------------------------------------------------------------------------------
     def drain_ready(self, limit: int = 1) -> list[StepControl]:
@@ -685,12 +775,19 @@ class CpuRing(Ring):
     (``dmi.gather`` on the model's device, then a copy to host memory). It is the reference path:
     every other backend must store the same bytes."""
 
-    def __init__(self, capacity: int, meta_records: int, mode: str = "full"):
+    def __init__(self, capacity: int, meta_records: int, mode: str = "full", share=None):
+        """``share``: a :class:`dmi.ringshare.RingShare` (``policy.drain: process``) holding the
+        payload and the meta ring, which the drain's process maps too."""
         super().__init__(capacity, meta_records, mode)
         import torch
-        self.payload = torch.empty(capacity, dtype=torch.uint8)
+        self.share = share
+        if share is None:
+            self.payload = torch.empty(capacity, dtype=torch.uint8)
+            self.meta = np.zeros(meta_records, META_DTYPE)
+        else:
+            self.payload = torch.from_numpy(share.payload)
+            self.meta = share.meta
         self._payload_np = self.payload.numpy()
-        self.meta = np.zeros(meta_records, META_DTYPE)
         self._rows: dict = {}
         self._pad = None
 
@@ -729,6 +826,10 @@ class CpuRing(Ring):
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         return self._payload_np[offset:offset + nbytes].copy()
 
+    def drain_info(self) -> dict:
+        """What the drain's process needs to open this ring (``policy.drain: process``)."""
+        return {"kind": "cpu", "capacity": self.bytes.capacity, "mode": self.mode, **self.share.describe()}
+
 
 def make_ring(policy, device, *, kind: str | None = None) -> Ring:
     """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
@@ -738,12 +839,24 @@ def make_ring(policy, device, *, kind: str | None = None) -> Ring:
     ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests)."""
     import os
     kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
+    share = None
+    if getattr(policy, "drain", "thread") == "process" and kind in ("cpu", "cuda"):
+        from .ringshare import RingShare
+        try:
+            share = RingShare.create(policy.meta_records, policy.ring_bytes if kind == "cpu" else 0)
+        except OSError as e:
+            raise PolicyError(f"policy.drain: process: no room for the ring's shared file ({e})", key="policy.drain",
+                              fix="free space in /dev/shm (or the temp directory), lower policy.meta_records (and, "
+                                  "on CPU, policy.ring_bytes), or use policy.drain: thread") from e
     if kind == "cpu":
-        return CpuRing(policy.ring_bytes, policy.meta_records, policy.mode)
+        return CpuRing(policy.ring_bytes, policy.meta_records, policy.mode, share=share)
     if kind == "cuda":
         from .kernels.cuda_ring import CudaRing
         return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                        max_step_tokens=policy.max_step_tokens, device=device)
+                        max_step_tokens=policy.max_step_tokens, device=device, share=share)
+    if getattr(policy, "drain", "thread") == "process":
+        raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (DMI_RING)",
+                          key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
     if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
         from .kernels.cuda_ring import InterpretRing
         return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import queue
 import threading
@@ -41,14 +42,24 @@ class Run:
         check_policy_fits(plan, self.itemsize)
         self.requests = RequestTable()
         device = next(model.parameters()).device
+        self._remote = plan.policy.drain == "process"     # the drain runs in the writer's child (dmi.ringshare)
+        if self._remote and tp is not None:
+            raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
+                            "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
+                            fix="remove policy.drain or set it to thread")
         self.ring = ring or make_ring(plan.policy, device)
         self.ring.setup(plan, self.dtype, device)
         if tp is None:
             exporter = ZarrExporter
             if plan.writer == "process":
                 from .writer import ProcessExporter as exporter
-            self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                     _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+            try:
+                self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
+                                         _run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+            except BaseException:
+                if self.ring.share is not None:
+                    self.ring.share.unlink()
+                raise
         else:      # tensor parallelism (dmi.shards.TPContext): plan = this rank's part; the store holds tp.plan
             if plan.writer == "process":
                 raise SpecError("store.writer: process is not supported with tensor parallelism (each rank writes "
@@ -58,6 +69,14 @@ class Run:
             self.exporter = ShardedExporter(store, plan, str(self.dtype).removeprefix("torch."),
                                             _run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,
                                             resume=resume, tp=tp)
+        if self._remote:
+            if self.ring.share is None:
+                raise PolicyError(f"policy.drain: process: the run was given a {type(self.ring).__name__} not made "
+                                  f"for it", key="policy.drain", fix="let dmi make the ring, or use policy.drain: thread")
+            try:
+                self.exporter.attach_ring(self.ring.drain_info())
+            finally:
+                self.ring.share.unlink()
         self.store = str(self.exporter.path)
         self._tp = tp is not None
         self.subscribers = Subscribers(plan, str(self.dtype).removeprefix("torch."))
@@ -120,6 +139,9 @@ class Run:
         self._epoch = 0                      # bumped by changes that a step begun ahead did not see
         self.steps_ahead = [0, 0]            # steps begun ahead: taken by their forward, retracted
         self.thread_cpu_s: dict[str, float] = {}     # CPU seconds of the drain and export threads, once ended
+        if self._remote:                     # what the drain thread has handed to the drain process
+            from .ringshare import StepSender
+            self._sender, self._last_sent = StepSender(), 0
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
         self._drain.start()
@@ -561,38 +583,76 @@ class Run:
 
     # --- threads ----------------------------------------------------------------------------------
     def _drain_loop(self) -> None:
-        ring, budget = self.ring, self.plan.policy.host_bytes
+        """The drain thread: a batch of ended steps each time one is due (:meth:`_until_due`),
+        copied out here and queued for the exporter, or (``policy.drain: process``) handed to the
+        child that drains them."""
+        batch = self._hand_over if self._remote else self._copy_out
         try:
             while True:
-                # sleep without the GIL until the next batch is due or the ring needs room now
-                hurry = self._closed or ring.hurry
-                ring.urgent.wait(DRAIN_FAST_S if hurry else self.drain_interval)
-                ring.urgent.clear()
-                while ctrls := ring.drain_ready(DRAIN_BATCH):
-                    # the steps go to the exporter in chunks, one handover (queue, wake-ups) a chunk,
-                    # not a step: both threads take the engine's GIL for it
-                    chunk = []
-                    for ctrl, records in zip(ctrls, ring.drain_steps(ctrls)):
-                        nbytes = sum(len(r[2]) for r in records)
-                        with self._queue_cond:   # host budget: wait for the exporter before staging more
-                            if chunk and self._queued_bytes + nbytes > budget:
-                                self._queue.put(chunk)    # (what the exporter can free meanwhile)
-                                chunk = []
-                            while self._queued_bytes and self._queued_bytes + nbytes > budget:
-                                if ring.error:
-                                    return
-                                self._queue_cond.wait(0.05)
-                            self._queued_bytes += nbytes
-                        chunk.append((ctrl, records, nbytes))
-                    if chunk:
-                        self._queue.put(chunk)
-                if self._closed and not ring.pending:
+                self._until_due()
+                if batch() or (self._closed and not self.ring.pending):
                     break
         except BaseException as e:    # surfaces in the caller's next step or close
             self._fail(e)
         finally:
             self.thread_cpu_s["drain"] = time.thread_time()
             self._queue.put(_STOP)
+
+    def _until_due(self) -> None:
+        """Sleep without the GIL until the next batch is due or the ring needs room now (``urgent``)."""
+        ring = self.ring
+        ring.urgent.wait(DRAIN_FAST_S if self._closed or ring.hurry else self.drain_interval)
+        ring.urgent.clear()
+
+    def _copy_out(self) -> bool:
+        """Copy the ready steps out and queue them for the exporter. True: stop (the run failed)."""
+        ring, budget = self.ring, self.plan.policy.host_bytes
+        while ctrls := ring.drain_ready(DRAIN_BATCH):
+            # the steps go to the exporter in chunks, one handover (queue, wake-ups) a chunk,
+            # not a step: both threads take the engine's GIL for it
+            chunk = []
+            for ctrl, records in zip(ctrls, ring.drain_steps(ctrls)):
+                nbytes = sum(len(r[2]) for r in records)
+                with self._queue_cond:   # host budget: wait for the exporter before staging more
+                    if chunk and self._queued_bytes + nbytes > budget:
+                        self._queue.put(chunk)    # (what the exporter can free meanwhile)
+                        chunk = []
+                    while self._queued_bytes and self._queued_bytes + nbytes > budget:
+                        if ring.error:
+                            return True
+                        self._queue_cond.wait(0.05)
+                    self._queued_bytes += nbytes
+                chunk.append((ctrl, records, nbytes))
+            if chunk:
+                self._queue.put(chunk)
+        return False
+
+    def _hand_over(self) -> bool:
+        """``policy.drain: process``: send the newly ended steps to the child as descriptors and
+        take its progress (freed ring space, steps written) from the shared words. True: stop."""
+        from .ringshare import EXPORTED
+        ring, exp = self.ring, self.exporter
+        if exp.drain_error is not None:
+            raise CaptureError(f"the drain process stopped: {exp.drain_error}")
+        if ring.error is not None:
+            return True
+        with ring.cond:
+            ring.reclaim()
+            new = []                           # pending steps not sent yet: the newest ones
+            for ctrl in reversed(ring.pending):
+                if ctrl.end_seq <= self._last_sent:
+                    break
+                new.append(ctrl)
+        ended = list(itertools.takewhile(lambda c: c.ended, reversed(new)))
+        if ended:
+            exp.send_steps([self._sender.describe(c) for c in ended], self.requests.ids, ring.stats.drops)
+            self._last_sent = ended[-1].end_seq
+        with self._queue_cond:
+            exported = int(ring.share.words[EXPORTED])
+            if exported != self._exported:
+                self._exported = exported
+                self._queue_cond.notify_all()
+        return False
 
     def _export_loop(self) -> None:
         exporter = self.exporter
@@ -704,6 +764,9 @@ class Run:
                                "shard of a site). Fix: subscribe on a run without tensor parallelism")
         if self._closed:
             raise CaptureError(f"subscribe: the run of {self.store} is closed. Fix: subscribe before close()")
+        if self._remote:
+            raise CaptureError("subscribe: policy.drain: process drains the ring in another process, so no rows "
+                               "reach this one. Fix: use policy.drain: thread for live subscribers")
         return self.subscribers.add(fn, sites)
 
     def set_request_ids(self, ids: list[str] | None = None, *, capture=None) -> None:
@@ -725,6 +788,11 @@ class Run:
         self.ring.urgent.set()
         self._drain.join()
         self._export.join()
+        if self._remote:
+            try:              # (the child lets go of the ring before this process frees it)
+                self.exporter.detach_ring()
+            except StoreError as e:
+                self._fail(e)
         self.ring.close()
         if self._detach is not None:
             self._detach()

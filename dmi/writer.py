@@ -38,20 +38,23 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
+import time
 import types
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 
-from .errors import StoreError
+from .errors import CaptureError, StoreError
 from .exporter import TICK_S, lower_priority, sink_policy
 from .ring import META_DTYPE, ByteRing, slot_views
+from .ringshare import shared_file
 
 log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
+RING_POLL_S = 0.0005       # policy.drain: process: how often the child looks for ended steps while some are pending
+DRAIN_BATCH = 64           # steps the child copies out and writes at a time at most
 # glibc malloc in the child: chunk-sized blocks (the codec's output, chunk buffers) stay in the
 # heap instead of a fresh mmap each, and freed memory is kept, not handed back and faulted in again.
 # On the 2-core dev box (a Qwen3-8B decode step, 19.4 MB) this took the store's kernel time from
@@ -68,6 +71,7 @@ class ProcessExporter:
         self.plan = plan
         self._capture_dtype, self._attrs = capture_dtype, attrs
         self.error: StoreError | None = None
+        self.drain_error: str | None = None    # policy.drain: process: why the child stopped draining
         self.drops: list = []             # sink drops (the store failed), as the child reports them
         self.committed_step, self.store_bytes = -1, 0
         self._raised = False
@@ -153,6 +157,26 @@ class ProcessExporter:
             # (the records' bytes stand in as a range of their length: only their number is read then)
             self._unsettled.append((ctrl.step, ctrl, [(slot, rec, range(len(data))) for slot, rec, data in records]))
 
+    # --- policy.drain: process (dmi.ringshare): the child drains the ring itself ------------------------
+    def attach_ring(self, info: dict) -> None:
+        """The child maps the ring ``info`` describes and drains it from now on (no failover then:
+        a store resumed here could not reach the steps the child held)."""
+        self._failover_ok = False
+        reply = self._call("ring", info)
+        if reply is None or reply[0] is not None:
+            self._stop()
+            raise CaptureError(f"policy.drain: process: the drain process could not open the ring: "
+                               f"{reply[0] if reply else 'it exited'}. Fix: use policy.drain: thread")
+
+    def send_steps(self, descs: list, request_ids: list[str], ring_drops) -> None:
+        """Ended steps' descriptors (:class:`dmi.ringshare.StepSender`), in step order."""
+        self._raise_once()
+        self._send(("steps", descs, self._new_ids(request_ids), self._new_drops(ring_drops)))
+
+    def detach_ring(self) -> None:
+        """After every step was drained: the child lets go of the ring (before this process frees it)."""
+        self._call("ring_close")
+
     def tick(self) -> None:
         if self._inproc is not None:
             return self._delegate("tick")
@@ -234,11 +258,13 @@ class ProcessExporter:
                     self.drops.extend(state["drops"])
                     if state["error"] is not None and self.error is None:
                         self.error = StoreError(state["error"])
+                    if state.get("drain_error") and self.drain_error is None:
+                        self.drain_error = state["drain_error"]
                     if kind == "done":
                         end = self._ends.pop(msg[1])
                         if end is not None:
                             self._space.release(end)
-                    else:
+                    elif kind != "state":     # (a drain's batch changed the store: nothing waits for it)
                         self._replies[kind] = msg[1:-1]
                     self._cond.notify_all()
         except (EOFError, OSError):
@@ -324,26 +350,13 @@ class ProcessExporter:
 
 
 def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
-    """A shared file of ``size`` bytes, mapped: in /dev/shm, else the temp directory (a container's
-    /dev/shm is often 64 MiB). Its blocks are allocated up front (a sparse file on a full tmpfs
-    would kill the process with SIGBUS at the first write past the space) and faulted in (first
-    touches of fresh shared pages cost more than the copies themselves)."""
-    tried = []
-    for where in (Path("/dev/shm"), Path(tempfile.gettempdir())):
-        if not where.is_dir():
-            continue
-        fd, path = tempfile.mkstemp(prefix="dmi-handoff-", dir=where)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            return path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except OSError as e:
-            tried.append(f"{where}: {e.strerror or e}")
-            os.unlink(path)
-        finally:
-            os.close(fd)
-    raise StoreError(f"store.writer: process: no room for the {size:,}-byte handoff buffer (policy.host_bytes) "
-                     f"({'; '.join(tried)}). Fix: lower policy.host_bytes, free space in /dev/shm, or use "
-                     f"store.writer: thread")
+    """The shared handoff buffer (:func:`dmi.ringshare.shared_file`), or a StoreError with the fix."""
+    try:
+        return shared_file(size, "dmi-handoff-")
+    except OSError as e:
+        raise StoreError(f"store.writer: process: no room for the {size:,}-byte handoff buffer (policy.host_bytes) "
+                         f"({e}). Fix: lower policy.host_bytes, free space in /dev/shm, or use "
+                         f"store.writer: thread") from e
 
 
 def _bytes(data) -> np.ndarray:
@@ -381,18 +394,35 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
         except StoreError as e:
             return str(e)
 
+    drain = _Drain(exp, ids, ring_drops, conn, sent)
     while True:
         try:
-            if not conn.poll(TICK_S):
-                guarded(exp.tick)
+            if not conn.poll(RING_POLL_S if drain.busy else TICK_S):
+                drain.run()
+                if drain.tick_due():
+                    guarded(exp.tick)
                 continue
             msg = conn.recv()
         except (EOFError, OSError):        # the model's process is gone: commit what arrived, stay "open"
             guarded(exp.checkpoint, True)
             exp._shutdown(wait=True)
+            drain.close()
             return
         kind = msg[0]
-        if kind == "step":
+        if kind == "steps":                # policy.drain: process: ended steps, drained from the ring here
+            _, descs, new_ids, new_drops = msg
+            ids.extend(new_ids)
+            ring_drops.extend(new_drops)
+            drain.take(descs)
+            drain.run()
+            if drain.tick_due():
+                guarded(exp.tick)
+        elif kind == "ring":
+            conn.send(("ring", drain.open(msg[1], plan.policy.host_bytes), _state(exp, sent)))
+        elif kind == "ring_close":
+            drain.close()
+            conn.send(("ring_close", _state(exp, sent)))
+        elif kind == "step":
             _, seq, step, tokens, slots, sites, recs, start, sizes, inline, new_ids, new_drops = msg
             ids.extend(new_ids)
             ring_drops.extend(new_drops)
@@ -421,6 +451,88 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
             return
 
 
+class _Drain:
+    """The child's drain of a ring shared by the model's process (``policy.drain: process``,
+    :mod:`dmi.ringshare`): ready steps are copied out and written in batches; after each, the
+    progress words free their ring space and a ``state`` message goes back if the store's state
+    changed. A failure to drain (not the store's: the exporter accounts those) stops draining and
+    goes back as ``drain_error``; the model's process then stops capturing."""
+
+    def __init__(self, exp, ids: list, ring_drops: list, conn: Connection, sent: list):
+        self.exp, self.ids, self.ring_drops, self.conn, self.sent = exp, ids, ring_drops, conn, sent
+        self.reader = self.receiver = None
+        self.exported = 0
+        self.failed = False
+        self._ticked = time.monotonic()
+        self._last_state = None
+
+    @property
+    def busy(self) -> bool:
+        return self.reader is not None and not self.failed and bool(self.reader.pending)
+
+    def open(self, info: dict, host_bytes: int) -> str | None:
+        from .ringshare import StepReceiver, open_reader
+        try:
+            self.reader, self.receiver = open_reader(info, host_bytes), StepReceiver()
+            return None
+        except Exception as e:  # noqa: BLE001 - the model's process raises it
+            return f"{type(e).__name__}: {e}"
+
+    def take(self, descs: list) -> None:
+        if self.reader is not None:
+            self.reader.take(descs, self.receiver)
+
+    def run(self) -> None:
+        reader, exp = self.reader, self.exp
+        if reader is None or self.failed:
+            return
+        try:
+            while ctrls := reader.batch(DRAIN_BATCH):
+                for ctrl, records in zip(ctrls, reader.drain_steps(ctrls)):
+                    try:
+                        exp.write_step(ctrl, records, self.ids, self.ring_drops)
+                    except StoreError:
+                        pass               # (the exporter keeps it as exp.error: it goes back with the state)
+                    finally:
+                        reader.release_host(ctrl)
+                self.exported += len(ctrls)
+                reader.publish_progress(self.exported)
+                self._report()
+        except Exception as e:  # noqa: BLE001 - reaches the model's process, which stops capturing
+            log.exception("dmi: the drain process stopped")
+            self.failed = True
+            self.conn.send(("state", _state(exp, self.sent) | {"drain_error": f"{type(e).__name__}: {e}"}))
+
+    def _report(self) -> None:
+        exp = self.exp
+        now = (exp.committed_step, exp.store_bytes, len(exp.drops), exp.error is not None)
+        if now != self._last_state:
+            self._last_state = now
+            self.conn.send(("state", _state(exp, self.sent)))
+
+    def tick_due(self) -> bool:
+        now = time.monotonic()
+        if now - self._ticked < TICK_S:
+            return False
+        self._ticked = now
+        return True
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def _load_plugins() -> None:
+    """``DMI_WRITER_PLUGINS``: comma-separated ``module:function`` called once at the child's start
+    (instrumentation that must reach the store writer's process too, e.g. perf/vllm_plugins.py's
+    host sink under ``policy.drain: process``)."""
+    import importlib
+    for entry in filter(None, os.environ.get("DMI_WRITER_PLUGINS", "").split(",")):
+        module, _, fn = entry.strip().partition(":")
+        getattr(importlib.import_module(module), fn or "register")()
+
+
 def main(argv: list[str]) -> None:
     # Ctrl-C or a stop signal is the model's process's to handle (this one runs in its own session,
     # and ignores them where they still reach it, e.g. a whole cgroup stopped): that process closes
@@ -432,6 +544,7 @@ def main(argv: list[str]) -> None:
     tasks = Path("/proc/self/task")
     for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [None]:
         lower_priority(tid=tid)
+    _load_plugins()
     fd, path = int(argv[0]), argv[1]
     with open(path, "r+b") as f:
         mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))

@@ -18,6 +18,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   read overlap the kernel before it); ``dmi-hidden-traced``: compiled code captures the plain sites
   as traced torch ops that inductor fuses into the kernels computing them (``DMI_TRACED=1``,
   ``dmi/kernels/traced.py``; by default every capture goes through the site op and its kernel);
+  ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
+  ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
+  CUDA IPC and writes; the engine's process keeps no drain or exporter thread's Python);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
@@ -388,14 +391,14 @@ def plugin_dir(root: Path) -> Path:
     return d
 
 
-def hook_spec(entries: list, args, ring: int, extra: dict | None = None) -> str:
+def hook_spec(entries: list, args, ring: int, extra: dict | None = None, drain: str = "thread") -> str:
     """The operator's hook spec, as JSON (valid YAML). best_effort (default): a full ring drops whole
     captures (accounted in the store) instead of stalling the engine; full: the step waits. Pinned
     host staging as large as the ring (a step larger than staging is copied through pageable
     memory, much slower)."""
     host = int(args.host_gib * GiB) if args.host_gib else ring
     spec = {"capture": entries, "policy": {"mode": args.policy_mode, "ring_bytes": ring, "host_bytes": host,
-                                           "meta_records": 1 << 16}, **(extra or {})}
+                                           "meta_records": 1 << 16, "drain": drain}, **(extra or {})}
     return json.dumps(spec, indent=1)
 
 
@@ -520,13 +523,15 @@ def trace_dir(work: Path, name: str) -> Path:
 # --- configurations -----------------------------------------------------------------------------------
 def configurations(args, work: Path, stores: Path) -> dict:
     """name -> (env, extra server args, eager, store path or None)."""
-    sink = {"DMI_PERF_SINK": "host"} if args.sink == "host" else {}
+    # (the host sink in the store writer's process too: policy.drain process runs the exporter there)
+    sink = {"DMI_PERF_SINK": "host", "DMI_WRITER_PLUGINS": "dmi_perf_vllm_plugins:writer_register"} \
+        if args.sink == "host" else {}
     specs = work / "specs"
     specs.mkdir(parents=True, exist_ok=True)
 
-    def dmi(name, entries, ring_gib, extra=None):
+    def dmi(name, entries, ring_gib, extra=None, drain="thread"):
         path = specs / f"{name}.yaml"            # a fixed path: vLLM's compile cache key includes it
-        path.write_text(hook_spec(entries, args, int(ring_gib * GiB), extra))
+        path.write_text(hook_spec(entries, args, int(ring_gib * GiB), extra, drain))
         store = stores / f"{name}.zarr"
         return {"DMI_HOOK_SPEC": str(path), "DMI_STORE": str(store), "DMI_OVERWRITE": "1", **sink}, [], False, store
 
@@ -534,6 +539,12 @@ def configurations(args, work: Path, stores: Path) -> dict:
     return {
         "vanilla": ({}, [], False, None),
         "dmi-hidden": dmi("dmi-hidden", hidden, args.ring_gib),
+        # the same sites, decode tokens only (prefill chunks captured nothing: what the prompt's rows cost)
+        "dmi-hidden-decode": dmi("dmi-hidden-decode", [{"sites": HIDDEN, "tokens": {"phase": "decode"}},
+                                                       {"sites": ["logits"], "tokens": "last"}], args.ring_gib),
+        # the same with policy.drain: process (dmi/ringshare.py: the writer's child copies the ring out through
+        # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
+        "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
         # the same, each step copied out as the next begins (dmi/kernels/cuda_ring.py: the copy engine)
         "dmi-hidden-step": _with(dmi("dmi-hidden-step", hidden, args.ring_gib), DMI_COPY_AT_STEP="1"),
         # the same without replaying the logits capture as a CUDA graph (same spec file: vLLM's compile cache hits)

@@ -74,6 +74,13 @@ def register() -> None:
         when_imported(WORKER_MODULE, _hook_worker)
 
 
+def writer_register() -> None:
+    """In the store writer's process (``DMI_WRITER_PLUGINS``, set by perf/online.py): the host sink
+    there too, where ``policy.drain: process`` runs the exporter."""
+    if os.environ.get("DMI_PERF_SINK") == "host":
+        _host_sink()
+
+
 def _host_sink() -> None:
     from dmi.exporter import ZarrExporter
     if getattr(ZarrExporter.write_step, "__dmi_perf__", False):

@@ -84,6 +84,38 @@ def test_a_step_begun_ahead_is_given_back_as_if_never_begun_and_never_waits_or_d
     assert ring.stats.stall_seconds == 0 and not ring.stats.drops and ring.stats.steps == 3
 
 
+def test_a_capped_laid_out_step_drops_what_the_per_capture_path_drops():
+    """best_effort under policy.d2h_bytes_per_s: a laid-out step the bucket has no room for keeps
+    the fast path with the captures that fit (the same victims as the per-capture path: lowest
+    priority first, the later capture first among equals), every victim in the drops table with
+    its requests, rows and bytes, the kept ones laid out as the general path lays them out."""
+    from dmi.tokens import StepTokens
+    rng = np.random.default_rng(1)
+    tokens = StepTokens(0, 6, 1, np.arange(6), np.array([0, 0, 1, 2, 2, 3]), np.arange(6), np.ones(6, np.int8),
+                        np.zeros(6, np.int64))
+    sels = [np.array([0, 2, 5]), np.array([1, 3])]
+    wanted = [(site, sels[site % 2], sels[site % 2], int(rng.integers(200, 3000)), int(rng.integers(0, 3)))
+              for site in range(12)]
+    pad = np.zeros(6, np.int64)
+    partial = 0
+    for level in (0, 700, 5000, 9000, 14000, 10 ** 9):
+        got = {}
+        for path in ("laid_out", "per_capture"):
+            ring = CpuRing(1 << 20, 256, "best_effort")
+            ring.bucket = TokenBucket(1e6, burst=1e9, clock=lambda: 0.0)   # (frozen: the level stays put)
+            ring.bucket.level = level
+            ctrl = ring.begin_step(0, tokens, pad, StepLayout(wanted) if path == "laid_out" else wanted)
+            slots = [(s.site, s.offset - ctrl.base, s.capacity, s.seq - ctrl.first_seq, s.sel.tolist())
+                     for s in ctrl.slots.values()]
+            got[path] = (slots, [tuple(vars(d).values()) for d in ring.stats.drops], ctrl.nbytes, ring.bucket.level)
+            if path == "laid_out":
+                assert ctrl.layout is not None, "a capped laid-out step left the fast path"
+        assert got["laid_out"] == got["per_capture"], level
+        partial += 0 < len(got["laid_out"][1]) < 12
+        assert len(got["laid_out"][1]) == {0: 12, 10 ** 9: 0}.get(level, len(got["laid_out"][1]))
+    assert partial >= 2
+
+
 def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, write_spec, tmp_path):
     model, ref = model_pair("qwen3")
     big = write_spec("capture: [{sites: [resid_post, mlp.out, final_norm]}]\npolicy: {ring_bytes: 64MiB}\n", "big.yaml")

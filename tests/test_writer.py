@@ -72,8 +72,12 @@ def test_process_writer_stores_what_the_thread_writer_stores(tmp_path, encoded, 
     assert b.attrs["dmi_status"] == "closed" and b.attrs["dmi_writer"]["pid"] != os.getpid()
 
 
-def test_a_killed_writer_process_stops_capture_naming_it(tmp_path, encoded):
-    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"}, "policy": {"mode": "full"}}
+@pytest.mark.parametrize("drain", ["thread", "process"])
+def test_a_killed_writer_process_stops_capture_naming_it(tmp_path, encoded, drain):
+    """Also with policy.drain: process, where the killed child drained the ring (a small ring: full
+    mode waits for it, then the failure reaches the waiting step)."""
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "process"},
+                   "policy": {"mode": "full", "drain": drain, "ring_bytes": "256KiB"}}
     run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
     with torch.no_grad():
         run.model.generate(**encoded, max_new_tokens=4, do_sample=False)

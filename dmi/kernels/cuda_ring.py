@@ -45,6 +45,7 @@ import torch
 from ..errors import CaptureError, PolicyError
 from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl
+from ..ringshare import ChildSide
 from . import capture as K
 from .traced import TracedSite, register
 
@@ -578,7 +579,9 @@ class CudaRing(KernelRing):
     """Ring² on a CUDA device; memory, stream and events through cuda-python."""
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, host_bytes: int = 256 << 20,
-                 max_step_tokens: int | None = None, device=None):
+                 max_step_tokens: int | None = None, device=None, share=None):
+        """``share``: a :class:`dmi.ringshare.RingShare` (``policy.drain: process``): the meta ring in
+        its file, registered as mapped memory, and the payload ring exported through CUDA IPC."""
         dev = torch.device(device) if device is not None else torch.device("cuda")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -590,21 +593,23 @@ class CudaRing(KernelRing):
         self.device_bytes = with_scratch(capacity, self.scratch_bytes)
         self._payload_ptr = _ok(rt.cudaMalloc(self.device_bytes))
         meta_bytes = meta_records * META_DTYPE.itemsize
-        flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
-        self._meta_ptr = _ok(rt.cudaHostAlloc(meta_bytes, flags))
-        ctypes.memset(self._meta_ptr, 0, meta_bytes)
-        self.meta = _host_array(self._meta_ptr, meta_bytes, META_DTYPE)
-        self._meta_dev = _ok(rt.cudaHostGetDevicePointer(self._meta_ptr, 0))
-        self.staging_bytes = max(int(host_bytes), 1 << 20)
-        self._staging_ptr = _ok(rt.cudaHostAlloc(self.staging_bytes, rt.cudaHostAllocPortable))
-        self._staging = _host_array(self._staging_ptr, self.staging_bytes)
-        self._stage = ByteRing(self.staging_bytes)
-        self._stage_cond = threading.Condition()
-        self._stage_ends: dict[int, int] = {}
-        self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
-        self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
-        self._calls = _Async(rt)
-        self._calls.check(self._staging, self._payload_ptr, self._stream, self._event)
+        self.share, self._registered = share, None
+        if share is None:
+            flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
+            self._meta_ptr = _ok(rt.cudaHostAlloc(meta_bytes, flags))
+            ctypes.memset(self._meta_ptr, 0, meta_bytes)
+            self.meta = _host_array(self._meta_ptr, meta_bytes, META_DTYPE)
+            self._meta_dev = _ok(rt.cudaHostGetDevicePointer(self._meta_ptr, 0))
+        else:         # the shared file, registered whole (page-aligned) as mapped pinned memory
+            self._meta_ptr = None
+            base = np.frombuffer(share.map, np.uint8).ctypes.data
+            _ok(rt.cudaHostRegister(base, len(share.map), rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable))
+            self._registered = base
+            self.meta = share.meta
+            self._meta_dev = _ok(rt.cudaHostGetDevicePointer(base, 0)) + share.meta_offset
+            self.ipc_handle = bytes(_ok(rt.cudaIpcGetMemHandle(self._payload_ptr)).reserved)
+        # (drained in another process, staging serves only the libcuda check)
+        self._drain_side(host_bytes if share is None else 0, self._payload_ptr)
         self.payload = DevicePointer(self._payload_ptr, torch.uint8)
         self.scratch_t = torch.as_tensor(_CudaBytes(self._payload_ptr, self.device_bytes), device=self.torch_device)
         self.payload_t = self.scratch_t[:capacity]
@@ -618,6 +623,21 @@ class CudaRing(KernelRing):
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
         self.steps_copied_at_step = 0
+
+    def _drain_side(self, host_bytes: int, check_at: int) -> None:
+        """What the drain copies with: pinned staging (a byte ring the exporter frees in order),
+        its own stream and event, the libcuda calls (checked with 32 bytes at ``check_at``)."""
+        rt = self._rt
+        self.staging_bytes = max(int(host_bytes), 1 << 20)
+        self._staging_ptr = _ok(rt.cudaHostAlloc(self.staging_bytes, rt.cudaHostAllocPortable))
+        self._staging = _host_array(self._staging_ptr, self.staging_bytes)
+        self._stage = ByteRing(self.staging_bytes)
+        self._stage_cond = threading.Condition()
+        self._stage_ends: dict[int, int] = {}
+        self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+        self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
+        self._calls = _Async(rt)
+        self._calls.check(self._staging, check_at, self._stream, self._event)
 
     def setup(self, plan, dtype, device) -> None:
         super().setup(plan, dtype, device)
@@ -670,6 +690,11 @@ class CudaRing(KernelRing):
     # --- drain ----------------------------------------------------------------------------------------
     def meta_view(self) -> np.ndarray:
         return self.meta
+
+    def drain_info(self) -> dict:
+        """What the drain's process needs to open this ring (``policy.drain: process``)."""
+        return {"kind": "cuda", "capacity": self.bytes.capacity, "mode": self.mode,
+                "device": self.torch_device.index, "ipc": self.ipc_handle, **self.share.describe()}
 
     # --- copy-out at the next step (model's thread) ----------------------------------------------
     def end_step(self, aborted: bool = False, device: bool = False) -> None:
@@ -824,8 +849,48 @@ class CudaRing(KernelRing):
             self._staging = None
             for fn, arg in ((rt.cudaEventDestroy, self._event), (rt.cudaStreamDestroy, self._stream),
                             (rt.cudaFree, self._payload_ptr), (rt.cudaFreeHost, self._meta_ptr),
-                            (rt.cudaFreeHost, self._staging_ptr)):
-                fn(arg)
+                            (rt.cudaHostUnregister, self._registered), (rt.cudaFreeHost, self._staging_ptr)):
+                if arg is not None:
+                    fn(arg)
+
+
+class CudaRingReader(ChildSide, CudaRing):
+    """The child's side of a :class:`CudaRing` drained in another process (``policy.drain:
+    process``, :mod:`dmi.ringshare`): the payload ring through its CUDA IPC handle, the meta ring in
+    the shared file, and :class:`CudaRing`'s batched, paced copy-out into this process's own pinned
+    staging. Made in the store writer's process; no torch CUDA call (cuda-python only)."""
+
+    def __init__(self, info: dict, share, host_bytes: int):
+        Ring.__init__(self, info["capacity"], share.meta_records, info["mode"])
+        self.share = share
+        rt = self._rt = cudart()
+        self.torch_device = torch.device("cuda", info["device"])
+        self._thread_device = threading.local()
+        self._use_device()
+        handle = rt.cudaIpcMemHandle_t()
+        handle.reserved = info["ipc"]
+        self._payload_ptr = _ok(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess))
+        self.meta = share.meta
+        # (the check's 32 bytes go to the scratch area past the ring: the payload holds live steps)
+        self._drain_side(host_bytes, self._payload_ptr + info["capacity"])
+        self.copy_at_step = False
+        self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
+        self._copy_lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rt = self._rt
+        try:
+            _ok(rt.cudaStreamSynchronize(self._stream))
+        finally:
+            self._staging = None
+            rt.cudaEventDestroy(self._event)
+            rt.cudaStreamDestroy(self._stream)
+            rt.cudaIpcCloseMemHandle(self._payload_ptr)
+            rt.cudaFreeHost(self._staging_ptr)
 
 
 class _SiteLaunch:

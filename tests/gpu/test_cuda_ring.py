@@ -500,3 +500,48 @@ def test_pdl_capture_reads_what_the_kernel_before_it_wrote(summed):
         want = (x + y) if summed else x
         assert torch.equal(ring.view(rows, row_bytes), want.view(torch.uint8).view(rows, row_bytes))
     assert meta.view(meta_records, 7)[0, 4].item() == rows * row_bytes
+
+
+def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded, write_spec, tmp_path, monkeypatch):
+    """policy.drain: process on the GPU: the writer's child opens the payload ring through CUDA IPC
+    and polls the meta ring in shared memory the kernels write through its registered mapping.
+    A ring far smaller than the run wraps around under backpressure and stores what the CPU
+    reference stores; compiled generate (CUDA graphs replayed) stores the model's own logits."""
+    from pathlib import Path
+    enc = _enc(encoded)
+    sites = "capture: [{sites: [resid_post, mlp.out, final_norm]}]\n"
+    ref_spec = write_spec(sites + "policy: {ring_bytes: 64MiB}\n", "ref.yaml")
+    small = write_spec(sites + "policy: {ring_bytes: 112KiB, meta_records: 32, host_bytes: 1MiB, drain: process}\n",
+                       "small.yaml")
+    outs = {}
+    for name, spec, ring in (("ref", ref_spec, "cpu"), ("small", small, "cuda")):
+        monkeypatch.setenv("DMI_RING", ring)
+        model, _ = _pair("qwen3")
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
+            outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
+            if name == "small":
+                assert type(run.ring).__name__ == "CudaRing" and run._remote
+        if name == "small":
+            cap = run.ring.bytes.capacity
+            assert run.ring.bytes.head > 3 * cap and run.ring.next_seq > 4 * 32      # wrapped, both rings
+            st = run.stats()
+            assert st["dropped_captures"] == 0 and st["not_run"] == 0 and st["bytes_drained"] > 3 * cap
+            assert st["bytes_captured"] == st["bytes_drained"] > 0
+    assert torch.equal(outs["ref"], outs["small"])
+    assert_stores_equal(tmp_path / "ref.zarr", tmp_path / "small.zarr")
+    assert not list(Path("/dev/shm").glob("dmi-ring-*"))
+
+    from transformers import CompileConfig
+    monkeypatch.setenv("DMI_RING", "cuda")
+    spec = write_spec("capture: [{sites: [final_norm]}, {sites: [logits], tokens: last}]\n"
+                      "policy: {ring_bytes: 4MiB, drain: process}\n", "compiled.yaml")
+    model, _ = _pair("qwen3", dtype=torch.bfloat16)
+    kw = dict(max_new_tokens=10, do_sample=False, cache_implementation="static",
+              compile_config=CompileConfig(mode="reduce-overhead"), output_logits=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "c.zarr") as run:
+        gens = [run.model.generate(**enc, **kw) for _ in range(2)]
+    torch._dynamo.reset()
+    want = torch.cat([torch.cat(g.logits) for g in gens]).float().cpu().numpy()
+    np.testing.assert_array_equal(dmi.open(tmp_path / "c.zarr")["logits"].dataset.logits.values, want)
+    assert run.stats()["dropped_captures"] == 0
