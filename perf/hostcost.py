@@ -11,6 +11,10 @@ which reserves, opens and publishes; each step is ended and drained as the run w
 interpret ring (``DMI_RING=interpret``, the same control-block code as the CUDA ring); GPU: the
 CUDA ring.
 
+``--cap F``: the decode step's begin again under ``best_effort`` with a D2H cap of F times the
+capture rate (``policy.d2h_bytes_per_s``, its bucket refilled by F x a step's bytes each step:
+captures it has no room for are dropped, lowest priority first).
+
 ``--in-generate N``: the same calls timed inside a real ``generate()`` of N tokens (static
 cache): between two steps the model's forward runs, so dmi's host work meets cold caches, as it
 does in a real run (dev box: publish_control 28 µs there against 4 µs in the loop).
@@ -74,6 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--cap", type=float, default=0.0, metavar="F",
+                    help="hf: also the decode step's begin under best_effort with a D2H cap of F x the capture rate")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--prefill", type=int, default=4, help="vllm: requests of the batch in a prefill chunk")
     ap.add_argument("--chunk", type=int, default=64, help="vllm: tokens of each prefill chunk")
@@ -151,11 +157,23 @@ def main(argv=None) -> None:
             n = max(args.calls // 10, 100)
             per_call_us(decode_step, n)
             begin, end = (spent[k] / (n + min(n, 100)) * 1e6 for k in ("begin", "end"))
+            capped = ""
+            if args.cap:       # best_effort under a D2H cap of args.cap x the loop's own capture rate
+                from dmi.ring import TokenBucket
+                ring.set_limits("best_effort", None)
+                # (the bucket's clock counts steps: each step refills args.cap x a step's bytes, whatever the host's speed)
+                ring.bucket = TokenBucket(args.cap * last.layout.total, burst=last.layout.total, clock=lambda: run._step)
+                spent.update(begin=0.0, end=0.0)
+                drops = len(ring.stats.drops)
+                per_call_us(decode_step, n)
+                done = n + min(n, 100)
+                capped = (f"; best_effort capped at {args.cap:g} x a step's bytes per step: begin {spent['begin'] / done * 1e6:.1f} "
+                          f"us, {(len(ring.stats.drops) - drops) / done:.1f} captures dropped a step")
             run.flush()
     finally:
         run.close()
     print(f"{DEV}: {len(run.plan.sites)} sites, batch {args.batch}: publish_control {pub:.1f} us/call; decode step: "
-          f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us")
+          f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us{capped}")
 
 
 def in_generate(model, run, enc, new: int) -> None:
