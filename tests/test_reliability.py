@@ -146,14 +146,27 @@ def _assert_no_torn_chunk(store: Path) -> int:
     return n
 
 
-WRITERS = ["thread", "process"]     # store.writer: the exporter in the model's process, or in its own
+# store.writer: the exporter in the model's process, or in its own; "drain": that process drains the
+# ring too (policy.drain: process)
+WRITERS = ["thread", "process", "drain"]
+
+
+def _writer(writer: str) -> str:
+    """The store.writer value of a WRITERS entry."""
+    return "process" if writer == "drain" else writer
+
+
+def _policy(policy: str, writer: str) -> str:
+    """A policy flow mapping (``{mode: full}``) with the drain a WRITERS entry asks for."""
+    return policy[:-1] + ", drain: process}" if writer == "drain" else policy
 
 
 @pytest.mark.parametrize("writer", WRITERS)
 def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, capsys, writer):
     texts = [f"Prompt number {i} says hello to the wide world" for i in range(48)]
     spec = tmp_path / "hooks.yaml"
-    spec.write_text(HOOKS.replace("{chunk_bytes: 16KiB}", f"{{chunk_bytes: 16KiB, writer: {writer}}}"))
+    spec.write_text(HOOKS.replace("{chunk_bytes: 16KiB}", f"{{chunk_bytes: 16KiB, writer: {_writer(writer)}}}")
+                    + ("policy: {drain: process}\n" if writer == "drain" else ""))
     store = tmp_path / "s.zarr"
     batch, new = 3, 60                      # 16 batches x 60 steps: the kill lands mid-run, even on a fast machine
     cmd = [sys.executable, "-m", "dmi.cli", "capture", "--spec", str(spec), "--out", str(store), "-q",
@@ -168,7 +181,7 @@ def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    if writer == "process":      # the writer process sees its parent gone, commits what it holds and exits
+    if writer != "thread":       # the writer process sees its parent gone, commits what it holds and exits
         deadline = time.monotonic() + 30
         while _writer_alive(store) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -308,8 +321,8 @@ def test_unwritable_store_path_fails_at_load_naming_path_and_fix(tmp_path):
 def _store_full_spec(write_spec, policy: str, writer: str = "thread") -> Path:
     return write_spec(f"""
         capture: [{{sites: [resid_post, final_norm]}}]
-        store: {{max_bytes: 60KiB, chunk_bytes: 8KiB, writer: {writer}}}
-        policy: {policy}
+        store: {{max_bytes: 60KiB, chunk_bytes: 8KiB, writer: {_writer(writer)}}}
+        policy: {_policy(policy, writer)}
     """)
 
 
@@ -375,8 +388,8 @@ def test_store_full_under_drop_keeps_generating_and_counts_every_drop(tmp_path, 
 @pytest.mark.parametrize("policy", ["full", "best_effort"])
 def test_an_oserror_mid_run(tmp_path, encoded, write_spec, policy, writer):
     """A file where a chunk directory must go: an OSError even for root (chmod does not stop root)."""
-    spec = write_spec(f"capture: [{{sites: [resid_post]}}]\nstore: {{chunk_bytes: 4KiB, writer: {writer}}}\n"
-                      f"policy: {{mode: {policy}}}\n")
+    spec = write_spec(f"capture: [{{sites: [resid_post]}}]\nstore: {{chunk_bytes: 4KiB, writer: {_writer(writer)}}}\n"
+                      f"policy: {_policy(f'{{mode: {policy}}}', writer)}\n")
     run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
     blocker = ArrayFile(tmp_path / "o.zarr", "layers/resid_post/resid_post").path(2).parent.parent
     blocker.parent.mkdir(parents=True, exist_ok=True)
