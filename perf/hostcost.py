@@ -34,8 +34,9 @@ every step out anew, as when the batch changes every step. Each step publishes e
 record as the kernels would (not timed), so the drain's work per step is a serving step's;
 ``--windows`` opens a drain window after each step (``Run.drain_window``, as vLLM's decode steps
 do), so the drain runs in the gap instead of on its timer.
-Times are the model thread's CPU time (``time.thread_time``): the drain thread runs beside it and
-on a small machine its share of the GIL would otherwise be counted in whichever call it interrupts.
+Times of the decode step's begin and end, and of the engine step's calls, are the model thread's CPU
+time (``time.thread_time``): the drain thread runs beside it and on a small machine its share of the
+GIL would otherwise be counted in whichever call it interrupts.
 The drain and export threads' own CPU time per step is printed too (the export thread writes
 nothing here: store writes are skipped).
 """
@@ -142,17 +143,17 @@ def main(argv=None) -> None:
 
             def decode_step():   # one decode step's host side, as the run does it around a graph replay
                 run._owner.claim("a step")
-                t = time.perf_counter()
+                t = time.thread_time()           # (the thread's CPU: the drain thread's GIL share is not counted)
                 ring.begin_step(run._step, last.tokens, last.pad, last.layout)
-                spent["begin"] += time.perf_counter() - t
+                spent["begin"] += time.thread_time() - t
                 run._step += 1
-                t = time.perf_counter()
+                t = time.thread_time()
                 if DEV == "cuda":
                     ring.device_end()            # in a compiled forward this kernel is inside the graph
                 else:
                     ring.publish_end(ring.current)
                 ring.end_step(device=True)
-                spent["end"] += time.perf_counter() - t
+                spent["end"] += time.thread_time() - t
                 run._owner.release_step()
             n = max(args.calls // 10, 100)
             per_call_us(decode_step, n)
