@@ -19,6 +19,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   as traced torch ops that inductor fuses into the kernels computing them (``DMI_TRACED=1``,
   ``dmi/kernels/traced.py``; by default every capture goes through the site op and its kernel);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
+  ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
   CUDA IPC and writes; the engine's process keeps no drain or exporter thread's Python);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
@@ -542,6 +543,9 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # the same sites, decode tokens only (prefill chunks captured nothing: what the prompt's rows cost)
         "dmi-hidden-decode": dmi("dmi-hidden-decode", [{"sites": HIDDEN, "tokens": {"phase": "decode"}},
                                                        {"sites": ["logits"], "tokens": "last"}], args.ring_gib),
+        # two sites instead of 38 (final norm, last-token logits): what capture costs per site against per step
+        "dmi-final": dmi("dmi-final", [{"sites": ["final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
+                         args.ring_gib),
         # the same with policy.drain: process (dmi/ringshare.py: the writer's child copies the ring out through
         # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
         "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
