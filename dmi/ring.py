@@ -839,8 +839,8 @@ def make_ring(policy, device, *, kind: str | None = None) -> Ring:
     ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests)."""
     import os
     kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
-    share = None
-    if getattr(policy, "drain", "thread") == "process" and kind in ("cpu", "cuda"):
+    remote, share = getattr(policy, "drain", "thread") == "process", None
+    if remote and kind in ("cpu", "cuda"):
         from .ringshare import RingShare
         try:
             share = RingShare.create(policy.meta_records, policy.ring_bytes if kind == "cpu" else 0)
@@ -854,7 +854,7 @@ def make_ring(policy, device, *, kind: str | None = None) -> Ring:
         from .kernels.cuda_ring import CudaRing
         return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
                         max_step_tokens=policy.max_step_tokens, device=device, share=share)
-    if getattr(policy, "drain", "thread") == "process":
+    if remote:
         raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (DMI_RING)",
                           key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
     if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)

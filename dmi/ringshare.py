@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ring import ALIGN, META_DTYPE, Ring, SiteSlot, StepControl, StepLayout, _LaidOutSlots
+from .ring import META_DTYPE, Ring, SiteSlot, StepControl, StepLayout, _LaidOutSlots, align_up
 
 # progress words (int64, the child writes, the model's process reads)
 FREED_SEQ, TAIL, EXPORTED, RECORDS, DRAINED, CAPTURED, NOT_RUN = range(7)
@@ -53,13 +53,23 @@ def shared_file(size: int, prefix: str) -> tuple[str, mmap.mmap]:
         fd, path = tempfile.mkstemp(prefix=prefix, dir=where)
         try:
             os.posix_fallocate(fd, 0, size)
-            return path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            return path, _mapped(fd, size)
         except OSError as e:
             tried.append(f"{where}: {e.strerror or e}")
             os.unlink(path)
         finally:
             os.close(fd)
     raise OSError("; ".join(tried) or "no /dev/shm or temp directory")
+
+
+def map_shared(path: str) -> mmap.mmap:
+    """Another process's :func:`shared_file`, mapped whole."""
+    with open(path, "r+b") as f:
+        return _mapped(f.fileno(), 0)
+
+
+def _mapped(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 class RingShare:
@@ -72,13 +82,13 @@ class RingShare:
         self.words = raw[:WORDS * 8].view(np.int64)
         meta_end = HEADER + meta_records * META_DTYPE.itemsize
         self.meta = raw[HEADER:meta_end].view(META_DTYPE)
-        start = -(-meta_end // ALIGN) * ALIGN
+        start = align_up(meta_end)
         self.payload = raw[start:start + payload_bytes]
         self.meta_offset = HEADER
 
     @staticmethod
     def size(meta_records: int, payload_bytes: int) -> int:
-        return -(-(HEADER + meta_records * META_DTYPE.itemsize) // ALIGN) * ALIGN + payload_bytes
+        return align_up(HEADER + meta_records * META_DTYPE.itemsize) + payload_bytes
 
     @classmethod
     def create(cls, meta_records: int, payload_bytes: int = 0) -> "RingShare":
@@ -91,9 +101,7 @@ class RingShare:
     @classmethod
     def attach(cls, info: dict) -> "RingShare":
         """The child's mapping of the model process's file (``info``: :meth:`describe`)."""
-        with open(info["path"], "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        return cls(info["path"], mapping, info["meta_records"], info["payload_bytes"])
+        return cls(info["path"], map_shared(info["path"]), info["meta_records"], info["payload_bytes"])
 
     def describe(self) -> dict:
         return {"path": self.path, "meta_records": self.meta_records, "payload_bytes": self.payload_bytes}

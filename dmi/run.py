@@ -18,6 +18,7 @@ from .exporter import TICK_S, ZarrExporter
 from .plan import Plan, check_policy_fits
 from .spec import parse_bytes
 from .ring import Ring, StepLayout, make_ring
+from .ringshare import EXPORTED, StepSender
 from .siteop import register_run, unregister_run
 from .subscribers import Subscribers, Subscription
 from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
@@ -140,7 +141,6 @@ class Run:
         self.steps_ahead = [0, 0]            # steps begun ahead: taken by their forward, retracted
         self.thread_cpu_s: dict[str, float] = {}     # CPU seconds of the drain and export threads, once ended
         if self._remote:                     # what the drain thread has handed to the drain process
-            from .ringshare import StepSender
             self._sender, self._last_sent = StepSender(), 0
         self._drain = threading.Thread(target=self._drain_loop, name=f"dmi-drain-{self.id}", daemon=True)
         self._export = threading.Thread(target=self._export_loop, name=f"dmi-export-{self.id}", daemon=True)
@@ -630,7 +630,6 @@ class Run:
     def _hand_over(self) -> bool:
         """``policy.drain: process``: send the newly ended steps to the child as descriptors and
         take its progress (freed ring space, steps written) from the shared words. True: stop."""
-        from .ringshare import EXPORTED
         ring, exp = self.ring, self.exporter
         if exp.drain_error is not None:
             raise CaptureError(f"the drain process stopped: {exp.drain_error}")

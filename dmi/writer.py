@@ -49,7 +49,7 @@ import numpy as np
 from .errors import CaptureError, StoreError
 from .exporter import TICK_S, lower_priority, sink_policy
 from .ring import META_DTYPE, ByteRing, slot_views
-from .ringshare import shared_file
+from .ringshare import map_shared, shared_file
 
 log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
@@ -373,6 +373,15 @@ def _state(exp, sent: list) -> dict:
             "error": None if exp.error is None else str(exp.error)}
 
 
+def _guarded(fn, *args) -> str | None:
+    """Run an exporter call; its StoreError goes back with the next answer (state['error'])."""
+    try:
+        fn(*args)
+        return None
+    except StoreError as e:
+        return str(e)
+
+
 def _serve(conn: Connection, buf: np.ndarray) -> None:
     from .exporter import ZarrExporter
     _, path, plan, capture_dtype, attrs, overwrite, resume = conn.recv()
@@ -385,38 +394,27 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
     ids: list[str] = []
     ring_drops: list = []
     sent: list = []
-
-    def guarded(fn, *args):
-        """Run an exporter call; its StoreError goes back with the next answer (state['error'])."""
-        try:
-            fn(*args)
-            return None
-        except StoreError as e:
-            return str(e)
-
     drain = _Drain(exp, ids, ring_drops, conn, sent)
+    ticked = time.monotonic()
     while True:
         try:
-            if not conn.poll(RING_POLL_S if drain.busy else TICK_S):
-                drain.run()
-                if drain.tick_due():
-                    guarded(exp.tick)
-                continue
-            msg = conn.recv()
+            msg = conn.recv() if conn.poll(RING_POLL_S if drain.busy else TICK_S) else None
         except (EOFError, OSError):        # the model's process is gone: commit what arrived, stay "open"
-            guarded(exp.checkpoint, True)
+            _guarded(exp.checkpoint, True)
             exp._shutdown(wait=True)
             drain.close()
             return
-        kind = msg[0]
-        if kind == "steps":                # policy.drain: process: ended steps, drained from the ring here
-            _, descs, new_ids, new_drops = msg
-            ids.extend(new_ids)
-            ring_drops.extend(new_drops)
-            drain.take(descs)
+        kind = msg[0] if msg is not None else None
+        if kind in (None, "steps"):        # idle, or (policy.drain: process) ended steps to drain from the ring
+            if kind == "steps":
+                _, descs, new_ids, new_drops = msg
+                ids.extend(new_ids)
+                ring_drops.extend(new_drops)
+                drain.take(descs)
             drain.run()
-            if drain.tick_due():
-                guarded(exp.tick)
+            if time.monotonic() - ticked >= TICK_S:     # commits go on while idle; a failed write surfaces
+                ticked = time.monotonic()
+                _guarded(exp.tick)
         elif kind == "ring":
             conn.send(("ring", drain.open(msg[1], plan.policy.host_bytes), _state(exp, sent)))
         elif kind == "ring_close":
@@ -433,20 +431,20 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
             for site, rec, n in zip(sites, recs, sizes):
                 records.append((slot_of[site], rec, src[at:at + n]))
                 at += n
-            guarded(exp.write_step, ctrl, records, ids, ring_drops)
+            _guarded(exp.write_step, ctrl, records, ids, ring_drops)
             del records
             conn.send(("done", seq, _state(exp, sent)))
         elif kind == "sync":
-            guarded(exp.sync)
+            _guarded(exp.sync)
             conn.send(("sync", _state(exp, sent)))
         elif kind == "finish":
             ring_drops.extend(msg[1])
-            err = guarded(exp.finish, ring_drops)
+            err = _guarded(exp.finish, ring_drops)
             conn.send(("finish", err, _state(exp, sent)))
         elif kind == "accounting":
             conn.send(("accounting", exp.accounting(), _state(exp, sent)))
         elif kind == "close":
-            err = guarded(exp.close, msg[1], msg[2])
+            err = _guarded(exp.close, msg[1], msg[2])
             conn.send(("close", err, _state(exp, sent)))
             return
 
@@ -463,7 +461,6 @@ class _Drain:
         self.reader = self.receiver = None
         self.exported = 0
         self.failed = False
-        self._ticked = time.monotonic()
         self._last_state = None
 
     @property
@@ -490,9 +487,7 @@ class _Drain:
             while ctrls := reader.batch(DRAIN_BATCH):
                 for ctrl, records in zip(ctrls, reader.drain_steps(ctrls)):
                     try:
-                        exp.write_step(ctrl, records, self.ids, self.ring_drops)
-                    except StoreError:
-                        pass               # (the exporter keeps it as exp.error: it goes back with the state)
+                        _guarded(exp.write_step, ctrl, records, self.ids, self.ring_drops)
                     finally:
                         reader.release_host(ctrl)
                 self.exported += len(ctrls)
@@ -509,13 +504,6 @@ class _Drain:
         if now != self._last_state:
             self._last_state = now
             self.conn.send(("state", _state(exp, self.sent)))
-
-    def tick_due(self) -> bool:
-        now = time.monotonic()
-        if now - self._ticked < TICK_S:
-            return False
-        self._ticked = now
-        return True
 
     def close(self) -> None:
         if self.reader is not None:
@@ -546,8 +534,7 @@ def main(argv: list[str]) -> None:
         lower_priority(tid=tid)
     _load_plugins()
     fd, path = int(argv[0]), argv[1]
-    with open(path, "r+b") as f:
-        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    mapping = map_shared(path)
     conn = Connection(fd)
     try:
         _serve(conn, np.frombuffer(mapping, np.uint8))

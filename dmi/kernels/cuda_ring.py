@@ -639,6 +639,12 @@ class CudaRing(KernelRing):
         self._calls = _Async(rt)
         self._calls.check(self._staging, check_at, self._stream, self._event)
 
+    def _drain_side_frees(self) -> tuple:
+        """What :meth:`_drain_side` made, as (free function, handle) pairs for ``close``."""
+        rt = self._rt
+        return ((rt.cudaEventDestroy, self._event), (rt.cudaStreamDestroy, self._stream),
+                (rt.cudaFreeHost, self._staging_ptr))
+
     def setup(self, plan, dtype, device) -> None:
         super().setup(plan, dtype, device)
         self._heads_ptr = self._heads.data_ptr()
@@ -847,9 +853,8 @@ class CudaRing(KernelRing):
             self.meta = self.meta.copy()       # views stay valid for post-mortem reads
             self._meta_words = None
             self._staging = None
-            for fn, arg in ((rt.cudaEventDestroy, self._event), (rt.cudaStreamDestroy, self._stream),
-                            (rt.cudaFree, self._payload_ptr), (rt.cudaFreeHost, self._meta_ptr),
-                            (rt.cudaHostUnregister, self._registered), (rt.cudaFreeHost, self._staging_ptr)):
+            for fn, arg in (*self._drain_side_frees(), (rt.cudaFree, self._payload_ptr),
+                            (rt.cudaFreeHost, self._meta_ptr), (rt.cudaHostUnregister, self._registered)):
                 if arg is not None:
                     fn(arg)
 
@@ -887,10 +892,8 @@ class CudaRingReader(ChildSide, CudaRing):
             _ok(rt.cudaStreamSynchronize(self._stream))
         finally:
             self._staging = None
-            rt.cudaEventDestroy(self._event)
-            rt.cudaStreamDestroy(self._stream)
-            rt.cudaIpcCloseMemHandle(self._payload_ptr)
-            rt.cudaFreeHost(self._staging_ptr)
+            for fn, arg in (*self._drain_side_frees(), (rt.cudaIpcCloseMemHandle, self._payload_ptr)):
+                fn(arg)
 
 
 class _SiteLaunch:
