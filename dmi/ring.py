@@ -347,7 +347,8 @@ class Ring:
         self.urgent = threading.Event()
         self.hurry = False
         # the last step begun ahead of its forward: (its control, the byte head and the open step
-        # before it, the bucket and the bytes it spent), what retract_ahead restores
+        # before it, the bucket and the bytes it spent), what retract_ahead restores; and the drops
+        # a bandwidth cap made from it, which take_ahead records
         self._ahead_undo: tuple | None = None
         # policy.drain process (dmi.ringshare): the child's progress words, and what was taken of them
         self.share = None
@@ -427,7 +428,9 @@ class Ring:
 
         ahead: the step is begun before its forward is known to come (the HF adapter's next decode
         step, while the GPU runs the current one). Only a layout that fits now is begun (else None:
-        nothing waits, nothing is dropped), and :meth:`retract_ahead` can undo it."""
+        nothing waits), and :meth:`retract_ahead` can undo it. Under ``best_effort`` a bandwidth cap
+        drops here what it would drop at the forward, as the step's own begin would; those drops
+        count once the forward takes the step (:meth:`take_ahead`) and vanish with a retracted one."""
         self._before_step()
         if isinstance(wanted, StepLayout):
             ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead)
@@ -516,10 +519,10 @@ class Ring:
         cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
         per site), and for a step begun ahead that would wait. Under best_effort a bandwidth cap
         with no room for the whole step takes the captures it has room for as a layout of its own
-        (:meth:`_within_bandwidth_laid_out`), still on this path."""
+        (:meth:`_within_bandwidth_laid_out`), still on this path, begun ahead too."""
         whole, dropped = layout, ()
         if self.bucket is not None and self.bucket.wait_for(layout.total) > 0:
-            if self.mode != "best_effort" or ahead:
+            if self.mode != "best_effort":
                 return None
             layout, dropped = self._within_bandwidth_laid_out(whole)
         if layout.total > self.bytes.capacity:
@@ -548,15 +551,16 @@ class Ring:
                 self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
                 self.bucket.spend(layout.total)
-            if len(dropped):
-                self._record_laid_out_drops(step, tokens, whole, dropped)
+            drops = (step, tokens, whole, dropped) if len(dropped) else None
+            if drops is not None and not ahead:
+                self._record_laid_out_drops(*drops)
             base, block_end = block
             first = self.next_seq
             self.next_seq += n + 1
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
                                layout=layout, base=base, nbytes=layout.total)
             if ahead:
-                self._ahead_undo = (ctrl, head, self.current, self.bucket, layout.total)
+                self._ahead_undo = (ctrl, head, self.current, self.bucket, layout.total, drops)
             self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl
@@ -568,7 +572,7 @@ class Ring:
         undo, self._ahead_undo = self._ahead_undo, None
         if undo is None:
             return False
-        ctrl, head, before, bucket, spent = undo
+        ctrl, head, before, bucket, spent, _drops = undo
         with self.cond:
             if ctrl.ended or self.current is not ctrl or not self.pending or self.pending[-1] is not ctrl:
                 return False
@@ -582,6 +586,13 @@ class Ring:
             self.cond.notify_all()
         self.disarm()
         return True
+
+    def take_ahead(self) -> None:
+        """The step begun ahead is taken by its forward: the captures a bandwidth cap dropped from
+        it go into the drops table now (before its end: the exporter takes a step's drops with it)."""
+        undo, self._ahead_undo = self._ahead_undo, None
+        if undo is not None and undo[5] is not None:
+            self._record_laid_out_drops(*undo[5])
 
     def disarm(self) -> None:
         """The device side captures nothing until the next step is published (kernel rings: the

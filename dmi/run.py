@@ -302,6 +302,7 @@ class Run:
             if ahead is not None and ahead.epoch == self._epoch:    # begun already, as this one
                 self._ahead = None
                 m.last_pos = ahead.position
+                self.ring.take_ahead()
                 self._commit(ahead.layout)
                 self.steps_ahead[0] += 1
                 return
@@ -361,8 +362,9 @@ class Run:
         (where the GPU waits for it: generate() syncs on its stop check every step) shrinks to a
         few checks when that step comes (:meth:`_begin`). Only inside generate() (an ``exclusive``
         block, whose end retracts a step that never came), with stateless token filters (nothing
-        counted twice), and only where the step's layout fits now (the ring never waits or drops
-        here: that is left to the step's own begin)."""
+        counted twice), and only where the step's layout fits now (the ring never waits here; a
+        bandwidth cap under best_effort drops what it would drop at the forward, counted once the
+        forward takes the step: :meth:`Ring.take_ahead`)."""
         m = self._mirror
         if (self._ahead is not None or not (self.step_ahead and self.enabled and self._stateless_filters)
                 or m is None or self._owner.depth == 0 or m.thread != threading.get_ident()):

@@ -11,6 +11,8 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 * ``--rounds N`` (compiled mode): the A/A twin, dmi null and dmi hidden+logits -> host timed
   round-robin instead of one after the other, every run after its own vanilla run, so every row
   meets the same alternation and drift and the A/A row calibrates the others (other rows skipped);
+  ``--drain-row`` adds "-> zarr (drain process)": the same capture on a twin of its own whose
+  store writer's child drains the ring itself (``policy.drain: process``), written to Zarr;
 * dmi null: sites patched, capture disabled by the device flag (``run.set_enabled(False)``);
 * dmi hidden+logits: every layer's ``resid_post``, ``final_norm`` and last-token ``logits``,
   full policy (lossless, backpressure), GPU ring <= 1 GiB where one prefill step fits it;
@@ -457,12 +459,22 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
         dmodel.generate(**enc, **kw)
         run.flush()
 
-    configs = [("vanilla twin (A/A)", lambda: aa.generate(**enc, **kw), False),
-               ("dmi null", null, True), ("dmi hidden+logits -> host", hidden, True)]
+    configs = [("vanilla twin (A/A)", lambda: aa.generate(**enc, **kw), None),
+               ("dmi null", null, run), ("dmi hidden+logits -> host", hidden, run)]
     if args.probe_row:
-        configs.append(("dmi hidden+logits -> host + live probe", probed(run, hidden), True))
+        configs.append(("dmi hidden+logits -> host + live probe", probed(run, hidden), run))
     if not args.no_zarr:
-        configs.append((f"dmi hidden+logits -> zarr ({args.writer})", stored, True))
+        configs.append((f"dmi hidden+logits -> zarr ({args.writer})", stored, run))
+    pd_run = None
+    if args.drain_row:       # the store writer's child drains the ring itself (policy.drain: process)
+        pd_model = twin(model)
+        pd_spec = {**spec, "policy": {**spec["policy"], "drain": "process"}, "store": {**spec["store"], "writer": "process"}}
+        pd_run = dmi.load(pd_model, hook_spec=pd_spec, store=sd / "pdrain.zarr", overwrite=True)
+
+        def pdrained():
+            pd_model.generate(**enc, **kw)
+            pd_run.flush()
+        configs.append(("dmi hidden+logits -> zarr (drain process)", pdrained, pd_run))
     runs = {label: ([], [], [], [], dict.fromkeys(_COUNTED, 0)) for label, _, _ in configs}
     try:
         for _, fn, _ in configs:
@@ -470,20 +482,21 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
         vanilla()
         for r in range(args.rounds):
             k = r % len(configs)
-            for label, fn, dmi_row in configs[k:] + configs[:k]:
+            for label, fn, its_run in configs[k:] + configs[:k]:
                 times, vtimes, gcs, vgcs, counted = runs[label]
                 clocked(vanilla, vtimes, vgcs)
-                before = run.stats()
+                before = (its_run or run).stats()
                 clocked(fn, times, gcs)
-                after = run.stats()
+                after = (its_run or run).stats()
                 for k in _COUNTED:
                     counted[k] += after[k] - before[k]
-        for label, fn, dmi_row in configs:
+        for label, fn, its_run in configs:
             times, vtimes, gcs, vgcs, counted = runs[label]
             busy = gpu_profile(fn, kw["max_new_tokens"]) if args.gpu_busy and DEV == "cuda" else None
             zero = dict.fromkeys(_COUNTED, 0)
+            dmi_row = its_run is not None
             record(label, (times, zero if dmi_row else None, vtimes, busy, counted if dmi_row else None, gcs, vgcs),
-                   run if dmi_row else None, sites=n_sites if dmi_row else 0,
+                   its_run, sites=n_sites if dmi_row else 0,
                    note=f"{args.rounds} rounds" + (f", {run.steps_ahead[0]} steps begun ahead" if label.endswith("host")
                                                     else ""))
         aa_pairs = statistics.median(v / d for v, d in zip(runs[configs[0][0]][1], runs[configs[0][0]][0]))
@@ -493,6 +506,8 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
                   f"{statistics.median(v / d for v, d in zip(vtimes, times)) / aa_pairs:.3f}", flush=True)
     finally:
         run.close()
+        if pd_run is not None:
+            pd_run.close()
         shutil.rmtree(sd, ignore_errors=True)
         gc.collect()
         torch._dynamo.reset()
@@ -565,6 +580,9 @@ def main(argv=None):
                     help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")
+    ap.add_argument("--drain-row", action="store_true",
+                    help="--rounds: a row whose store writer's child drains the ring (policy.drain: process, "
+                         "store.writer: process), on its own twin, into a Zarr store")
     ap.add_argument("--aa-row", action="store_true",
                     help="also an unpatched twin of the model (its own compile), timed paired with vanilla as the "
                          "dmi rows are: the A/A ratio, what alternating two models costs without dmi")

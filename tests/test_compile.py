@@ -167,6 +167,50 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
         np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")
 
 
+def test_compiled_generate_under_a_best_effort_cap_begins_steps_ahead_and_accounts_every_row(
+        encoded, write_spec, tmp_path):
+    """A bandwidth cap below the capture rate under best_effort: the next decode step is still begun
+    ahead of its forward (its victims dropped there, as its own begin would drop them), so a capped
+    run keeps its host work off the GPU's critical path. Outputs are unchanged, every selected row
+    is stored or in the drops table (once: a step given back leaves no drop), and every stored
+    final-norm row is the model's own."""
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post, final_norm]
+          - sites: [logits]
+            tokens: last
+            priority: 1
+        policy: {mode: best_effort, d2h_bytes_per_s: 12KiB}
+    """)
+    new = 8
+    kw = _compiled_generate_kwargs(new)
+    model, ref = model_pair("qwen3", attn="sdpa")
+    with torch.no_grad():
+        want = ref.generate(**encoded, **kw, output_hidden_states=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    store = tmp_path / "capped.zarr"
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+        out = run.model.generate(**encoded, **kw)
+        taken, given_back = run.steps_ahead
+    torch._dynamo.reset()
+    assert torch.equal(out, want.sequences)
+    assert (taken, given_back) == (new - 2, 1), run.steps_ahead
+    tree = dmi.open(store)
+    attrs, drops = tree.attrs, tree["drops"].dataset
+    assert drops.sizes["drop"] > 0 and set(drops.reason.values.tolist()) == {"bandwidth"}
+    assert int(drops.step.max()) < new                         # none for the step given back
+    for site in attrs["sites"]:
+        assert attrs["rows_stored"][site] + attrs["rows_dropped"][site] + attrs["rows_not_computed"][site] \
+            == attrs["rows_selected"][site], site
+    assert sum(attrs["rows_dropped"].values()) == int(drops.rows.sum())
+    ds = tree["final_norm"].dataset
+    mask = encoded["attention_mask"].bool()
+    for k in np.unique(ds.step.values).tolist():
+        hs = want.hidden_states[k][-1]
+        rows = hs[mask] if k == 0 else hs[:, 0]
+        np.testing.assert_array_equal(ds.final_norm.values[ds.step.values == k], rows.numpy(), err_msg=f"step {k}")
+
+
 def test_compiled_forward_guards_a_site_by_its_handle_alone(encoded, write_spec, tmp_path):
     """Every call of a compiled forward evaluates Dynamo's guards first (host time the GPU waits
     for in generate()). A patched module's forward is its class's (dmi.adapters.hf.patch), so

@@ -116,6 +116,46 @@ def test_a_capped_laid_out_step_drops_what_the_per_capture_path_drops():
     assert partial >= 2
 
 
+def test_a_capped_best_effort_step_begun_ahead_drops_as_its_forward_would_and_only_once_taken():
+    """best_effort under a bandwidth cap, a step begun ahead of its forward (the HF adapter's next
+    decode step): the bucket's victims are dropped there as the step's own begin would drop them,
+    so the capped step keeps the host work off the GPU's critical path. Its drops enter the table
+    only when the forward takes it (``take_ahead``); a retracted one leaves no drop, and the bucket,
+    ring and seqs as they were."""
+    from dmi.tokens import StepTokens
+    tokens = StepTokens(0, 6, 1, np.arange(6), np.array([0, 0, 1, 2, 2, 3]), np.arange(6), np.ones(6, np.int8),
+                        np.zeros(6, np.int64))
+    sel = np.array([0, 2, 5])
+    wanted = [(site, sel, sel, 1000 + 100 * site, site % 3) for site in range(8)]
+    pad = np.zeros(6, np.int64)
+
+    def capped(level):
+        ring = CpuRing(1 << 20, 256, "best_effort")
+        ring.bucket = TokenBucket(1e6, burst=1e9, clock=lambda: 0.0)
+        ring.bucket.level = level
+        return ring
+
+    def seen(ring, ctrl):
+        return ([(s.site, s.offset - ctrl.base, s.seq - ctrl.first_seq) for s in ctrl.slots.values()],
+                [tuple(vars(d).values()) for d in ring.stats.drops], ring.bucket.level)
+
+    layout = StepLayout(wanted)
+    at_forward = capped(5000)
+    want = seen(at_forward, at_forward.begin_step(0, tokens, pad, layout))
+    assert 0 < len(want[1]) < 8 and all(d[-1] == "bandwidth" for d in want[1])
+
+    ring = capped(5000)
+    state = (ring.bytes.head, ring.next_seq, ring.stats.steps, ring.current)
+    ahead = ring.begin_step(0, tokens, pad, layout, ahead=True)
+    assert ahead is not None and ahead.layout is not None and not ring.stats.drops
+    assert ring.retract_ahead() and not ring.stats.drops and ring.bucket.level == 5000
+    assert (ring.bytes.head, ring.next_seq, ring.stats.steps, ring.current) == state
+    ahead = ring.begin_step(0, tokens, pad, layout, ahead=True)
+    ring.take_ahead()
+    assert seen(ring, ahead) == want
+    assert not ring.retract_ahead()                       # taken: nothing to give back
+
+
 def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, write_spec, tmp_path):
     model, ref = model_pair("qwen3")
     big = write_spec("capture: [{sites: [resid_post, mlp.out, final_norm]}]\npolicy: {ring_bytes: 64MiB}\n", "big.yaml")

@@ -63,6 +63,9 @@ DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each 
                               # the copy engine, the longest an engine's own small D2H waits behind the drain
 
 
+CHECK_BYTES = 32     # the libcuda check's bytes (_Async.check) past a ring drained in another process
+
+
 def with_scratch(capacity: int, scratch: int) -> int:
     """Bytes to allocate for a payload ring of ``capacity`` bytes and ``scratch`` bytes of scratch
     rows (16-byte aligned: the scratch starts at a whole element of any site dtype)."""
@@ -591,7 +594,9 @@ class CudaRing(KernelRing):
         self._thread_device = threading.local()
         self._use_device()
         self.device_bytes = with_scratch(capacity, self.scratch_bytes)
-        self._payload_ptr = _ok(rt.cudaMalloc(self.device_bytes))
+        # a ring drained in another process keeps a few bytes of its own past the rest: that process
+        # checks its libcuda calls there, where the payload and scratch hold live rows
+        self._payload_ptr = _ok(rt.cudaMalloc(self.device_bytes + (CHECK_BYTES if share is not None else 0)))
         meta_bytes = meta_records * META_DTYPE.itemsize
         self.share, self._registered = share, None
         if share is None:
@@ -699,7 +704,7 @@ class CudaRing(KernelRing):
 
     def drain_info(self) -> dict:
         """What the drain's process needs to open this ring (``policy.drain: process``)."""
-        return {"kind": "cuda", "capacity": self.bytes.capacity, "mode": self.mode,
+        return {"kind": "cuda", "capacity": self.bytes.capacity, "mode": self.mode, "check_at": self.device_bytes,
                 "device": self.torch_device.index, "ipc": self.ipc_handle, **self.share.describe()}
 
     # --- copy-out at the next step (model's thread) ----------------------------------------------
@@ -876,8 +881,9 @@ class CudaRingReader(ChildSide, CudaRing):
         handle.reserved = info["ipc"]
         self._payload_ptr = _ok(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess))
         self.meta = share.meta
-        # (the check's 32 bytes go to the scratch area past the ring: the payload holds live steps)
-        self._drain_side(host_bytes, self._payload_ptr + info["capacity"])
+        # (the check's bytes go past the ring and its scratch, where the model's process left room:
+        # the payload holds live steps)
+        self._drain_side(host_bytes, self._payload_ptr + info["check_at"])
         self.copy_at_step = False
         self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
         self._copy_lock = threading.Lock()

@@ -506,9 +506,13 @@ def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded,
     """policy.drain: process on the GPU: the writer's child opens the payload ring through CUDA IPC
     and polls the meta ring in shared memory the kernels write through its registered mapping.
     A ring far smaller than the run wraps around under backpressure and stores what the CPU
-    reference stores; compiled generate (CUDA graphs replayed) stores the model's own logits."""
+    reference stores; compiled generate (CUDA graphs replayed) stores the model's own logits.
+    Both processes keep their async copies on libcuda through ctypes: the child's check of those
+    calls (on bytes the model's process left past the ring) passing, not falling back with a warning
+    (made an error in the child here; it once checked past the allocation's end and fell back)."""
     from pathlib import Path
     enc = _enc(encoded)
+    monkeypatch.setenv("PYTHONWARNINGS", "error::RuntimeWarning:dmi.kernels.cuda_ring")     # (read by the child)
     sites = "capture: [{sites: [resid_post, mlp.out, final_norm]}]\n"
     ref_spec = write_spec(sites + "policy: {ring_bytes: 64MiB}\n", "ref.yaml")
     small = write_spec(sites + "policy: {ring_bytes: 112KiB, meta_records: 32, host_bytes: 1MiB, drain: process}\n",
@@ -520,7 +524,7 @@ def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded,
         with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
             outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
             if name == "small":
-                assert type(run.ring).__name__ == "CudaRing" and run._remote
+                assert type(run.ring).__name__ == "CudaRing" and run._remote and run.ring._calls.holds_gil
         if name == "small":
             cap = run.ring.bytes.capacity
             assert run.ring.bytes.head > 3 * cap and run.ring.next_seq > 4 * 32      # wrapped, both rings
