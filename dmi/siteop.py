@@ -1,7 +1,7 @@
 """The site ops: registered torch custom ops, opaque to torch.compile (no graph breaks).
 
-``dmi::capture(x, ticket, run, site, site_id)`` copies the selected rows of ``x`` into the run's
-ring; ``dmi::capture_sum(x, y, ticket, run, site, site_id)`` those of ``x + y`` (a site the engine
+``dmi::capture(x, ticket, run, site, site_id, after)`` copies the selected rows of ``x`` into the
+run's ring; ``dmi::capture_sum(x, y, ticket, run, site, site_id, after)`` those of ``x + y`` (a site the engine
 holds as two tensors: vLLM's residual stream), without the sum as an op of the graph: a compiled
 graph would give it an elementwise kernel of its own, where the engine fuses that add into its next
 norm. ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
@@ -69,8 +69,9 @@ def run_of(run_id: int):
 # that runs outside a CUDA graph (vLLM's mixed prefill steps, torch.compile without cudagraphs)
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
-_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id) -> ()")
-_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site, Tensor? site_id) -> ()")
+_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id, Tensor[]? after=None) -> ()")
+_LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site, Tensor? site_id, "
+            "Tensor[]? after=None) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
@@ -87,7 +88,8 @@ def _op(name: str):
 
 
 @_op("capture")
-def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id: Optional[torch.Tensor]) -> None:
+def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id: Optional[torch.Tensor],
+            after: Optional[list] = None) -> None:
     r = _RUNS.get(run)
     if r is not None:
         r.capture(site if site_id is None else r.site_of(site_id), x)
@@ -95,7 +97,7 @@ def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id:
 
 @_op("capture_sum")
 def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int,
-                site_id: Optional[torch.Tensor]) -> None:
+                site_id: Optional[torch.Tensor], after: Optional[list] = None) -> None:
     r = _RUNS.get(run)
     if r is not None:
         r.capture(site if site_id is None else r.site_of(site_id), x, y)
@@ -169,26 +171,35 @@ def constant_sites(fn):
     return call
 
 
-def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> None:
+def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Tensor] = None,
+                      after: Optional[list] = None) -> None:
     """What traced code records for a site (``x``, or ``x + y``): traced ops where the ring traces
-    the site, else the op; the site named as :func:`constant_sites` says."""
+    the site, else the op; the site named as :func:`constant_sites` says. ``after``: see :func:`site`."""
     site_at, site_id = (handle.site, None) if _constant_sites else (-1, handle.site_id)
     ticket = run_ticket(handle.run)
+    after = after or None
     if handle.traced is not None:        # (inductor fuses a sum in)
         traced_capture(handle.traced, x if y is None else x + y, ticket, site_at if site_id is None else site_id)
     elif y is None:
-        torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id)
+        torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after)
     else:
-        torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id)
+        torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id, after)
 
 
-def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
+def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> torch.Tensor:
     """The call patched into model code: capture ``x`` and hand it on unchanged.
 
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
-    ordered; eager code calls the run directly, skipping the dispatcher's per-call cost."""
+    ordered; eager code calls the run directly, skipping the dispatcher's per-call cost.
+
+    ``after``: tensors computed with ``x`` (a module's other outputs) that the op takes as inputs
+    it does not read, so that compiled code places it after them. The op orders itself through
+    ``ticket`` and inductor fuses nothing across it: where an engine computes ``x`` and another
+    output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
+    lowering places the second one after the op, that kernel would split in two, one more kernel
+    per layer (perf/fusion.py --engine vllm)."""
     if torch.compiler.is_compiling():
-        _compiled_capture(handle, x)
+        _compiled_capture(handle, x, after=after)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
@@ -196,10 +207,10 @@ def site(handle: SiteHandle, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor) -> None:
+def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor, after: Optional[list] = None) -> None:
     """:func:`site` for a site whose value is ``x + y`` (the sum is never computed as a graph op)."""
     if torch.compiler.is_compiling():
-        _compiled_capture(handle, x, y)
+        _compiled_capture(handle, x, y, after)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:

@@ -166,6 +166,22 @@ def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path):
                                                                 for r, (p, o) in seqs.items()}
 
 
+def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
+    """Inductor fuses nothing across a site op, which orders itself through its ticket. vLLM's
+    fused add + RMSNorm returns (normalized, sum) and its lowering placed the normalization after a
+    capture of the sum, so every layer's add became a kernel of its own (15 kernel calls against
+    13 for 3 layers). The capture takes the module's other outputs as ``after`` and the compiled
+    model runs vanilla's kernels, plus dmi's op calls (perf/fusion.py --engine vllm: each engine
+    in a process of its own with a fresh compile cache and TORCH_LOGS=output_code)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+    import fusion
+    rows = {which: rest for which, *rest in fusion.vllm_rows()}
+    (v_graphs, v_calls, _, v_tokens), (d_graphs, d_calls, d_ops, d_tokens) = rows["vanilla"], rows["dmi"]
+    assert v_graphs == d_graphs >= 1 and v_calls > 0
+    assert d_ops >= 4 and d_calls == v_calls, rows
+    assert d_tokens == v_tokens
+
+
 def test_attention_pattern_recomputed_from_q_and_k(tmp_path):
     """attn.pattern (GQA, chunked prefill over 16-token steps, decode) equals HF's eager attention
     weights; with prefix caching on, or max_keys below max_model_len, dmi refuses at load."""

@@ -12,7 +12,10 @@ bookkeeping, not here. Two things vLLM needs on top:
   (Inductor would give that add a kernel of its own in every layer: vLLM fuses it into the next
   RMSNorm). The built-in specs anchor the stream where that fused add+RMSNorm returns the sum
   instead (output 1: one tensor to copy), through ``{i+1}`` paths (the next layer) and the
-  ``first`` / ``last`` anchors of layer 0 and the last layer (:func:`layer_anchor`);
+  ``first`` / ``last`` anchors of layer 0 and the last layer (:func:`layer_anchor`). A capture
+  of some outputs of a module takes its other outputs as ``after`` (``dmi.siteop.site``): vLLM's
+  lowering of that fused add+RMSNorm places the normalized output after the op otherwise, and
+  Inductor then computes the sum in a kernel of its own in every layer;
 * ``order_by: N`` reorders the last axis by descending value of output ``N`` (vLLM's CPU router
   returns its top-k unsorted; the canonical order is by descending weight).
 
@@ -96,13 +99,21 @@ def _summed(parts):
     return out
 
 
-def _capture_parts(handle, parts) -> None:
-    """Capture the sum of the non-None tensors: two through ``dmi::capture_sum``."""
+def _capture_parts(handle, parts, after=None) -> None:
+    """Capture the sum of the non-None tensors: two through ``dmi::capture_sum``. ``after``: the
+    module's other outputs (``siteop.site``: compiled code places the op after them)."""
     parts = [p for p in parts if p is not None]
     if len(parts) == 2:
-        site_sum(handle, parts[0], parts[1])
+        site_sum(handle, parts[0], parts[1], after)
     else:
-        site(handle, _summed(parts))
+        site(handle, _summed(parts), after)
+
+
+def _other_outputs(out, taken) -> list | None:
+    """The tensors of a tuple output besides those at ``taken``: what a capture of those follows."""
+    if not isinstance(out, (tuple, list)):
+        return None
+    return [t for i, t in enumerate(out) if i not in taken and isinstance(t, torch.Tensor)] or None
 
 
 def _ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -141,7 +152,7 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
             if c.outputs is not None:
                 parts = [_pick_output(out, i) for i in c.outputs]
                 if c.order_by is None:
-                    _capture_parts(c.handle, parts)
+                    _capture_parts(c.handle, parts, _other_outputs(out, c.outputs))
                 else:
                     site(c.handle, _ordered(_summed(parts), _pick_output(out, c.order_by)))
         return out
