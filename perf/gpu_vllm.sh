@@ -6,6 +6,7 @@
 #   bash perf/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
 #   bash perf/gpu_vllm.sh tests            tests only
 #   bash perf/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
+#   bash perf/gpu_vllm.sh fusion [ARGS]    perf/fusion.py --engine vllm (<= 300 s), then perf/online.py ARGS when given
 #   bash perf/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table (perf/drain_bench.py --hol), the
 #                                          bandwidth-cap benchmark (perf/budget.py, <= $T_BUDGET s), then
 #                                          perf/online.py ARGS in what is left: one call for what needs no vLLM
@@ -99,6 +100,10 @@ case "$part" in
       echo "== vllm-online: skipped, only $l s left"
     fi
     ;;
+  fusion)   # the kernel calls of vLLM's compiled model with and without dmi (perf/fusion.py --engine vllm), then ARGS as online
+    step fusion 300 python3 perf/fusion.py --engine vllm
+    grep -E "^\|" "$OUT/fusion.log" || tail -n 30 "$OUT/fusion.log"
+    [ $# -gt 0 ] && online "$(left)" "$@" ;;
   bench)
     step ringtest 90 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k wraparound -q -p no:cacheprovider
     tail -n 3 "$OUT/ringtest.log"
@@ -108,6 +113,6 @@ case "$part" in
     grep -E "^\||^vanilla" "$OUT/budget.log"
     [ $# -gt 0 ] || set -- --model qwen3-8b
     online "$(left)" "$@" ;;
-  *) echo "usage: gpu_vllm.sh [all|tests|online|bench [perf/online.py args]]"; exit 2 ;;
+  *) echo "usage: gpu_vllm.sh [all|tests|online|fusion|bench [perf/online.py args]]"; exit 2 ;;
 esac
 echo "== total $((SECONDS - START)) s"
