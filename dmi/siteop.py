@@ -177,7 +177,6 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
     the site, else the op; the site named as :func:`constant_sites` says. ``after``: see :func:`site`."""
     site_at, site_id = (handle.site, None) if _constant_sites else (-1, handle.site_id)
     ticket = run_ticket(handle.run)
-    after = after or None
     if handle.traced is not None:        # (inductor fuses a sum in)
         traced_capture(handle.traced, x if y is None else x + y, ticket, site_at if site_id is None else site_id)
     elif y is None:
