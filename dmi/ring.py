@@ -247,6 +247,16 @@ class _LaidOutSlots(collections.abc.Mapping):
         return views
 
 
+class _AheadUndo(NamedTuple):
+    """A step begun ahead of its forward, and what :meth:`Ring.retract_ahead` restores."""
+    ctrl: "StepControl"
+    head: int                  # the byte ring's head before it
+    before: "StepControl | None"     # the open step before it
+    bucket: "TokenBucket | None"     # the bandwidth bucket it spent from, and how much
+    spent: int
+    drops: tuple | None        # the drops a bandwidth cap made from it (``_record_laid_out_drops`` args)
+
+
 class SiteView(NamedTuple):
     """What a drained record's consumers (exporter, writer process) read of its :class:`SiteSlot`."""
     site: int
@@ -346,10 +356,8 @@ class Ring:
         # wakes it early (ring or meta ring a quarter full, backpressure, flush, close).
         self.urgent = threading.Event()
         self.hurry = False
-        # the last step begun ahead of its forward: (its control, the byte head and the open step
-        # before it, the bucket and the bytes it spent), what retract_ahead restores; and the drops
-        # a bandwidth cap made from it, which take_ahead records
-        self._ahead_undo: tuple | None = None
+        # the last step begun ahead of its forward: what retract_ahead restores, take_ahead records
+        self._ahead_undo: _AheadUndo | None = None
         # policy.drain process (dmi.ringshare): the child's progress words, and what was taken of them
         self.share = None
         self._seen = None
@@ -560,7 +568,7 @@ class Ring:
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
                                layout=layout, base=base, nbytes=layout.total)
             if ahead:
-                self._ahead_undo = (ctrl, head, self.current, self.bucket, layout.total, drops)
+                self._ahead_undo = _AheadUndo(ctrl, head, self.current, self.bucket, layout.total, drops)
             self._open(ctrl)
         self.publish_control(ctrl)
         return ctrl
@@ -572,7 +580,7 @@ class Ring:
         undo, self._ahead_undo = self._ahead_undo, None
         if undo is None:
             return False
-        ctrl, head, before, bucket, spent, _drops = undo
+        ctrl, head, before, bucket, spent, _ = undo
         with self.cond:
             if ctrl.ended or self.current is not ctrl or not self.pending or self.pending[-1] is not ctrl:
                 return False
@@ -591,8 +599,8 @@ class Ring:
         """The step begun ahead is taken by its forward: the captures a bandwidth cap dropped from
         it go into the drops table now (before its end: the exporter takes a step's drops with it)."""
         undo, self._ahead_undo = self._ahead_undo, None
-        if undo is not None and undo[5] is not None:
-            self._record_laid_out_drops(*undo[5])
+        if undo is not None and undo.drops is not None:
+            self._record_laid_out_drops(*undo.drops)
 
     def disarm(self) -> None:
         """The device side captures nothing until the next step is published (kernel rings: the
