@@ -595,8 +595,10 @@ class CudaRing(KernelRing):
         self._use_device()
         self.device_bytes = with_scratch(capacity, self.scratch_bytes)
         # a ring drained in another process keeps a few bytes of its own past the rest: that process
-        # checks its libcuda calls there, where the payload and scratch hold live rows
-        self._payload_ptr = _ok(rt.cudaMalloc(self.device_bytes + (CHECK_BYTES if share is not None else 0)))
+        # checks its libcuda calls there, where the payload and scratch hold live rows. (Its own
+        # attribute: device_bytes goes on to count the control tensors that setup() allocates.)
+        self._check_at = self.device_bytes
+        self._payload_ptr = _ok(rt.cudaMalloc(self._check_at + (CHECK_BYTES if share is not None else 0)))
         meta_bytes = meta_records * META_DTYPE.itemsize
         self.share, self._registered = share, None
         if share is None:
@@ -704,7 +706,7 @@ class CudaRing(KernelRing):
 
     def drain_info(self) -> dict:
         """What the drain's process needs to open this ring (``policy.drain: process``)."""
-        return {"kind": "cuda", "capacity": self.bytes.capacity, "mode": self.mode, "check_at": self.device_bytes,
+        return {"kind": "cuda", "capacity": self.bytes.capacity, "mode": self.mode, "check_at": self._check_at,
                 "device": self.torch_device.index, "ipc": self.ipc_handle, **self.share.describe()}
 
     # --- copy-out at the next step (model's thread) ----------------------------------------------
