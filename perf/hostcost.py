@@ -97,6 +97,12 @@ def main(argv=None) -> None:
     ap.add_argument("--fresh", action="store_true", help="vllm: no step reuses the last step's layout")
     ap.add_argument("--eager", action="store_true", help="vllm: each step also captures its sites through the eager "
                     "path (a step run without a CUDA graph: mixed prefill steps above the largest graph size)")
+    ap.add_argument("--sum", action="store_true",
+                    help="vllm --eager: each site's value is the sum of two tensors (vLLM's residual stream outside "
+                         "its graphs: dmi::capture_sum), not one tensor")
+    ap.add_argument("--op", action="store_true",
+                    help="vllm --eager: through the site op as compiled code calls it (torch.ops.dmi.capture[_sum], "
+                         "the site as a tensor, the module's other output as after), dispatcher included")
     ap.add_argument("--no-range-copy", action="store_true",
                     help="vllm: the logits rows (one range) captured through the eager path's torch ops or their "
                          "replayed graph, not by one strided copy (ring.range_copy off): the A/B of copy_rows")
@@ -177,6 +183,17 @@ def main(argv=None) -> None:
           f"begin (reserve, open, control block) {begin:.1f} us, end (end marker, close) {end:.1f} us{capped}")
 
 
+def _eager_capture(run, x, addend, op: bool):
+    """site index -> None: one site's capture in an eager step, as ``Run.capture`` takes it or (``op``)
+    as vLLM's compiled code calls the site op (its site a tensor, the module's other output ``after``)."""
+    if not op:
+        return lambda i: run.capture(i, x, addend)
+    ticket, after = run.ticket, [x]
+    if addend is None:
+        return lambda i: torch.ops.dmi.capture(x, ticket, run.id, -1, run.site_tensors[i], after)
+    return lambda i: torch.ops.dmi.capture_sum(x, addend, ticket, run.id, -1, run.site_tensors[i], after)
+
+
 def in_generate(model, run, enc, new: int) -> None:
     """Thread CPU per decode step of dmi's host calls inside generate() (see --in-generate)."""
     calls = ((run, "_begin"), (run.ring, "begin_step"), (run.ring, "publish_control"), (run.ring, "end_step"))
@@ -245,6 +262,8 @@ def vllm_steps(run, args) -> None:
     row_bytes = {s.index: s.row_bytes(run.itemsize) for s in run.plan.sites}
     hidden = run.plan.sites[0].shape[-1]
     xs = torch.randn(1, int(sched.sum()), hidden, device=DEV)    # [batch 1, flat tokens, hidden]: HF's site layout
+    addend = torch.randn_like(xs) if args.sum else None          # (--sum: the residual added to it)
+    eager_capture = _eager_capture(run, xs, addend, args.op)
     logits = torch.randn(1, n, logits_site.shape[-1], device=DEV)  # one row per request (the held rows)
     timers = _breakdown(run, builder) if args.breakdown else None
     if DEV == "cuda":
@@ -287,7 +306,7 @@ def vllm_steps(run, args) -> None:
         w += time.perf_counter() - w_pub
         t = time.thread_time()
         for site in eager_sites:      # what the dmi::capture op does for each site of an eager step
-            run.capture(site.index, xs)
+            eager_capture(site.index)
         spent["eager"] += time.thread_time() - t
         t = time.thread_time()
         run.capture(logits_site.index, logits[:, :m])    # every step: vLLM computes logits outside its CUDA graphs
@@ -334,8 +353,8 @@ def vllm_steps(run, args) -> None:
           f"{int(sched.sum())} tokens): rows from the batch {rows:.1f} us, begin {begin:.1f} us, end {end:.1f} us "
           f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), logits capture {spent['logits'] / calls * 1e6:.1f} us, "
           f"total {rows + begin + end:.1f} us (wall {spent['wall'] / calls * 1e6:.1f}); {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
-          + (f"; eager captures {spent['eager'] / calls * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites)"
-             if eager_sites else ""))
+          + (f"; eager captures {spent['eager'] / calls * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites"
+             f"{', summed' if args.sum else ''}{', through the op' if args.op else ''})" if eager_sites else ""))
     print("captures outside graphs (count, mean host us): " + ", ".join(
         f"{how} {n} x {t / max(n, 1) * 1e6:.1f}" for how, (n, t) in ring.eager_time.items() if n))
     if timers is not None:
