@@ -103,6 +103,9 @@ def main(argv=None) -> None:
     ap.add_argument("--op", action="store_true",
                     help="vllm --eager: through the site op as compiled code calls it (torch.ops.dmi.capture[_sum], "
                          "the site as a tensor, the module's other output as after), dispatcher included")
+    ap.add_argument("--kernel", action="store_true",
+                    help="vllm --eager: each site launched as in a CUDA graph (the capture kernel through Triton's "
+                         "launcher, reading the step from the control block) instead of the eager path's copies")
     ap.add_argument("--no-range-copy", action="store_true",
                     help="vllm: the logits rows (one range) captured through the eager path's torch ops or their "
                          "replayed graph, not by one strided copy (ring.range_copy off): the A/B of copy_rows")
@@ -264,6 +267,15 @@ def vllm_steps(run, args) -> None:
     xs = torch.randn(1, int(sched.sum()), hidden, device=DEV)    # [batch 1, flat tokens, hidden]: HF's site layout
     addend = torch.randn_like(xs) if args.sum else None          # (--sum: the residual added to it)
     eager_capture = _eager_capture(run, xs, addend, args.op)
+    if args.kernel:
+        plain_capture = eager_capture
+
+        def eager_capture(i):          # (graph_mode: KernelRing.capture launches as while capturing a graph)
+            ring.graph_mode = True
+            try:
+                plain_capture(i)
+            finally:
+                ring.graph_mode = False
     logits = torch.randn(1, n, logits_site.shape[-1], device=DEV)  # one row per request (the held rows)
     timers = _breakdown(run, builder) if args.breakdown else None
     if DEV == "cuda":
@@ -354,7 +366,8 @@ def vllm_steps(run, args) -> None:
           f"(end marker {dev_end:.1f}; wall {end_wall:.1f}), logits capture {spent['logits'] / calls * 1e6:.1f} us, "
           f"total {rows + begin + end:.1f} us (wall {spent['wall'] / calls * 1e6:.1f}); {cpu.text.split(', ', 1)[1]} (thread CPU us/step)"
           + (f"; eager captures {spent['eager'] / calls * 1e6 / len(eager_sites):.1f} us/site ({len(eager_sites)} sites"
-             f"{', summed' if args.sum else ''}{', through the op' if args.op else ''})" if eager_sites else ""))
+             f"{', summed' if args.sum else ''}{', through the op' if args.op else ''}"
+             f"{', kernel launches' if args.kernel else ''})" if eager_sites else ""))
     print("captures outside graphs (count, mean host us): " + ", ".join(
         f"{how} {n} x {t / max(n, 1) * 1e6:.1f}" for how, (n, t) in ring.eager_time.items() if n))
     if timers is not None:
