@@ -342,7 +342,7 @@ def vllm_steps(run, args) -> None:
         ring.device_end()
         torch.cuda.synchronize()
     try:
-        with Skip(run), torch.no_grad(), CpuClock(run, total) as cpu:
+        with Skip(run), torch.inference_mode(), CpuClock(run, total) as cpu:    # (as vLLM runs its steps)
             for _ in range(total - calls):    # warm-up (Triton compiles, graphs captured): not timed
                 step()
             for key in spent:
