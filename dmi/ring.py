@@ -850,12 +850,13 @@ class CpuRing(Ring):
         return {"kind": "cpu", "capacity": self.bytes.capacity, "mode": self.mode, **self.share.describe()}
 
 
-def make_ring(policy, device, *, kind: str | None = None) -> Ring:
+def make_ring(policy, device, *, kind: str | None = None, traced: str | None = None) -> Ring:
     """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
 
     ``kind`` (or the environment variable ``DMI_RING``): ``cpu`` forces the reference path (on a GPU
     too: captures go through ``dmi.gather`` and a host copy), ``cuda`` forces the CUDA ring,
-    ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests)."""
+    ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests).
+    ``traced``: where compiled code captures as traced ops (kernel rings: ``KernelRing``'s ``traced``)."""
     import os
     kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
     remote, share = getattr(policy, "drain", "thread") == "process", None
@@ -872,12 +873,12 @@ def make_ring(policy, device, *, kind: str | None = None) -> Ring:
     if kind == "cuda":
         from .kernels.cuda_ring import CudaRing
         return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                        max_step_tokens=policy.max_step_tokens, device=device, share=share)
+                        max_step_tokens=policy.max_step_tokens, device=device, share=share, traced=traced)
     if remote:
         raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (DMI_RING)",
                           key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
     if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
         from .kernels.cuda_ring import InterpretRing
         return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode,
-                             max_step_tokens=policy.max_step_tokens)
+                             max_step_tokens=policy.max_step_tokens, traced=traced)
     raise ValueError(f"unknown ring backend {kind!r} (DMI_RING): use 'cpu', 'cuda' or 'interpret'")

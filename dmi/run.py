@@ -35,7 +35,8 @@ class Run:
     """Returned by :func:`dmi.load`. Use ``run.model`` as usual; ``run.close()`` (or ``with``) flushes."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
-                 attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None):
+                 attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None,
+                 traced: str | None = None):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -48,7 +49,7 @@ class Run:
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
                             "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
                             fix="remove policy.drain or set it to thread")
-        self.ring = ring or make_ring(plan.policy, device)
+        self.ring = ring or make_ring(plan.policy, device, traced=traced)
         self.ring.setup(plan, self.dtype, device)
         if tp is None:
             exporter = ZarrExporter

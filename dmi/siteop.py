@@ -1,7 +1,7 @@
 """The site ops: registered torch custom ops, opaque to torch.compile (no graph breaks).
 
-``dmi::capture(x, ticket, run, site, site_id, after)`` copies the selected rows of ``x`` into the
-run's ring; ``dmi::capture_sum(x, y, ticket, run, site, site_id, after)`` those of ``x + y`` (a site the engine
+``dmi::capture(x, ticket, run, site, site_id, after, ring, token_dims)`` copies the selected rows of
+``x`` into the run's ring; ``dmi::capture_sum(x, y, ticket, ...)`` those of ``x + y`` (a site the engine
 holds as two tensors: vLLM's residual stream), without the sum as an op of the graph: a compiled
 graph would give it an elementwise kernel of its own, where the engine fuses that add into its next
 norm. ``dmi::step_begin`` / ``dmi::step_end`` bracket one forward call (one engine step).
@@ -32,6 +32,10 @@ into the kernel computing the site's tensor, where the op would cut that kernel 
 against the step's ops is data flow: the scatter reads ``ticket`` (so it follows the begin, which
 in eager forwards writes the control block it reads), and ``step_end`` reads the payload views the
 scatters wrote (``after``; so the end kernel, which publishes their records, follows them).
+On a ring whose ``trace_mode`` is ``range`` compiled code keeps the op, and the op carries what a
+compile pass needs to rewrite it into those ops where an engine compiles a range of steps apart
+(``ring``: the control block and payload view; ``token_dims``: the leading dims of ``x`` that are
+its rows; :func:`dmi.kernels.traced.rewrite_captures`): the op's kernel ignores both.
 
 Patched model code calls :func:`site` (returns the tensor it was given): a later write site
 (steering) can return a modified tensor without changing any call site.
@@ -69,9 +73,10 @@ def run_of(run_id: int):
 # that runs outside a CUDA graph (vLLM's mixed prefill steps, torch.compile without cudagraphs)
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
-_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id, Tensor[]? after=None) -> ()")
+_LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id, Tensor[]? after=None, "
+            "Tensor[]? ring=None, int token_dims=1) -> ()")
 _LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site, Tensor? site_id, "
-            "Tensor[]? after=None) -> ()")
+            "Tensor[]? after=None, Tensor[]? ring=None, int token_dims=1) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
@@ -89,7 +94,7 @@ def _op(name: str):
 
 @_op("capture")
 def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id: Optional[torch.Tensor],
-            after: Optional[list] = None) -> None:
+            after: Optional[list] = None, ring: Optional[list] = None, token_dims: int = 1) -> None:
     r = _RUNS.get(run)
     if r is not None:
         r.capture(site if site_id is None else r.site_of(site_id), x)
@@ -97,7 +102,8 @@ def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id:
 
 @_op("capture_sum")
 def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int,
-                site_id: Optional[torch.Tensor], after: Optional[list] = None) -> None:
+                site_id: Optional[torch.Tensor], after: Optional[list] = None, ring: Optional[list] = None,
+                token_dims: int = 1) -> None:
     r = _RUNS.get(run)
     if r is not None:
         r.capture(site if site_id is None else r.site_of(site_id), x, y)
@@ -127,20 +133,30 @@ def step_end(ticket: torch.Tensor, run: int, after: Optional[list] = None) -> No
 class SiteHandle:
     """What patched code holds for one site: ``run`` (the run's id), ``site`` (its index, for eager
     code and whole-model graphs), ``site_id`` (the same as the tensor code compiled layer by layer
-    passes) and ``traced`` (how compiled code captures it as torch ops,
-    :class:`dmi.kernels.traced.TracedSite`, or None: the op). No tensor the run shares across
-    sites is held here: compiled code reads the run's ticket through one path for every site
-    (:func:`run_ticket`), where a handle's own would be one more guard each (an aliasing check)."""
-    __slots__ = ("run", "site", "site_id", "traced")
+    passes), ``traced`` (how compiled code captures it as torch ops,
+    :class:`dmi.kernels.traced.TracedSite`, or None: the op) and ``views`` (where a compile pass
+    may rewrite the op into those ops, ``dmi.kernels.traced.rewrite_captures``, on a ring whose
+    ``trace_mode`` is ``range``: how many leading dims of the site's tensor are its rows, and the
+    ring's control block and payload view, which the op then carries; else None).
+    No tensor the run shares across sites is held here: compiled code reads the run's ticket
+    through one path for every site (:func:`run_ticket`), where a handle's own would be one more
+    guard each (an aliasing check)."""
+    __slots__ = ("run", "site", "site_id", "traced", "views")
 
-    def __init__(self, run: int, site: int, site_id: torch.Tensor, traced=None):
-        self.run, self.site, self.site_id, self.traced = run, site, site_id, traced
+    def __init__(self, run: int, site: int, site_id: torch.Tensor, traced=None, views=None):
+        self.run, self.site, self.site_id, self.traced, self.views = run, site, site_id, traced, views
 
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
         """The handle of ``site`` of a loaded :class:`dmi.run.Run`."""
         traced = getattr(run.ring, "traced_site", None)
-        return cls(run.id, site, run.site_tensors[site], traced(site) if traced is not None else None)
+        traced = traced(site) if traced is not None else None
+        if traced is not None and run.ring.trace_mode == "range":
+            # (the rewrite takes a tensor's leading dims as its rows: token-major layouts only)
+            dims = 1 if traced.layout[0] == "token" else 2 if traced.layout[:2] == ("batch", "seq") else 0
+            views = (dims, [traced.ctrl, traced.payload]) if dims else None
+            return cls(run.id, site, run.site_tensors[site], None, views)
+        return cls(run.id, site, run.site_tensors[site], traced)
 
 
 def run_ticket(run_id: int) -> torch.Tensor:
@@ -179,6 +195,12 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
     ticket = run_ticket(handle.run)
     if handle.traced is not None:        # (inductor fuses a sum in)
         traced_capture(handle.traced, x if y is None else x + y, ticket, site_at if site_id is None else site_id)
+    elif handle.views is not None:     # (a compile pass may rewrite these: dmi.kernels.traced.rewrite_captures)
+        dims, ring = handle.views
+        if y is None:
+            torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after, ring, dims)
+        else:
+            torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id, after, ring, dims)
     elif y is None:
         torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after)
     else:

@@ -16,8 +16,10 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   (``DMI_PYDLL=0``); ``dmi-hidden-nopdl``: each capture kernel an ordinary launch (``DMI_PDL=0``;
   by default, on Hopper and later, a programmatic dependent launch whose launch and control-word
   read overlap the kernel before it); ``dmi-hidden-traced``: compiled code captures the plain sites
-  as traced torch ops that inductor fuses into the kernels computing them (``DMI_TRACED=1``,
-  ``dmi/kernels/traced.py``; by default every capture goes through the site op and its kernel);
+  as traced torch ops that inductor fuses into the kernels computing them in every step
+  (``DMI_TRACED=1``, ``dmi/kernels/traced.py``; by default only the steps above the largest CUDA
+  graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
+  kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
@@ -564,6 +566,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # ... and with compiled code scattering the rows of a plain site into the ring as traced torch ops,
         # fused into the kernel computing them (the default: every capture through the site op and its kernel)
         "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
+        # ... and with the op in the steps above the largest graph too (the default: rewritten into traced ops there)
+        "dmi-hidden-op": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="0"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)
@@ -598,7 +602,7 @@ def compile_key(args, env: dict) -> str:
     spec = env.get("DMI_HOOK_SPEC")
     text = Path(spec).read_text() if spec and Path(spec).exists() else ""
     key = [args.model, args.dtype, args.graph_sizes, args.max_num_batched_tokens, args.max_num_seqs,
-           args.max_model_len, spec, text, env.get("DMI_TRACED", "0")]
+           args.max_model_len, spec, text, env.get("DMI_TRACED", "")]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

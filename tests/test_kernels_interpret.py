@@ -46,6 +46,10 @@ def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path():
     _run("traced")
 
 
+def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path():
+    _run("rewrite")
+
+
 # --- sections (run in the subprocess) ---------------------------------------------------------------
 def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
     from dmi.plan import Output, SitePlan, TokenFilter
@@ -390,6 +394,77 @@ def section_traced() -> None:
     torch._dynamo.reset()
 
 
+def section_rewrite() -> None:
+    """Captures rewritten into traced ops by a compile pass (``DMI_TRACED=range``,
+    ``dmi.kernels.traced.rewrite_captures``; vLLM runs it on its compile range above the largest
+    CUDA graph): a model compiled twice with inductor, once with the pass (every plain site's op
+    replaced by its scatter, fused into inductor's kernels) and once without (the op), the steps
+    dispatched by token count as vLLM dispatches its ranges, the ring's traced word set in exactly
+    the steps above the threshold. Every step's captures equal those of the same compiles without
+    the pass, bit for bit (the op's path: the CPU path's in section_traced; a last-token filter:
+    its inverse map, sent in traced steps only), and the rewritten graph calls the op only for the
+    sites it does not take (a head selection; attn.q, not token-major in transformers' layout)."""
+    import tempfile
+
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.kernels.traced import rewrite_captures
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    torch._inductor.config.force_disable_caches = True     # the pass runs (and counts) in every compile
+
+    class Rewrite(CustomGraphPass):
+        rewrote = 0
+
+        def __call__(self, graph):
+            Rewrite.rewrote += rewrite_captures(graph)
+            Rewrite.ops_left = sum(1 for n in graph.nodes if "dmi.capture" in str(n.args[:1]))
+
+        def uuid(self):
+            return "dmi-test-rewrite"
+
+    tok = tiny_tokenizer()
+    batches = [dict(tok(PROMPTS, return_tensors="pt", padding=True)),        # 3 x 11 rows: above (traced)
+               dict(tok(PROMPTS[2:], return_tensors="pt")),                  # 1 row: the op
+               dict(tok(PROMPTS[:2], return_tensors="pt", padding=True))]    # 2 x 11: above again
+    above = 16
+    spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q", "mlp.out"]},
+                        {"sites": ["attn.k"], "heads": [1], "layers": [2]},
+                        {"sites": ["resid_mid"], "tokens": "last"}]}
+    tmp = Path(tempfile.mkdtemp())
+    outs = {}
+    for kind in ("op", "range"):          # the op: the same two compiles without the pass
+        os.environ["DMI_TRACED"] = "0" if kind == "op" else "range"
+        model, _ = model_pair("qwen3", attn="sdpa")
+        with torch.no_grad():
+            model(**batches[0])       # transformers' first forward installs its output-capturing hooks
+        torch._dynamo.reset()
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{kind}.zarr") as run:
+            forward = run.model.forward
+            small = torch.compile(forward, fullgraph=True, dynamic=False)
+            large = torch.compile(forward, fullgraph=True, dynamic=False,
+                                  options={"post_grad_custom_post_pass": Rewrite()} if kind == "range" else {})
+            forward = lambda **enc: (large if enc["input_ids"].numel() > above else small)(**enc)  # noqa: E731
+            if kind == "range":
+                run.ring.traced_above = above
+                traced = {run.plan.sites[i].name for i in run.ring.traced}
+                # the sites the rewrite takes: token-major ones (attn.q is [batch, heads, seq, dim] here)
+                rewritable = [i for i in run.ring.traced if tuple(run.ring.sites[i].layout[:2]) == ("batch", "seq")]
+            outs[kind] = [forward(**enc).logits for enc in batches]
+            stats = run.stats()
+        assert stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
+    torch._dynamo.reset()
+    assert traced and not any(n.endswith(".attn.k") for n in traced), traced
+    # each rewritten graph (two traced steps of two shapes: two compiles) lost every traceable site's op
+    assert len(rewritable) == len(traced) - 3 and Rewrite.rewrote == 2 * len(rewritable), (Rewrite.rewrote, traced)
+    assert Rewrite.ops_left == len(run.plan.sites) - len(rewritable), Rewrite.ops_left
+    assert all(torch.equal(a, b) for a, b in zip(outs["op"], outs["range"]))
+    print("rewrite:", len(rewritable), "sites rewritten; arrays equal:", _compare_stores(tmp / "op.zarr", tmp / "range.zarr"))
+
+
 def section_wrap_null() -> None:
     import tempfile
 
@@ -504,4 +579,4 @@ if __name__ == "__main__":
     from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
     settle_mkl_vml()
     {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
-     "control": section_control, "traced": section_traced}[sys.argv[1]]()
+     "control": section_control, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()

@@ -48,10 +48,11 @@ from ..ring import META_DTYPE, ByteRing, Ring, StepControl
 from ..ringshare import ChildSide
 from . import capture as K
 from .traced import TracedSite, register
+from .words import SCRATCH_BYTES
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
-SCRATCH_BYTES = 4 << 20       # past the payload ring's end: where traced captures put rows they do not keep
 TRACED_ROW_BYTES = 256 << 10  # traced sites' rows are at most this big (16 scratch rows or more)
+TRACE_MODES = ("0", "1", "range")   # KernelRing(traced=...), DMI_TRACED
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
 SITE_KEYS = 64                # eager tensors a site remembers (and keeps graphs of: _replayed) ...
@@ -126,15 +127,25 @@ class KernelRing(Ring):
     device_publishes_end = True
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
-                 device=None):
+                 device=None, traced: str | None = None):
+        """``traced``: where compiled code captures the traceable sites as traced torch ops
+        (:mod:`dmi.kernels.traced`), ``DMI_TRACED`` when None (unset: ``0``). ``0``: nowhere (the site
+        op); ``1``: every compiled forward (opt-in: slower than the op under CUDA graphs,
+        perf/RESULTS.md); ``range``: only where an engine's compile pass rewrites the op
+        (:func:`dmi.kernels.traced.rewrite_captures`: vLLM's steps above its largest CUDA graph),
+        in steps of more than :attr:`traced_above` rows."""
         super().__init__(capacity, meta_records, mode)
         self.torch_device = torch.device(device) if device is not None else torch.device("cpu")
         self.is_cuda = self.torch_device.type == "cuda"
         self.max_rows = int(max_step_tokens or DEFAULT_MAX_ROWS)
         self.device_bytes = self.pinned_bytes = 0
+        self.trace_mode = traced if traced is not None else os.environ.get("DMI_TRACED", "0")
+        if self.trace_mode not in TRACE_MODES:
+            raise PolicyError(f"DMI_TRACED={self.trace_mode!r} is not one of {', '.join(TRACE_MODES)}",
+                              fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled "
+                                  "forward) or range (traced where an engine's compile pass rewrites the op)")
         # traced captures' scratch rows, past the payload's end: allocated only where they may run
-        # (opt-in, DMI_TRACED=1: slower than the op on the GPU so far, perf/RESULTS.md)
-        self.scratch_bytes = SCRATCH_BYTES if os.environ.get("DMI_TRACED", "0") == "1" else 0
+        self.scratch_bytes = SCRATCH_BYTES if self.trace_mode != "0" else 0
         self.graph_mode = False   # tests: launch as while capturing a CUDA graph (no host values baked in)
 
     def setup(self, plan, dtype, device) -> None:
@@ -151,6 +162,7 @@ class KernelRing(Ring):
         self.traced_table = torch.tensor([(i, i & 0xFFFFFFFF, self.sites[i].row_bytes[0]) for i in self.traced],
                                          dtype=torch.int64, device=dev).reshape(-1, K.TRACED_WORDS)
         self.traced_steps = False           # a compiled forward captures sites as traced ops (dmi.kernels.traced)
+        self.traced_above: int | None = None   # trace_mode range: steps of more rows run the rewritten captures
         self.traced_key = None              # this ring's key for traced code (dmi.kernels.traced.register)
         self._traced_word = 0               # the traced word the open step's control block was given
         self.traced_views: dict = {}       # dtype -> the payload ring and its scratch row as it
@@ -273,7 +285,8 @@ class KernelRing(Ring):
             laid = None                        # (the inverse maps of traced sites are per step geometry)
         ctrl.dev_pad_start = pad_start
         # the end kernel publishes traced sites' records in steps that ran traced code (compiled)
-        self._traced_word = traced = int(self.traced_steps and bool(self.traced))
+        self._traced_word = traced = int(bool(self.traced) and (self.traced_steps or (
+            self.traced_above is not None and batch * seq > self.traced_above)))
         words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq, traced)
         steady = laid is not None and layout is self._on_device[0] and (
             pad is self._on_device[1] or np.array_equal(pad, self._on_device[1]))
@@ -357,8 +370,8 @@ class KernelRing(Ring):
         place in the array or -1) at ``pos`` on, once per array: (each array's start, [(start,
         map)], next pos). -1 where the map does not fit (the step then publishes no traced records);
         0 for arrays of every row (traced code needs no map) or with no traced sites."""
-        if not self.traced:
-            return [0] * len(arrays), [], pos
+        if not self.traced or (self.trace_mode == "range" and not self._traced_word):
+            return [0] * len(arrays), [], pos      # (range: a step's geometry decides its word, and keys its layout)
         n = ctrl.tokens.batch * ctrl.tokens.seq
         placed: dict[int, int] = {}
         at = []
@@ -582,13 +595,14 @@ class CudaRing(KernelRing):
     """Ring² on a CUDA device; memory, stream and events through cuda-python."""
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, host_bytes: int = 256 << 20,
-                 max_step_tokens: int | None = None, device=None, share=None):
+                 max_step_tokens: int | None = None, device=None, share=None, traced: str | None = None):
         """``share``: a :class:`dmi.ringshare.RingShare` (``policy.drain: process``): the meta ring in
-        its file, registered as mapped memory, and the payload ring exported through CUDA IPC."""
+        its file, registered as mapped memory, and the payload ring exported through CUDA IPC.
+        ``traced``: :class:`KernelRing`'s."""
         dev = torch.device(device) if device is not None else torch.device("cuda")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device=dev)
+        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device=dev, traced=traced)
         rt = self._rt = cudart()
         torch.cuda.init()                      # torch and cuda-python share the primary context
         self._thread_device = threading.local()
@@ -1115,8 +1129,8 @@ class InterpretRing(KernelRing):
     kernels run on the CPU, so CI exercises the CUDA path's control words, kernels and records."""
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
-                 device=None, **_):
-        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu")
+                 device=None, traced: str | None = None, **_):
+        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu", traced=traced)
         self.scratch_t = torch.zeros(with_scratch(capacity, self.scratch_bytes), dtype=torch.uint8)
         self.payload = self.payload_t = self.scratch_t[:capacity]
         self.meta = np.zeros(meta_records, META_DTYPE)

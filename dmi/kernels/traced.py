@@ -17,10 +17,17 @@ disarmed or dropped capture) go to scratch rows past the ring's end (row ``i`` t
 The ops never write a record: the end-marker kernel publishes the records of a step's traced
 sites (their row count is the host's reservation: only sites holding every step row are traced,
 see :meth:`dmi.kernels.cuda_ring.KernelRing.traced_site`), before its fence.
+
+Two ways in: code traced with the ring's :class:`TracedSite` calls :func:`capture` (``DMI_TRACED=1``:
+every compiled forward), or a post-grad compile pass turns the ``dmi::capture`` ops of one compiled
+graph into the same scatter (:func:`rewrite_captures`, ``DMI_TRACED=range``: vLLM's steps above its
+largest CUDA graph, where graph replays keep the op).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -77,15 +84,97 @@ def capture(t: TracedSite, x: torch.Tensor, ticket: torch.Tensor, site_id: "torc
     (the site's index: a tensor where layers compile alike, an int in a whole-model graph) locates
     its control words."""
     _compiling_for(t.ring_key)
-    rows = token_rows(x, t.layout, t.row_elems).to(t.dtype)
-    ctrl, w = t.ctrl, t.ctrl.shape[0]
-    hdr = K.G_WORDS + K.S_WORDS * site_id
+    scatter(token_rows(x, t.layout, t.row_elems), t.ctrl, t.payload, ticket, site_id, t.scratch, t.scratch_rows)
+
+
+def scatter(rows: torch.Tensor, ctrl: torch.Tensor, payload: torch.Tensor, ticket: torch.Tensor,
+            site_id: "torch.Tensor | int", scratch: int, scratch_rows: int) -> None:
+    """The traced capture of ``rows`` (``[step rows, row_elems]``, token-major) into ``payload`` (the
+    ring as the site's dtype) at the places the control block ``ctrl`` gives them."""
+    row_elems = rows.shape[1]
+    rows = rows.to(payload.dtype)
+    w = ctrl.shape[0]
+    # every word is read at an index that depends on the ticket: no read of the control block can
+    # be scheduled before the step's begin, which may write it in the same graph (eager forwards)
+    z = ticket[:1] * 0                   # (a 1-element index: a 0-dim one would be read as an int)
+    g = ctrl[z + torch.arange(K.G_WORDS, device=ctrl.device)]
+    hdr = z + K.G_WORDS + K.S_WORDS * site_id
     i = torch.arange(rows.shape[0], device=rows.device)
     count, enabled = ctrl[hdr + K.S_ROWS], ctrl[hdr + K.S_ENABLED]
     listed = ctrl[(ctrl[hdr + K.S_INV] + i).clamp(0, w - 1)]
     place = torch.where(enabled == K.ENABLED_ARANGE, torch.where(i < count, i, -1), listed)
-    ok = (ctrl[K.G_ARMED] + ticket[0] * 0 != 0) & (enabled != 0) & (place >= 0) & (place < count) \
-        & (i < ctrl[K.G_BATCH] * ctrl[K.G_SEQ])
-    first = (ctrl[K.G_BASE] + ctrl[hdr + K.S_OFFSET]) // rows.element_size()
-    dst = torch.where(ok, first + place * t.row_elems, t.scratch + (i % t.scratch_rows) * t.row_elems)
-    t.payload.index_put_((dst[:, None] + torch.arange(t.row_elems, device=rows.device),), rows)
+    ok = (g[K.G_ARMED] != 0) & (enabled != 0) & (place >= 0) & (place < count) & (i < g[K.G_BATCH] * g[K.G_SEQ])
+    first = (g[K.G_BASE] + ctrl[hdr + K.S_OFFSET]) // rows.element_size()
+    dst = torch.where(ok, first + place * row_elems, scratch + (i % scratch_rows) * row_elems)
+    payload.index_put_((dst[:, None] + torch.arange(row_elems, device=rows.device),), rows)
+
+
+def source_hash() -> str:
+    """A hash of this module's code (what :func:`rewrite_captures` compiles in): compile caches key on it."""
+    import hashlib
+    from pathlib import Path
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def rewrite_captures(graph: torch.fx.Graph) -> int:
+    """A post-grad graph pass: each ``dmi::capture`` / ``dmi::capture_sum`` that carries its ring's
+    views (``ring=[ctrl, payload]`` and ``token_dims``: :attr:`dmi.siteop.SiteHandle.views`) becomes
+    the traced scatter of :func:`scatter`, which inductor then fuses into the kernel computing the
+    rows. An engine that compiles a graph per token range runs it on some ranges only (vLLM: steps
+    above its largest CUDA graph, where the op costs a host call per site and step;
+    ``dmi.adapters.vllm.compat.rewrite_above_graphs``); the ring's traced word must be set in
+    exactly those steps (``KernelRing.traced_above``), so that the end kernel publishes the
+    rewritten sites' records. Returns how many captures it rewrote.
+
+    The graph is functional (a capture is ``auto_functionalized``, v1 or v2): the scatter, traced
+    with ``make_fx`` under the graph's fake mode and inductor's decompositions, is inlined before
+    the capture; it writes the payload in place (a graph input), and the ticket the op mutated is
+    handed on unchanged."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+
+    ops = {torch.ops.dmi.capture.default: 1, torch.ops.dmi.capture_sum.default: 2}
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (auto_functionalized, auto_functionalized_v2) \
+                or node.args[0] not in ops or not node.kwargs.get("ring"):
+            continue
+        kw = node.kwargs
+        ticket = kw["ticket"] if node.target is auto_functionalized else kw["_all_bases"][kw["_ticket_base_index"]]
+        ctrl, payload = kw["ring"]
+        site_id = kw["site_id"]
+        sources = [kw[k] for k in ("x", "y")[:ops[node.args[0]]]]
+        x = sources[0].meta["val"]
+        pay = payload.meta["val"]
+        row_elems = int(math.prod(x.shape[kw.get("token_dims", 1):]))
+        row_bytes = row_elems * pay.dtype.itemsize
+        scratch = pay.numel() - K.SCRATCH_BYTES // pay.dtype.itemsize
+        site = kw["site"] if site_id is None else None          # (a site named as a constant of the graph)
+
+        def traced(ctrl_t, payload_t, ticket_t, *rest):
+            site_t, xs = (site, rest) if site is not None else (rest[0], rest[1:])
+            rows = (xs[0] if len(xs) == 1 else xs[0] + xs[1]).reshape(-1, row_elems)
+            scatter(rows, ctrl_t, payload_t, ticket_t, site_t, scratch, K.SCRATCH_BYTES // row_bytes)
+
+        inputs = [ctrl, payload, ticket, *([site_id] if site_id is not None else []), *sources]
+        vals = [n.meta["val"] for n in inputs]
+        with detect_fake_mode(vals) or contextlib.nullcontext():
+            sub = make_fx(traced, decomposition_table=select_decomp_table())(*vals)   # (inductor's own)
+        env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], inputs))
+        with graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op not in ("placeholder", "output"):
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+        for user in list(node.users):          # getitem(node, k): the ticket after the op, i.e. the ticket
+            user.replace_all_uses_with(ticket)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        done += 1
+    if done:      # a ticket no capture mutates any more is copied onto itself: drop those copies
+        for node in list(graph.nodes):
+            if node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]:
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+    return done

@@ -7,3 +7,4 @@ S_OFFSET, S_SEQ, S_ROWS, S_ROWS_START, S_ENABLED, S_INV = range(6)
 S_WORDS = 6
 TRACED_WORDS = 3       # a traced site's row in the end kernel's table: site index, site word, row bytes
 OFF, ENABLED, ENABLED_ARANGE = 0, 1, 2     # a site's enabled word
+SCRATCH_BYTES = 4 << 20   # past the payload ring's end: where traced captures put rows they do not keep

@@ -11,16 +11,18 @@ What is pinned (issue #4, GPU part):
 * steps that replay a captured graph (decode: FULL graphs; small mixed steps: PIECEWISE graphs)
   produce their own, correct records: the only capture made from Python in those steps is the
   eager ``logits`` site (``compute_logits`` runs outside the graph), every other site's rows come
-  from kernels the replay ran, and they equal HF's; steps larger than any graph capture every site
-  from Python (the compiled model without a graph);
+  from kernels the replay ran, and they equal HF's; steps larger than any graph run the compiled
+  model without a graph (every site from Python under ``DMI_TRACED=0``);
 * what cannot work inside a graph replay is refused at load (``attn.pattern``, ``DMI_RING=cpu``).
-* with traced captures (``DMI_TRACED=1``) the plain sites are scattered into the ring by the
-  compiled model's own code, no op call in any step, and still equal HF's.
+* steps above the largest graph run a compile range of their own (the default, ``DMI_TRACED`` unset:
+  ``range``) in which every plain site's op was rewritten into a traced scatter: no capture from
+  Python there but the ops left (head selections, the logits); with ``DMI_TRACED=1`` the plain
+  sites are scattered by the compiled code in every step; both equal HF's.
 
 Engine: vLLM 0.25.1 (the H200 machine: ``source .vbundle/tools/env.sh``, docs/vllm.md), the V1
 model runner, float32 through the Triton attention backend (FlashAttention has no float32),
 CUDA graphs for 1..32 tokens; steps of 33..48 tokens run the compiled model without a graph, so
-the eager capture path runs in the same engine. Run: ``pytest -m gpu tests/gpu/test_vllm_gpu.py``.
+the eager capture path (``qwen3-op``) or the rewritten range runs in the same engine. Run: ``pytest -m gpu tests/gpu/test_vllm_gpu.py``.
 
 Tolerance (float32): atol 1e-4, rtol 1e-3. HF (SDPA, one unpadded forward per request) and vLLM
 (Triton paged attention, flat continuous batches, inductor-fused norms) sum in different orders;
@@ -101,12 +103,19 @@ def _capture_recorder(monkeypatch):
     return events
 
 
-@pytest.mark.parametrize("family,traced", [("qwen3", "0"), ("llama3_1", "0"), ("qwen3", "1")],
-                         ids=["qwen3", "llama3_1", "qwen3-traced"])
+@pytest.mark.parametrize("family,traced", [("qwen3", None), ("llama3_1", None), ("qwen3", "0"), ("qwen3", "1")],
+                         ids=["qwen3", "llama3_1", "qwen3-op", "qwen3-traced"])
 def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch):
-    """``traced`` 1: vLLM's compiled model captures the plain sites as traced scatters into the ring
-    (``DMI_TRACED=1``, dmi.kernels.traced), the other sites through the site op; the same numbers."""
-    monkeypatch.setenv("DMI_TRACED", traced)
+    """``traced`` (``DMI_TRACED``) None: the default, ``range``: the steps above the largest graph
+    (33-48 tokens) run a compile range of their own whose plain sites' ops were rewritten into
+    traced scatters (dmi.kernels.traced.rewrite_captures), no op call there; graph-replayed steps
+    keep the op. ``0``: the op in every step. ``1``: traced scatters in every step
+    (dmi.kernels.traced). The other sites through the site op; the same numbers."""
+    if traced is None:
+        monkeypatch.delenv("DMI_TRACED", raising=False)
+    else:
+        monkeypatch.setenv("DMI_TRACED", traced)
+    mode = traced or "range"
     path = save_builtin(f"tiny-{family}")
     prompts, params = workload()
     plain = vllm.LLM(path, **ENGINE)
@@ -128,7 +137,8 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
         ring = run.run.ring
         copies, replays, graphs_made = ring.eager_time["copy"][0], ring.eager_replays, dict(ring._graphs_made)
         traced_sites = set(ring.traced)
-        assert bool(traced_sites) == (traced == "1") and ring.traced_steps == (traced == "1"), ring.traced
+        assert ring.trace_mode == mode and bool(traced_sites) == (mode != "0"), (ring.trace_mode, ring.traced)
+        assert ring.traced_steps == (mode == "1") and ring.traced_above == (GRAPH_SIZES[-1] if mode == "range" else None)
     finally:
         run.shutdown()
 
@@ -164,9 +174,12 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
     # graphs: sites were captured into CUDA graphs at start-up, and replays wrote the decode steps
     logits_site = next(s.index for s in plan.sites if s.canonical == "logits")
     captured = {site for capturing, site, _ in events[:n_setup] if capturing}
-    # (a traced site is no op call: its scatter is in the compiled code the graphs replay)
-    through_op = {s.index for s in plan.sites} - traced_sites
-    assert not captured & traced_sites, "a traced site went through the op"
+    # (a traced site is no op call: its scatter is in the compiled code the graphs replay; under
+    # range the graphs keep the op and only the steps above them run the rewritten graph)
+    every = {s.index for s in plan.sites}
+    through_op = every - traced_sites if mode == "1" else every
+    above_op = every - traced_sites           # the sites an op captures in steps above the graphs
+    assert mode != "1" or not captured & traced_sites, "a traced site went through the op"
     assert captured >= through_op - {logits_site}, "sites missing from the graphs"
     assert not any(capturing for capturing, _, _ in serving), "a graph was captured while serving"
     eager = collections.defaultdict(set)             # step -> sites captured from Python (not by a replay)
@@ -183,7 +196,7 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
     mixed = [s for s, ph in steps.items() if s not in decode and len(ph) <= GRAPH_SIZES[-1]]
     assert mixed and all(eager[s] <= {logits_site} for s in mixed), [(s, len(eager[s])) for s in mixed]
     big = [s for s, ph in steps.items() if len(ph) > GRAPH_SIZES[-1]]       # larger than any graph: eager
-    assert big and all(eager[s] == through_op for s in big), [(s, len(eager[s])) for s in big]
+    assert big and all(eager[s] == above_op for s in big), [(s, len(eager[s])) for s in big]
 
     # every site equals HF (both on the GPU, float32) at every stored (request, position)
     ref = hf_reference(family, seqs, spec, tmp_path / "hf.zarr", device="cuda")

@@ -3,7 +3,11 @@
 Reached from the worker process that owns the model:
 
 * ``Worker.load_model`` (class, patched when vLLM imports the worker module): after the model is
-  built and before it is compiled, dmi patches the spec's anchors in and starts the run.
+  built and before it is compiled, dmi patches the spec's anchors in and starts the run; before it
+  is built, the compile config (``compilation_config``: ``compile_ranges_endpoints``,
+  ``inductor_compile_config["post_grad_custom_post_pass"]`` as a ``CallableInductorPass``, which
+  vLLM's pass manager runs per range under ``get_pass_context().compile_range``): the steps above
+  the largest CUDA graph get a compile range whose captures are rewritten into traced ops.
 * the V1 model runner, wrapped on the *instance*: ``_prepare_inputs`` (the step's batch: request
   order in ``input_batch``, tokens scheduled per request, tokens already computed, prompt lengths),
   ``_model_forward`` (the padded token count the model runs on, CUDA-graph padding included),
@@ -93,8 +97,9 @@ def when_imported(module: str, fn) -> None:
     sys.meta_path.insert(0, _Hook())
 
 
-def wrap_worker_load_model(after, rpc: dict | None = None) -> None:
-    """Call ``after(worker)`` once the worker's model is built (before warm-up and compilation).
+def wrap_worker_load_model(after, rpc: dict | None = None, before=None) -> None:
+    """Call ``after(worker)`` once the worker's model is built (before warm-up and compilation),
+    and ``before(worker)`` (if given) before it is built.
 
     ``rpc``: worker methods to add, by name, for ``LLM.collective_rpc("name")`` when the engine
     runs in other processes (a callable would need VLLM_ALLOW_INSECURE_SERIALIZATION)."""
@@ -108,6 +113,8 @@ def wrap_worker_load_model(after, rpc: dict | None = None) -> None:
 
         @functools.wraps(inner)
         def load_model(self, *args, **kwargs):
+            if before is not None:
+                before(self)
             out = inner(self, *args, **kwargs)
             after(self)
             return out
@@ -250,6 +257,46 @@ def compiles_model(vllm_config) -> bool:
     ``compilation_config.mode``, NONE under ``enforce_eager``): dmi's traced captures then run in
     every forward, also where vLLM loads the compiled code from its cache without tracing it."""
     return _mode_on(vllm_config, "mode")
+
+
+def graph_top(vllm_config) -> int | None:
+    """The largest CUDA graph's token count where vLLM runs larger steps through its own compile
+    without a graph (``VLLM_COMPILE``: piecewise, an Inductor artifact per token range), else None."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    if not cuda_graphs_on(vllm_config) or getattr(getattr(cc, "mode", None), "name", None) != "VLLM_COMPILE":
+        return None
+    top = getattr(cc, "max_cudagraph_capture_size", None)
+    step = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return int(top) if top and step and top < step else None
+
+
+_PASS_KEY = "post_grad_custom_post_pass"      # inductor's hook; vLLM's pass manager runs a pass given there
+
+
+def rewrite_above_graphs(vllm_config, rewrite, uuid: str) -> int | None:
+    """Compile the steps above the largest CUDA graph as a token range of their own
+    (``compilation_config.compile_ranges_endpoints``, 0.25 - 0.32) and run ``rewrite`` (a post-grad
+    graph pass) in that range only. Before the model is built: vLLM's backend copies
+    ``inductor_compile_config`` when the model's compiled wrapper is made. Returns the largest
+    graph's token count (steps of more tokens run the rewritten graph), or None where there is no
+    such range or the hook holds another pass (the user's: left alone)."""
+    from vllm.compilation.passes.inductor_pass import CallableInductorPass, get_pass_context
+    top = graph_top(vllm_config)
+    cc = vllm_config.compilation_config
+    if top is None or _PASS_KEY in cc.inductor_compile_config:
+        return None
+
+    def above(graph) -> None:
+        try:
+            compile_range = get_pass_context().compile_range
+        except AssertionError:         # compiled without vLLM's pass manager (no ranges): keep the op
+            return
+        if compile_range.start > top:
+            rewrite(graph)
+
+    cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or []) | {top})
+    cc.inductor_compile_config[_PASS_KEY] = CallableInductorPass(above, uuid=f"{uuid}-above-{top}")
+    return top
 
 
 def wrap_request_validation(make_validator) -> None:

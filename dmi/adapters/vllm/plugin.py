@@ -41,8 +41,9 @@ def register() -> None:
         return
     _registered = True
     from . import compat
-    from .worker import close_session, start
-    compat.wrap_worker_load_model(start, rpc={"dmi_close_session": lambda worker, token=None: close_session(token)})
+    from .worker import close_session, prepare, start
+    compat.wrap_worker_load_model(start, rpc={"dmi_close_session": lambda worker, token=None: close_session(token)},
+                                  before=prepare)
     compat.wrap_request_validation(_validator)
     compat.grace_engine_shutdown(lambda config: read_config(config) is not None,
                                  float(os.environ.get("DMI_SHUTDOWN_GRACE_S", "30")))

@@ -5,6 +5,8 @@ config carries a dmi section (``additional_config={"dmi": {...}}``, or ``DMI_HOO
 environment): it plans the hook spec against the architecture spec's ``vllm`` anchors, starts a
 :class:`dmi.run.Run`, patches the model (before vLLM compiles it), and brackets each engine step
 from the runner's batch. ``runner.shutdown`` (engine shutdown) or process exit closes the store.
+Before the model is built, :func:`prepare` gives the steps above the largest CUDA graph a compile
+range of their own in which the captures are traced ops (``DMI_TRACED=range``).
 """
 from __future__ import annotations
 
@@ -255,6 +257,28 @@ def _run_stats(run) -> dict:
     return out
 
 
+def prepare(worker) -> None:
+    """Before ``Worker.load_model`` builds the model: where the engine config asks for a session
+    and dmi's captures may be traced (:func:`trace_mode`), compile the steps above the largest CUDA
+    graph as a range of their own whose captures are rewritten into traced scatters
+    (``dmi.kernels.traced.rewrite_captures``): those steps run the compiled model without a graph,
+    where each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's
+    token count (steps of more tokens run the rewritten graph), or None."""
+    from .plugin import read_config
+    from ...kernels.traced import rewrite_captures, source_hash
+    vllm_config = worker.vllm_config
+    worker.dmi_traced_above = None
+    if read_config(vllm_config) is not None and trace_mode(vllm_config) == "range":
+        worker.dmi_traced_above = compat.rewrite_above_graphs(vllm_config, rewrite_captures, f"dmi-{source_hash()}")
+
+
+def trace_mode(vllm_config) -> str:
+    """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): ``DMI_TRACED`` where
+    set, else ``range`` where the engine runs steps above its largest CUDA graph through its own
+    compile (:func:`compat.graph_top`), else ``0``."""
+    return os.environ.get("DMI_TRACED") or ("range" if compat.graph_top(vllm_config) is not None else "0")
+
+
 def start(worker) -> Session | None:
     """``Worker.load_model`` hook: start a session when the engine config asks for one."""
     from .plugin import read_config
@@ -290,7 +314,9 @@ def start(worker) -> Session | None:
         shards.ShardWriter(str(store), tp.plan, tp.layout, tp.rank).close({"sites": []})
         log.info("dmi: tensor parallel rank %d captures no site", tp.rank)
         return None
-    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp)
+    above = getattr(worker, "dmi_traced_above", None)          # (prepare)
+    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
+              traced=os.environ.get("DMI_TRACED") or ("range" if above is not None else "0"))
     session_rank = tp.rank if tp is not None else 0
     try:
         _check_graphs(run, vllm_config)
@@ -308,8 +334,10 @@ def start(worker) -> Session | None:
         # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
         # capture per site.)
         run.ring.replay_eager = {s.index for s in plan.sites if s.anchor.get("rows")}
-    if getattr(run.ring, "traced", None) and compat.compiles_model(vllm_config):
+    if getattr(run.ring, "traced", None) and run.ring.trace_mode == "1" and compat.compiles_model(vllm_config):
         run.ring.traced_steps = True          # (a cached compiled graph is not traced again: tell the ring here)
+    if getattr(run.ring, "traced", None) and run.ring.trace_mode == "range":
+        run.ring.traced_above = above         # None: no range rewritten (the op in every step)
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
         run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
@@ -431,7 +459,8 @@ def _graph_key(plan, arch, run) -> str:
     # the patch, the site call and the traced capture are compiled into the graph
     src = b"".join(Path(m.__file__).read_bytes() for m in (patch, siteop, traced))
     tp = getattr(run.exporter, "tp", None)
-    key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id, getattr(run.ring, "traced", [])]
+    key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id, getattr(run.ring, "traced", []),
+           getattr(run.ring, "trace_mode", "0"), getattr(run.ring, "traced_above", None)]
     if tp is not None:          # each rank compiles its own shard shapes
         key.append([tp.rank, tp.layout.world, [(s.shape, s.heads) for s in plan.sites]])
     blob = json.dumps(key, sort_keys=True, default=str)
