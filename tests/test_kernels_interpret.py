@@ -413,8 +413,16 @@ def section_rewrite() -> None:
     from conftest import PROMPTS, model_pair
     from dmi.kernels.traced import rewrite_captures
     from dmi.models import tiny_tokenizer
+    from dmi.errors import PolicyError
+    from dmi.kernels.cuda_ring import InterpretRing
     torch.set_num_threads(2)
     torch._inductor.config.force_disable_caches = True     # the pass runs (and counts) in every compile
+    try:                          # DMI_TRACED's values are named where one is wrong
+        InterpretRing(1 << 16, 64, traced="yes")
+    except PolicyError as e:
+        assert "DMI_TRACED='yes'" in str(e) and "range" in str(e), e
+    else:
+        raise AssertionError("an unknown trace mode was taken")
 
     class Rewrite(CustomGraphPass):
         rewrote = 0
