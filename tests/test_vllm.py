@@ -429,6 +429,52 @@ NO_PLUGIN = pytest.mark.skipif(not _plugin_installed(), reason="dmi's vllm.gener
 
 
 @NO_PLUGIN
+def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_rewritten():
+    """The seam behind ``DMI_TRACED=range`` on vLLM's own config and pass classes. (The CPU engine
+    compiles without ranges or graphs, so ``tests/gpu/test_vllm_gpu.py`` runs the range itself; the
+    rewrite is tested in ``test_kernels_interpret.py``.) An endpoint at the largest graph splits
+    the compile ranges there; the pass runs the rewrite in ranges above it only, not where vLLM's
+    pass manager gives no range; a user's own pass keeps the hook; no graphs, or no step larger
+    than the largest one, means no range."""
+    from types import SimpleNamespace
+
+    from vllm.compilation.passes.inductor_pass import CallableInductorPass, pass_context
+    from vllm.config import CompilationConfig, CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.config.utils import Range
+
+    from dmi.adapters.vllm import compat
+
+    def config(graphs=CUDAGraphMode.FULL_AND_PIECEWISE, step=48, **inductor):
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=graphs)
+        cc.inductor_compile_config.update(inductor)
+        cc.max_cudagraph_capture_size = 32
+        cc.compile_ranges_endpoints = [step]          # (VllmConfig puts max_num_batched_tokens there)
+        return SimpleNamespace(compilation_config=cc, scheduler_config=SimpleNamespace(max_num_batched_tokens=step))
+
+    seen = []
+    cfg = config()
+    assert compat.rewrite_above_graphs(cfg, seen.append, "t") == 32
+    cc = cfg.compilation_config
+    assert [(r.start, r.end) for r in cc.get_compile_ranges()] == [(1, 32), (33, 48)]
+    rewrite = cc.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(rewrite, CallableInductorPass) and rewrite.uuid() == "t-above-32"
+    for compile_range, graph in ((Range(1, 32), "graphed"), (Range(33, 48), "above"), (Range(40, 40), "a size")):
+        with pass_context(compile_range):
+            rewrite(graph)
+    rewrite("no range")
+    assert seen == ["above", "a size"]
+
+    mine = CallableInductorPass(lambda graph: None, uuid="mine")
+    cfg = config(post_grad_custom_post_pass=mine)
+    assert compat.rewrite_above_graphs(cfg, seen.append, "t") is None
+    assert cfg.compilation_config.inductor_compile_config["post_grad_custom_post_pass"] is mine
+    assert cfg.compilation_config.compile_ranges_endpoints == [48]
+    for cfg in (config(graphs=CUDAGraphMode.NONE), config(step=32)):
+        assert compat.graph_top(cfg) is None and compat.rewrite_above_graphs(cfg, seen.append, "t") is None
+        assert "post_grad_custom_post_pass" not in cfg.compilation_config.inductor_compile_config
+
+
 def test_engine_in_another_process(tmp_path, monkeypatch):
     """VLLM_ENABLE_V1_MULTIPROCESSING=1: the run lives in the engine process (the plugin starts it
     there); run.close() closes it through LLM.collective_rpc."""
