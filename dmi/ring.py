@@ -850,6 +850,20 @@ class CpuRing(Ring):
         return {"kind": "cpu", "capacity": self.bytes.capacity, "mode": self.mode, **self.share.describe()}
 
 
+TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced ops (DMI_TRACED; KernelRing)
+
+
+def trace_mode(traced: str | None) -> str:
+    """``traced``, or ``DMI_TRACED`` where None (unset: ``0``), refused unless one of TRACE_MODES."""
+    import os
+    mode = traced if traced is not None else os.environ.get("DMI_TRACED", "0")
+    if mode not in TRACE_MODES:
+        raise PolicyError(f"DMI_TRACED={mode!r} is not one of {', '.join(TRACE_MODES)}",
+                          fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled forward) "
+                              "or range (traced where an engine's compile pass rewrites the op)")
+    return mode
+
+
 def make_ring(policy, device, *, kind: str | None = None, traced: str | None = None) -> Ring:
     """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
 
@@ -858,6 +872,7 @@ def make_ring(policy, device, *, kind: str | None = None, traced: str | None = N
     ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests).
     ``traced``: where compiled code captures as traced ops (kernel rings: ``KernelRing``'s ``traced``)."""
     import os
+    traced = trace_mode(traced)          # (checked for every ring: the CPU ring has no traced captures)
     kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
     remote, share = getattr(policy, "drain", "thread") == "process", None
     if remote and kind in ("cpu", "cuda"):

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import CaptureError, PolicyError
 from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
-from ..ring import META_DTYPE, ByteRing, Ring, StepControl
+from ..ring import META_DTYPE, ByteRing, Ring, StepControl, trace_mode
 from ..ringshare import ChildSide
 from . import capture as K
 from .traced import TracedSite, register
@@ -52,7 +52,6 @@ from .words import SCRATCH_BYTES
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
 TRACED_ROW_BYTES = 256 << 10  # traced sites' rows are at most this big (16 scratch rows or more)
-TRACE_MODES = ("0", "1", "range")   # KernelRing(traced=...), DMI_TRACED
 CTRL_BUFFERS = 4              # pinned control buffers in flight
 HEAD_SLOTS = 64               # pinned slots of a steady step's global words (publish_control)
 SITE_KEYS = 64                # eager tensors a site remembers (and keeps graphs of: _replayed) ...
@@ -139,11 +138,7 @@ class KernelRing(Ring):
         self.is_cuda = self.torch_device.type == "cuda"
         self.max_rows = int(max_step_tokens or DEFAULT_MAX_ROWS)
         self.device_bytes = self.pinned_bytes = 0
-        self.trace_mode = traced if traced is not None else os.environ.get("DMI_TRACED", "0")
-        if self.trace_mode not in TRACE_MODES:
-            raise PolicyError(f"DMI_TRACED={self.trace_mode!r} is not one of {', '.join(TRACE_MODES)}",
-                              fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled "
-                                  "forward) or range (traced where an engine's compile pass rewrites the op)")
+        self.trace_mode = trace_mode(traced)
         # traced captures' scratch rows, past the payload's end: allocated only where they may run
         self.scratch_bytes = SCRATCH_BYTES if self.trace_mode != "0" else 0
         self.graph_mode = False   # tests: launch as while capturing a CUDA graph (no host values baked in)
