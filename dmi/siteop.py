@@ -195,16 +195,12 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
     ticket = run_ticket(handle.run)
     if handle.traced is not None:        # (inductor fuses a sum in)
         traced_capture(handle.traced, x if y is None else x + y, ticket, site_at if site_id is None else site_id)
-    elif handle.views is not None:     # (a compile pass may rewrite these: dmi.kernels.traced.rewrite_captures)
-        dims, ring = handle.views
-        if y is None:
-            torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after, ring, dims)
-        else:
-            torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id, after, ring, dims)
-    elif y is None:
-        torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after)
+        return
+    dims, ring = handle.views or (1, None)     # (views: a compile pass may rewrite the op, rewrite_captures)
+    if y is None:
+        torch.ops.dmi.capture(x, ticket, handle.run, site_at, site_id, after, ring, dims)
     else:
-        torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id, after)
+        torch.ops.dmi.capture_sum(x, y, ticket, handle.run, site_at, site_id, after, ring, dims)
 
 
 def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> torch.Tensor:

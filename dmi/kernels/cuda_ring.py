@@ -47,7 +47,7 @@ from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl, trace_mode
 from ..ringshare import ChildSide
 from . import capture as K
-from .traced import TracedSite, register
+from .traced import TracedSite, register, scratch_at
 from .words import SCRATCH_BYTES
 
 DEFAULT_MAX_ROWS = 65536      # rows one token filter may select in one step (policy.max_step_tokens overrides)
@@ -250,11 +250,11 @@ class KernelRing(Ring):
             view = self.traced_views[dtype] = self.scratch_t.view(dtype)
             if self.is_cuda:
                 torch._dynamo.mark_static_address(view)
-        scratch = (self.scratch_t.numel() - self.scratch_bytes) // dtype.itemsize
+        scratch, scratch_rows = scratch_at(view.numel(), dtype.itemsize, launcher.row_bytes[0])
         if self.traced_key is None:
             self.traced_key = register(self)
         return TracedSite(self.traced_key, self.ctrl, view, launcher.row_bytes[0] // dtype.itemsize,
-                          scratch, self.scratch_bytes // launcher.row_bytes[0], dtype, tuple(launcher.layout))
+                          scratch, scratch_rows, dtype, tuple(launcher.layout))
 
     def check_written_in_place(self, views: list) -> None:
         """The payload views a compiled forward's traced captures wrote, as its ``dmi::step_end``

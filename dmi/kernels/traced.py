@@ -61,6 +61,13 @@ _RINGS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary
 _KEYS = itertools.count(1)
 
 
+def scratch_at(payload_elems: int, itemsize: int, row_bytes: int) -> tuple[int, int]:
+    """(element index of the first scratch row, how many scratch rows) of a payload view of
+    ``payload_elems`` elements, the ring with its ``SCRATCH_BYTES`` of scratch past the end, for
+    rows of ``row_bytes``."""
+    return payload_elems - K.SCRATCH_BYTES // itemsize, K.SCRATCH_BYTES // row_bytes
+
+
 def register(ring) -> int:
     """A key for ``ring`` that traced code can pass as a constant."""
     key = next(_KEYS)
@@ -149,14 +156,13 @@ def rewrite_captures(graph: torch.fx.Graph) -> int:
         x = sources[0].meta["val"]
         pay = payload.meta["val"]
         row_elems = int(math.prod(x.shape[kw.get("token_dims", 1):]))
-        row_bytes = row_elems * pay.dtype.itemsize
-        scratch = pay.numel() - K.SCRATCH_BYTES // pay.dtype.itemsize
+        scratch, scratch_rows = scratch_at(pay.numel(), pay.dtype.itemsize, row_elems * pay.dtype.itemsize)
         site = kw["site"] if site_id is None else None          # (a site named as a constant of the graph)
 
         def traced(ctrl_t, payload_t, ticket_t, *rest):
             site_t, xs = (site, rest) if site is not None else (rest[0], rest[1:])
             rows = (xs[0] if len(xs) == 1 else xs[0] + xs[1]).reshape(-1, row_elems)
-            scatter(rows, ctrl_t, payload_t, ticket_t, site_t, scratch, K.SCRATCH_BYTES // row_bytes)
+            scatter(rows, ctrl_t, payload_t, ticket_t, site_t, scratch, scratch_rows)
 
         inputs = [ctrl, payload, ticket, *([site_id] if site_id is not None else []), *sources]
         vals = [n.meta["val"] for n in inputs]

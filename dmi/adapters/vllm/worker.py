@@ -259,7 +259,7 @@ def _run_stats(run) -> dict:
 
 def prepare(worker) -> None:
     """Before ``Worker.load_model`` builds the model: where the engine config asks for a session
-    and dmi's captures may be traced (:func:`trace_mode`), compile the steps above the largest CUDA
+    and dmi's captures may be traced (:func:`engine_trace_mode`), compile the steps above the largest CUDA
     graph as a range of their own whose captures are rewritten into traced scatters
     (``dmi.kernels.traced.rewrite_captures``): those steps run the compiled model without a graph,
     where each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's
@@ -268,11 +268,11 @@ def prepare(worker) -> None:
     from ...kernels.traced import rewrite_captures, source_hash
     vllm_config = worker.vllm_config
     worker.dmi_traced_above = None
-    if read_config(vllm_config) is not None and trace_mode(vllm_config) == "range":
+    if read_config(vllm_config) is not None and engine_trace_mode(vllm_config) == "range":
         worker.dmi_traced_above = compat.rewrite_above_graphs(vllm_config, rewrite_captures, f"dmi-{source_hash()}")
 
 
-def trace_mode(vllm_config) -> str:
+def engine_trace_mode(vllm_config) -> str:
     """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): ``DMI_TRACED`` where
     set, else ``range`` where the engine runs steps above its largest CUDA graph through its own
     compile (:func:`compat.graph_top`), else ``0``."""
