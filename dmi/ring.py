@@ -401,10 +401,15 @@ class Ring:
         """Called by the ``dmi::step_end`` op (also while a CUDA graph is being captured): the
         device side of the end marker. CUDA: a tiny kernel that publishes it; CPU: nothing."""
 
-    def capture(self, site, x, addend=None) -> None:
+    def capture(self, site, x, addend=None, side: bool = False) -> None:
         """Called by the ``dmi::capture`` op: copy the selected rows of ``x`` (of ``x + addend``:
-        ``dmi::capture_sum``) into the step's slot."""
+        ``dmi::capture_sum``) into the step's slot. ``side``: the copy may run on a side stream
+        until :meth:`join_side` (kernel rings; the others copy at once)."""
         raise NotImplementedError
+
+    def join_side(self) -> None:
+        """Called by the ``dmi::join`` op: the current stream waits for a capture left on a side
+        stream (kernel rings). Here: nothing is."""
 
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         """Copy ``nbytes`` at ``offset`` of the payload ring into host memory."""
@@ -819,7 +824,7 @@ class CpuRing(Ring):
         self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
         self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
 
-    def capture(self, site, x, addend=None) -> None:
+    def capture(self, site, x, addend=None, side: bool = False) -> None:
         import torch
         from .gather import gather
         ctrl = self.current

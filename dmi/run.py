@@ -557,10 +557,14 @@ class Run:
         """The index of the site whose ``site_tensors`` entry this is (by address: no device read)."""
         return self._site_of[site_id.data_ptr()]
 
-    def capture(self, site_index: int, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
+    def capture(self, site_index: int, x: torch.Tensor, addend: torch.Tensor | None = None, side: bool = False) -> None:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x`` (``dmi::capture_sum``:
-        of ``x + addend``)."""
-        self.ring.capture(self.plan.sites[site_index], x, addend)
+        of ``x + addend``). ``side``: a compile pass chained this capture to the graph's others
+        (:func:`dmi.kernels.side.chain_captures`): its kernel may run on a side stream."""
+        if side:
+            self.ring.capture(self.plan.sites[site_index], x, addend, side=True)
+        else:
+            self.ring.capture(self.plan.sites[site_index], x, addend)
 
     def drain_window(self) -> None:
         """An engine's cue that its host is about to wait for the GPU: it just launched a step

@@ -74,9 +74,10 @@ def run_of(run_id: int):
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
 _LIB.define("capture(Tensor x, Tensor(a!) ticket, int run, int site, Tensor? site_id, Tensor[]? after=None, "
-            "Tensor[]? ring=None, int token_dims=1) -> ()")
+            "Tensor[]? ring=None, int token_dims=1, int side=0) -> ()")
 _LIB.define("capture_sum(Tensor x, Tensor y, Tensor(a!) ticket, int run, int site, Tensor? site_id, "
-            "Tensor[]? after=None, Tensor[]? ring=None, int token_dims=1) -> ()")
+            "Tensor[]? after=None, Tensor[]? ring=None, int token_dims=1, int side=0) -> ()")
+_LIB.define("join(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
 _LIB.define("step_begin(Tensor tokens, Tensor? attention_mask, Tensor? position_ids, int past_len, "
             "Tensor? past_len_t, Tensor(a!) ticket, int run) -> ()")
 _LIB.define("step_end(Tensor(a!) ticket, int run, Tensor[]? after=None) -> ()")
@@ -94,19 +95,29 @@ def _op(name: str):
 
 @_op("capture")
 def capture(x: torch.Tensor, ticket: torch.Tensor, run: int, site: int, site_id: Optional[torch.Tensor],
-            after: Optional[list] = None, ring: Optional[list] = None, token_dims: int = 1) -> None:
+            after: Optional[list] = None, ring: Optional[list] = None, token_dims: int = 1, side: int = 0) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(site if site_id is None else r.site_of(site_id), x)
+        r.capture(site if site_id is None else r.site_of(site_id), x, side=bool(side))
 
 
 @_op("capture_sum")
 def capture_sum(x: torch.Tensor, y: torch.Tensor, ticket: torch.Tensor, run: int, site: int,
                 site_id: Optional[torch.Tensor], after: Optional[list] = None, ring: Optional[list] = None,
-                token_dims: int = 1) -> None:
+                token_dims: int = 1, side: int = 0) -> None:
     r = _RUNS.get(run)
     if r is not None:
-        r.capture(site if site_id is None else r.site_of(site_id), x, y)
+        r.capture(site if site_id is None else r.site_of(site_id), x, y, side=bool(side))
+
+
+@_op("join")
+def join(ticket: torch.Tensor, run: int, after: Optional[list] = None) -> None:
+    """The end of a graph whose captures a compile pass moved onto a side stream
+    (``side=1``, :func:`dmi.kernels.side.chain_captures`): the current stream waits for the last of
+    them. ``after``: that capture's tensors, kept alive (unwritten) until here."""
+    r = _RUNS.get(run)
+    if r is not None:
+        r.ring.join_side()
 
 
 @_op("step_begin")

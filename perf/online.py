@@ -19,7 +19,8 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   as traced torch ops that inductor fuses into the kernels computing them in every step
   (``DMI_TRACED=1``, ``dmi/kernels/traced.py``; by default only the steps above the largest CUDA
   graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
-  kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``);
+  kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``); ``dmi-hidden-side``: the
+  capture kernels of the CUDA graphs on a side stream (``DMI_SIDE=1``, dmi/kernels/side.py);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
@@ -515,7 +516,7 @@ def store_stats(store: Path | None) -> dict | None:
     return {"status": a.get("dmi_status", "open"), **{k: a.get(k) for k in keys},
             **{k: engine.get(k) for k in ("padding_rows_skipped", "steps_repeated", "host_us_per_step",
                                           "begin_us_by_step_kind", "eager_captures", "replay_graphs", "thread_cpu_s",
-                                          "drain_windows", "process_gc")}}
+                                          "drain_windows", "process_gc", "side_captures")}}
 
 
 def trace_dir(work: Path, name: str) -> Path:
@@ -568,6 +569,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
         # ... and with the op in the steps above the largest graph too (the default: rewritten into traced ops there)
         "dmi-hidden-op": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="0"),
+        # ... and with the graphs' capture kernels on a side stream (dmi.kernels.side; the default: the model's stream)
+        "dmi-hidden-side": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="1"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)
@@ -602,7 +605,7 @@ def compile_key(args, env: dict) -> str:
     spec = env.get("DMI_HOOK_SPEC")
     text = Path(spec).read_text() if spec and Path(spec).exists() else ""
     key = [args.model, args.dtype, args.graph_sizes, args.max_num_batched_tokens, args.max_num_seqs,
-           args.max_model_len, spec, text, env.get("DMI_TRACED", "")]
+           args.max_model_len, spec, text, env.get("DMI_TRACED", ""), env.get("DMI_SIDE", "")]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

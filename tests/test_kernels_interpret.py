@@ -50,6 +50,10 @@ def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path
     _run("rewrite")
 
 
+def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_compile():
+    _run("side")
+
+
 # --- sections (run in the subprocess) ---------------------------------------------------------------
 def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
     from dmi.plan import Output, SitePlan, TokenFilter
@@ -473,6 +477,76 @@ def section_rewrite() -> None:
     print("rewrite:", len(rewritable), "sites rewritten; arrays equal:", _compare_stores(tmp / "op.zarr", tmp / "range.zarr"))
 
 
+def section_side() -> None:
+    """Captures chained for a side stream by a compile pass (``dmi.kernels.side.chain_captures``;
+    vLLM runs it in its graphed ranges): every capture of a compiled graph is marked ``side=1``,
+    takes the previous capture's tensor as an input (kept unwritten until it runs) and the graph
+    ends with one ``dmi::join`` holding the last one's. Inductor compiles the chained graph, each
+    call runs every marked capture and the join once, after the last capture, and the store is
+    the plain compile's bit for bit. (On the CPU nothing forks: a CUDA graph's capture does,
+    tests/gpu.)"""
+    import tempfile
+
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.kernels.side import capture_nodes, chain_captures, sources
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    torch._inductor.config.force_disable_caches = True     # the pass runs in every compile
+    os.environ["DMI_TRACED"] = "0"                          # the op at every site
+
+    class Chain(CustomGraphPass):
+        graphs = []
+
+        def __call__(self, graph):
+            marked = chain_captures(graph)
+            nodes = capture_nodes(graph)
+            joins = [n for n in graph.nodes if n.op == "call_function" and n.args[:1] == (torch.ops.dmi.join.default,)]
+            assert marked == len(nodes) > 1 and len(joins) == 1, (marked, len(joins))
+            order = list(graph.nodes)
+            assert all(n.kwargs["side"] == 1 for n in nodes)
+            assert all(set(sources(a)) <= set(b.kwargs["after"]) for a, b in zip(nodes, nodes[1:]))
+            assert joins[0].kwargs["after"] == sources(nodes[-1]) and order.index(joins[0]) > order.index(nodes[-1])
+            Chain.graphs.append(marked)
+
+        def uuid(self):
+            return "dmi-test-side"
+
+    enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
+    spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q", "mlp.out"]},
+                        {"sites": ["attn.k"], "heads": [1], "layers": [2]}]}
+    tmp = Path(tempfile.mkdtemp())
+    outs, calls = {}, []
+    for kind in ("plain", "side"):
+        model, _ = model_pair("qwen3", attn="sdpa")
+        with torch.no_grad():
+            model(**enc)              # transformers' first forward installs its output-capturing hooks
+        torch._dynamo.reset()
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{kind}.zarr") as run:
+            ring = run.ring
+            join = ring.join_side
+            ring.join_side = lambda: (calls.append(("join", dict(ring.side_counts))), join())[1]   # (observed)
+            forward = torch.compile(run.model.forward, fullgraph=True, dynamic=False,
+                                    options={"post_grad_custom_post_pass": Chain()} if kind == "side" else {})
+            outs[kind] = [forward(**enc).logits for _ in range(2)]
+            stats, counts = run.stats(), dict(ring.side_counts)
+        assert stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
+        if kind == "plain":
+            assert counts["marked"] == 0 and not calls, (counts, calls)
+    torch._dynamo.reset()
+    assert Chain.graphs == [len(run.plan.sites)], Chain.graphs       # one graph, every site's op chained
+    # each call: every capture marked, then (as its last op) the join; nothing forked on the CPU
+    assert counts == {"marked": 2 * len(run.plan.sites), "forked": 0, "joined": 0}, counts
+    # (a marked capture first joins the one before it: the join op's call is the one that follows no new capture)
+    marked = [c[1]["marked"] for c in calls]
+    assert [m for m, before in zip(marked[1:], marked) if m == before] == [len(run.plan.sites), 2 * len(run.plan.sites)]
+    assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["side"]))
+    print("side:", len(run.plan.sites), "captures chained; arrays equal:", _compare_stores(tmp / "plain.zarr", tmp / "side.zarr"))
+
+
 def section_wrap_null() -> None:
     import tempfile
 
@@ -586,5 +660,5 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
     settle_mkl_vml()
-    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
+    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null, "side": section_side,
      "control": section_control, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()

@@ -433,9 +433,10 @@ def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_re
     """The seam behind ``DMI_TRACED=range`` on vLLM's own config and pass classes. (The CPU engine
     compiles without ranges or graphs, so ``tests/gpu/test_vllm_gpu.py`` runs the range itself; the
     rewrite is tested in ``test_kernels_interpret.py``.) An endpoint at the largest graph splits
-    the compile ranges there; the pass runs the rewrite in ranges above it only, not where vLLM's
-    pass manager gives no range; a user's own pass keeps the hook; no graphs, or no step larger
-    than the largest one, means no range."""
+    the compile ranges there; the pass runs the rewrite in ranges above it only and the
+    side-stream chain (``DMI_SIDE``) in the graphed ones, neither where vLLM's pass manager gives
+    no range; the chain alone adds no range; a user's own pass keeps the hook; no graphs, or no
+    step larger than the largest one, means no range."""
     from types import SimpleNamespace
 
     from vllm.compilation.passes.inductor_pass import CallableInductorPass, pass_context
@@ -453,26 +454,38 @@ def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_re
         return SimpleNamespace(compilation_config=cc, scheduler_config=SimpleNamespace(max_num_batched_tokens=step))
 
     seen = []
+    above, within = (lambda graph: seen.append(("above", graph))), (lambda graph: seen.append(("within", graph)))
     cfg = config()
-    assert compat.rewrite_above_graphs(cfg, seen.append, "t") == 32
+    assert compat.install_graph_pass(cfg, "t", above=above, within=within) == (32, True)
     cc = cfg.compilation_config
     assert [(r.start, r.end) for r in cc.get_compile_ranges()] == [(1, 32), (33, 48)]
-    rewrite = cc.inductor_compile_config["post_grad_custom_post_pass"]
-    assert isinstance(rewrite, CallableInductorPass) and rewrite.uuid() == "t-above-32"
-    for compile_range, graph in ((Range(1, 32), "graphed"), (Range(33, 48), "above"), (Range(40, 40), "a size")):
+    by_range = cc.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(by_range, CallableInductorPass) and by_range.uuid() == "t-above-32-within-True"
+    for compile_range, graph in ((Range(1, 32), "graphed"), (Range(33, 48), "eager"), (Range(40, 40), "a size"),
+                                 (Range(8, 8), "a graph's size")):
         with pass_context(compile_range):
-            rewrite(graph)
-    rewrite("no range")
-    assert seen == ["above", "a size"]
+            by_range(graph)
+    by_range("no range")
+    assert seen == [("within", "graphed"), ("above", "eager"), ("above", "a size"), ("within", "a graph's size")], seen
+
+    seen.clear()                   # the side-stream chain alone: no range of its own, the pass in every range
+    cfg = config()
+    assert compat.install_graph_pass(cfg, "t", within=within) == (None, True)
+    assert cfg.compilation_config.compile_ranges_endpoints == [48]
+    with pass_context(Range(1, 48)):
+        cfg.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]("all")
+    assert seen == [("within", "all")]
 
     mine = CallableInductorPass(lambda graph: None, uuid="mine")
     cfg = config(post_grad_custom_post_pass=mine)
-    assert compat.rewrite_above_graphs(cfg, seen.append, "t") is None
+    assert compat.install_graph_pass(cfg, "t", above=above, within=within) == (None, False)
     assert cfg.compilation_config.inductor_compile_config["post_grad_custom_post_pass"] is mine
     assert cfg.compilation_config.compile_ranges_endpoints == [48]
     for cfg in (config(graphs=CUDAGraphMode.NONE), config(step=32)):
-        assert compat.graph_top(cfg) is None and compat.rewrite_above_graphs(cfg, seen.append, "t") is None
+        got = compat.install_graph_pass(cfg, "t", above=above)
+        assert compat.graph_top(cfg) is None and got == (None, False)
         assert "post_grad_custom_post_pass" not in cfg.compilation_config.inductor_compile_config
+    assert compat.install_graph_pass(config(graphs=CUDAGraphMode.NONE), "t", above=above, within=within) == (None, False)
 
 
 def test_engine_in_another_process(tmp_path, monkeypatch):

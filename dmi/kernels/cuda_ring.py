@@ -201,6 +201,12 @@ class KernelRing(Ring):
         self._payload_views: dict = {}      # dtype -> the payload ring viewed as it (payload_as)
         self._site_order = np.arange(n_sites, dtype=np.int64)     # (a layout's capture order: its seq offsets)
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
+        # captures a compile pass chained (side=1: dmi.kernels.side) launch on this stream while a CUDA
+        # graph is captured, where the engine turns it on; the one not yet joined: (event, its tensors)
+        self.side_streams = False
+        self._side_stream = torch.cuda.Stream(dev) if self.is_cuda else None
+        self._side_open: tuple | None = None
+        self.side_counts = {"marked": 0, "forked": 0, "joined": 0}     # captures marked side=1; forked; joins waited
         self.device_bytes += (self.ctrl_words + self.max_rows + self.traced_table.numel()) * 8 + self.counters.numel() * 4
         self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8 + self._heads.numel() * 8
 
@@ -495,7 +501,10 @@ class KernelRing(Ring):
     def disarm(self) -> None:
         self.ctrl[:1].zero_()                  # (stream-ordered after the last step's control words)
 
-    def capture(self, site, x: torch.Tensor, addend: torch.Tensor | None = None) -> None:
+    def capture(self, site, x: torch.Tensor, addend: torch.Tensor | None = None, side: bool = False) -> None:
+        if side:       # (a chained capture: the previous one is joined first, see dmi.kernels.side)
+            self.side_counts["marked"] += 1
+            self.join_side()
         cur = self.current if self.current is not None and not self.current.ended else None
         capturing = self.graph_mode or (self.is_cuda and torch.cuda.is_current_stream_capturing())
         if not capturing and (cur is None or site.index not in cur.slots):
@@ -505,7 +514,9 @@ class KernelRing(Ring):
         if addend is not None and addend.requires_grad:
             addend = addend.detach()
         if eager is None:
-            self.sites[site.index].launch(self, x, None, addend)
+            # (a stream capture: engines capture inside their warm-up runs, graph_mode: fork only if one is on)
+            fork = side and self.side_streams and self.is_cuda and torch.cuda.is_current_stream_capturing()
+            self.sites[site.index].launch(self, x, None, addend, fork=fork)
             return
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]
@@ -521,6 +532,27 @@ class KernelRing(Ring):
         spent = self.eager_time[how or "eager"]
         spent[0] += 1
         spent[1] += time.perf_counter() - t0
+
+    def launch_on_side(self, launch, *tensors) -> None:
+        """``launch()`` on the side stream, forked from the current one where everything
+        queued so far (the site's tensor) is done; the stream joins it at the next chained capture
+        or ``dmi::join``. While a CUDA graph is captured the fork and join become the graph's edges:
+        in each replay the kernel runs beside the model's. ``tensors``: what it reads, held until
+        then (the caching allocator cannot hand their memory out before the join)."""
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.stream(side):       # (the kernel the warm-up loaded: a new variant cannot load while
+            launch()                        # a stream captures; a programmatic edge from the producer holds)
+        done = torch.cuda.Event()
+        done.record(side)
+        self._side_open = (done, tensors)
+        self.side_counts["forked"] += 1
+
+    def join_side(self) -> None:
+        if self._side_open is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(self._side_open[0])
+            self._side_open = None
+            self.side_counts["joined"] += 1
 
     def _replayed(self, site, x: torch.Tensor) -> str | None:
         """An eager capture of a tensor this site saw in earlier steps (same address, shape,
@@ -1018,9 +1050,10 @@ class _SiteLaunch:
         return ring.geometry[0]
 
     def launch(self, ring: CudaRing, x: torch.Tensor, eager: StepControl | None,
-               addend: torch.Tensor | None = None) -> None:
+               addend: torch.Tensor | None = None, fork: bool = False) -> None:
         """Copy the step's rows of ``x`` (``+ addend``: summed in the kernel where both tensors share
-        one layout and the site copies rows as they are, else added first)."""
+        one layout and the site copies rows as they are, else added first). ``fork``: a direct copy
+        that needs no temporaries launches on the ring's side stream (``ring.launch_on_side``)."""
         if addend is not None and (eager is not None or not self.plain or x.dtype != self.dtype
                                    or not _same_layout(x, addend)):
             x, addend = x + addend, None
@@ -1041,9 +1074,14 @@ class _SiteLaunch:
             drow, cnt = None, None
             if src_seq < seq:
                 drow, cnt, _ = _device_compaction(ring, site, k_rows, seq, src_seq)
-            K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, K=k_rows, src_seq=src_seq, geometry=geo,
-                     mode=K.DIRECT, row_bytes0=self.row_bytes[0], drow=drow, cnt=cnt, cnt_idx=0 if cnt is not None else -1,
-                     seq_arg=seq, addend=addend, **common)
+            def go():
+                K.launch(x, ring.payload, ring.ctrl, ring.meta_dev, K=k_rows, src_seq=src_seq, geometry=geo,
+                         mode=K.DIRECT, row_bytes0=self.row_bytes[0], drow=drow, cnt=cnt,
+                         cnt_idx=0 if cnt is not None else -1, seq_arg=seq, addend=addend, **common)
+            if fork and drow is None:
+                ring.launch_on_side(go, x, addend)
+            else:
+                go()
             return
         if addend is not None:                 # (more than two feature dims: the IDENTITY path below)
             x = x + addend

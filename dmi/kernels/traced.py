@@ -129,7 +129,7 @@ def rewrite_captures(graph: torch.fx.Graph) -> int:
     the traced scatter of :func:`scatter`, which inductor then fuses into the kernel computing the
     rows. An engine that compiles a graph per token range runs it on some ranges only (vLLM: steps
     above its largest CUDA graph, where the op costs a host call per site and step;
-    ``dmi.adapters.vllm.compat.rewrite_above_graphs``); the ring's traced word must be set in
+    ``dmi.adapters.vllm.compat.install_graph_pass``); the ring's traced word must be set in
     exactly those steps (``KernelRing.traced_above``), so that the end kernel publishes the
     rewritten sites' records. Returns how many captures it rewrote.
 
@@ -137,22 +137,21 @@ def rewrite_captures(graph: torch.fx.Graph) -> int:
     with ``make_fx`` under the graph's fake mode and inductor's decompositions, is inlined before
     the capture; it writes the payload in place (a graph input), and the ticket the op mutated is
     handed on unchanged."""
-    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
+    from .side import capture_nodes, sources as read_by
 
-    ops = {torch.ops.dmi.capture.default: 1, torch.ops.dmi.capture_sum.default: 2}
     done = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (auto_functionalized, auto_functionalized_v2) \
-                or node.args[0] not in ops or not node.kwargs.get("ring"):
+    for node in capture_nodes(graph):
+        if not node.kwargs.get("ring"):
             continue
         kw = node.kwargs
         ticket = kw["ticket"] if node.target is auto_functionalized else kw["_all_bases"][kw["_ticket_base_index"]]
         ctrl, payload = kw["ring"]
         site_id = kw["site_id"]
-        sources = [kw[k] for k in ("x", "y")[:ops[node.args[0]]]]
+        sources = read_by(node)
         x = sources[0].meta["val"]
         pay = payload.meta["val"]
         row_elems = int(math.prod(x.shape[kw.get("token_dims", 1):]))

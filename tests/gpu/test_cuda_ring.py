@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import dmi
 from conftest import FAMILIES, MOE_FAMILIES, model_pair
@@ -149,8 +150,26 @@ def test_gpu_wraparound_and_backpressure_lossless(copy_at_step, encoded, write_s
             == attrs["rows_selected"][site], site
 
 
-def test_manual_cuda_graph_replays_store_distinct_correct_records(write_spec, tmp_path, monkeypatch):
+class _ChainPass(CustomGraphPass):
+    """dmi.kernels.side.chain_captures as inductor's post-grad custom pass (vLLM installs it per range)."""
+    def __call__(self, graph):
+        from dmi.kernels.side import chain_captures
+        chain_captures(graph)
+
+    def uuid(self):
+        return "dmi-test-chain"
+
+
+@pytest.mark.parametrize("side", [False, True])
+def test_manual_cuda_graph_replays_store_distinct_correct_records(side, write_spec, tmp_path, monkeypatch):
+    """``side``: the forward compiled (the site ops: DMI_TRACED=0) with the side-stream chain pass
+    (``dmi.kernels.side``), the ring forking while the graph is captured, as in vLLM's graphs:
+    every capture kernel runs on the side stream, every fork is joined inside the capture, and
+    each replay's records are still that replay's values."""
     monkeypatch.setenv("DMI_RING", "cuda")
+    if side:
+        monkeypatch.setenv("DMI_TRACED", "0")
+        torch._dynamo.reset()
     spec = write_spec("capture: [{sites: [resid_post, final_norm, attn.q]}, {sites: [logits], tokens: last}]\n"
                       "policy: {ring_bytes: 8MiB}\n")
     model, ref = _pair("qwen3")
@@ -172,16 +191,24 @@ def test_manual_cuda_graph_replays_store_distinct_correct_records(write_spec, tm
     static_4d = mask4d(masks[0])
     kw = dict(use_cache=False, output_hidden_states=True)
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "g.zarr") as run:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                   # warm-up: one eager step (the store's step 0)
+        forward = run.model
+        if side:
+            run.ring.side_streams = True
+            forward = torch.compile(run.model.forward, fullgraph=True, dynamic=False,
+                                    options={"post_grad_custom_post_pass": _ChainPass()})
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):                   # warm-up: one eager step (the store's step 0)
             run.begin_step(static_ids, static_mask)
-            run.model(input_ids=static_ids, attention_mask=static_4d, **kw)
+            forward(input_ids=static_ids, attention_mask=static_4d, **kw)
             run.end_step()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = run.model(input_ids=static_ids, attention_mask=static_4d, **kw)
+            out = forward(input_ids=static_ids, attention_mask=static_4d, **kw)
+        if side:      # resid_post and final_norm fork (attn.q's [batch, head, seq, dim] copy stays inline)
+            counts = run.ring.side_counts
+            assert counts["forked"] >= model.config.num_hidden_layers + 1 and counts["joined"] == counts["forked"], counts
         graph.replay()                                  # a replay with no step begun captures nothing
         torch.cuda.synchronize()
         assert run.stats()["steps"] == 1

@@ -95,10 +95,10 @@ def _capture_recorder(monkeypatch):
     events = []
     inner = KernelRing.capture
 
-    def capture(self, site, x, addend=None):
+    def capture(self, site, x, addend=None, side=False):
         cur = self.current if self.current is not None and not self.current.ended else None
         events.append((torch.cuda.is_current_stream_capturing(), site.index, cur.step if cur is not None else None))
-        return inner(self, site, x, addend)
+        return inner(self, site, x, addend, side)
     monkeypatch.setattr(KernelRing, "capture", capture)
     return events
 
@@ -110,7 +110,10 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
     (33-48 tokens) run a compile range of their own whose plain sites' ops were rewritten into
     traced scatters (dmi.kernels.traced.rewrite_captures), no op call there; graph-replayed steps
     keep the op. ``0``: the op in every step. ``1``: traced scatters in every step
-    (dmi.kernels.traced). The other sites through the site op; the same numbers."""
+    (dmi.kernels.traced). The other sites through the site op; the same numbers. In every mode the
+    graphed ranges' captures are chained onto a side stream (``DMI_SIDE=1``, dmi.kernels.side):
+    each capture kernel of a replayed graph runs beside the model's."""
+    monkeypatch.setenv("DMI_SIDE", "1")
     if traced is None:
         monkeypatch.delenv("DMI_TRACED", raising=False)
     else:
@@ -139,6 +142,10 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
         traced_sites = set(ring.traced)
         assert ring.trace_mode == mode and bool(traced_sites) == (mode != "0"), (ring.trace_mode, ring.traced)
         assert ring.traced_steps == (mode == "1") and ring.traced_above == (GRAPH_SIZES[-1] if mode == "range" else None)
+        # the graphs' captures ran on the side stream (dmi.kernels.side), each fork joined
+        side = dict(ring.side_counts)
+        assert ring.side_streams and side["joined"] == side["forked"], side
+        assert side["forked"] > 0 or mode == "1", side
     finally:
         run.shutdown()
 

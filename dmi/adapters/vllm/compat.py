@@ -263,7 +263,7 @@ def graph_top(vllm_config) -> int | None:
     """The largest CUDA graph's token count where vLLM runs larger steps through its own compile
     without a graph (``VLLM_COMPILE``: piecewise, an Inductor artifact per token range), else None."""
     cc = getattr(vllm_config, "compilation_config", None)
-    if not cuda_graphs_on(vllm_config) or getattr(getattr(cc, "mode", None), "name", None) != "VLLM_COMPILE":
+    if not graphed_compile(vllm_config):
         return None
     top = getattr(cc, "max_cudagraph_capture_size", None)
     step = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
@@ -273,30 +273,43 @@ def graph_top(vllm_config) -> int | None:
 _PASS_KEY = "post_grad_custom_post_pass"      # inductor's hook; vLLM's pass manager runs a pass given there
 
 
-def rewrite_above_graphs(vllm_config, rewrite, uuid: str) -> int | None:
-    """Compile the steps above the largest CUDA graph as a token range of their own
-    (``compilation_config.compile_ranges_endpoints``, 0.25 - 0.32) and run ``rewrite`` (a post-grad
-    graph pass) in that range only. Before the model is built: vLLM's backend copies
-    ``inductor_compile_config`` when the model's compiled wrapper is made. Returns the largest
-    graph's token count (steps of more tokens run the rewritten graph), or None where there is no
-    such range or the hook holds another pass (the user's: left alone)."""
-    from vllm.compilation.passes.inductor_pass import CallableInductorPass, get_pass_context
-    top = graph_top(vllm_config)
-    cc = vllm_config.compilation_config
-    if top is None or _PASS_KEY in cc.inductor_compile_config:
-        return None
+def graphed_compile(vllm_config) -> bool:
+    """Whether vLLM captures CUDA graphs of the model it compiles itself (``VLLM_COMPILE``)."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    return cuda_graphs_on(vllm_config) and getattr(getattr(cc, "mode", None), "name", None) == "VLLM_COMPILE"
 
-    def above(graph) -> None:
+
+def install_graph_pass(vllm_config, uuid: str, *, above=None, within=None) -> tuple[int | None, bool]:
+    """Run post-grad graph passes in vLLM's compile (0.25 - 0.32) by token range: ``above`` in a
+    range of its own for the steps above the largest CUDA graph (added to
+    ``compilation_config.compile_ranges_endpoints``; those steps run without a graph), ``within``
+    in the ranges whose steps replay graphs. Before the model is built: vLLM's backend copies
+    ``inductor_compile_config`` when the model's compiled wrapper is made. Returns (the largest
+    graph's token count where ``above`` runs, else None; whether ``within`` runs). Nothing where
+    vLLM captures no graphs of its compile, or the hook holds another pass (the user's: left alone)."""
+    from vllm.compilation.passes.inductor_pass import CallableInductorPass, get_pass_context
+    cc = vllm_config.compilation_config
+    if not graphed_compile(vllm_config) or _PASS_KEY in cc.inductor_compile_config:
+        return None, False
+    top = graph_top(vllm_config) if above is not None else None
+    if top is None and within is None:
+        return None, False
+
+    def by_range(graph) -> None:
         try:
             compile_range = get_pass_context().compile_range
-        except AssertionError:         # compiled without vLLM's pass manager (no ranges): keep the op
+        except AssertionError:         # compiled without vLLM's pass manager (no ranges): keep the ops as they are
             return
-        if compile_range.start > top:
-            rewrite(graph)
+        if top is not None and compile_range.start > top:
+            above(graph)
+        elif within is not None:
+            within(graph)
 
-    cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or []) | {top})
-    cc.inductor_compile_config[_PASS_KEY] = CallableInductorPass(above, uuid=f"{uuid}-above-{top}")
-    return top
+    if top is not None:
+        cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or []) | {top})
+    cc.inductor_compile_config[_PASS_KEY] = CallableInductorPass(
+        by_range, uuid=f"{uuid}-above-{top}-within-{within is not None}")
+    return top, within is not None
 
 
 def wrap_request_validation(make_validator) -> None:

@@ -254,22 +254,36 @@ def _run_stats(run) -> dict:
     if getattr(ring, "eager_time", None) is not None:
         out["eager_captures"] = {how: {"count": n, "us": round(t * 1e6 / max(n, 1), 1)} for how, (n, t) in ring.eager_time.items()}
         out["replay_graphs"] = ring.eager_time["capture"][0]      # (each capture makes one graph)
+    if getattr(ring, "side_counts", None) is not None:        # captures chained onto the side stream (graph captures)
+        out["side_captures"] = dict(ring.side_counts, on=ring.side_streams)
     return out
 
 
 def prepare(worker) -> None:
-    """Before ``Worker.load_model`` builds the model: where the engine config asks for a session
-    and dmi's captures may be traced (:func:`engine_trace_mode`), compile the steps above the largest CUDA
-    graph as a range of their own whose captures are rewritten into traced scatters
-    (``dmi.kernels.traced.rewrite_captures``): those steps run the compiled model without a graph,
-    where each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's
-    token count (steps of more tokens run the rewritten graph), or None."""
+    """Before ``Worker.load_model`` builds the model, where the engine config asks for a session
+    and vLLM captures CUDA graphs of its own compile, install dmi's post-grad pass
+    (:func:`compat.install_graph_pass`):
+
+    * where dmi's captures may be traced (:func:`engine_trace_mode` ``range``), the steps above the
+      largest CUDA graph compile as a range of their own whose captures are rewritten into traced
+      scatters (``dmi.kernels.traced.rewrite_captures``): those steps run without a graph, where
+      each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's token
+      count (steps of more tokens run the rewritten graph), or None;
+    * with ``DMI_SIDE=1``, the graphed ranges' captures are chained onto a side stream
+      (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
+      model's instead of between them. ``worker.dmi_side``: whether the pass chains them. Off by
+      default until a GPU session has run it (tests/gpu/test_vllm_gpu.py turns it on)."""
     from .plugin import read_config
-    from ...kernels.traced import rewrite_captures, source_hash
+    from ...kernels import side, traced
     vllm_config = worker.vllm_config
-    worker.dmi_traced_above = None
-    if read_config(vllm_config) is not None and engine_trace_mode(vllm_config) == "range":
-        worker.dmi_traced_above = compat.rewrite_above_graphs(vllm_config, rewrite_captures, f"dmi-{source_hash()}")
+    worker.dmi_traced_above, worker.dmi_side = None, False
+    if read_config(vllm_config) is None:
+        return
+    above = traced.rewrite_captures if engine_trace_mode(vllm_config) == "range" else None
+    within = side.chain_captures if os.environ.get("DMI_SIDE", "0") == "1" else None
+    if above is not None or within is not None:
+        worker.dmi_traced_above, worker.dmi_side = compat.install_graph_pass(
+            vllm_config, f"dmi-{traced.source_hash()}-{side.source_hash()}", above=above, within=within)
 
 
 def engine_trace_mode(vllm_config) -> str:
@@ -338,6 +352,8 @@ def start(worker) -> Session | None:
         run.ring.traced_steps = True          # (a cached compiled graph is not traced again: tell the ring here)
     if getattr(run.ring, "traced", None) and run.ring.trace_mode == "range":
         run.ring.traced_above = above         # None: no range rewritten (the op in every step)
+    if hasattr(run.ring, "side_streams"):
+        run.ring.side_streams = bool(getattr(worker, "dmi_side", False)) and run.ring.is_cuda     # (prepare)
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
         run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
@@ -455,12 +471,13 @@ def _note_engine_stats(store: str, stats: dict) -> None:
 def _graph_key(plan, arch, run) -> str:
     from . import patch
     from ... import siteop
-    from ...kernels import traced
-    # the patch, the site call and the traced capture are compiled into the graph
-    src = b"".join(Path(m.__file__).read_bytes() for m in (patch, siteop, traced))
+    from ...kernels import side, traced
+    # the patch, the site call, the traced capture and the side-stream chain are compiled into the graph
+    src = b"".join(Path(m.__file__).read_bytes() for m in (patch, siteop, traced, side))
     tp = getattr(run.exporter, "tp", None)
     key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id, getattr(run.ring, "traced", []),
-           getattr(run.ring, "trace_mode", "0"), getattr(run.ring, "traced_above", None)]
+           getattr(run.ring, "trace_mode", "0"), getattr(run.ring, "traced_above", None),
+           getattr(run.ring, "side_streams", False)]
     if tp is not None:          # each rank compiles its own shard shapes
         key.append([tp.rank, tp.layout.world, [(s.shape, s.heads) for s in plan.sites]])
     blob = json.dumps(key, sort_keys=True, default=str)

@@ -1,0 +1,84 @@
+"""The side-stream chain (``dmi.kernels.side``) in inductor's generated code, on the CPU.
+
+A capture kernel forked onto a side stream reads its tensor after the op returns, so nothing in
+the graph may be written over that tensor before the join. These tests read the code inductor
+generates for a small graph of matmuls (whose outputs inductor reuses) with and without the
+chain: without it a captured buffer is reused right after its capture (the hazard), with it no
+captured buffer is reused, each capture takes the previous one's tensors, and the graph ends with
+the join. The run id names no open run: the ops' kernels do nothing here (the ring's side of the
+chain runs in test_kernels_interpret.py and on the GPU).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+import dmi.siteop  # noqa: F401  (registers the dmi ops)
+from dmi.kernels.side import chain_captures
+
+NO_RUN = 999_999
+
+
+class Chain(CustomGraphPass):
+    marked: list = []
+
+    def __call__(self, graph):
+        Chain.marked.append(chain_captures(graph))
+
+    def uuid(self):
+        return "dmi-test-side-chain"
+
+
+def _model(ticket):
+    def f(a, w):
+        x = torch.mm(a, w)
+        torch.ops.dmi.capture(x, ticket, NO_RUN, 0, None)
+        y = torch.mm(x, w)
+        z = torch.mm(y, w)
+        torch.ops.dmi.capture_sum(z, y, ticket, NO_RUN, 1, None)
+        return torch.mm(z, w)
+    return f
+
+
+def _code(options):
+    torch._dynamo.reset()
+    ticket = torch.zeros(1, dtype=torch.int64)
+    a, w = torch.randn(8, 8), torch.randn(8, 8)
+    f = _model(ticket)
+    out, code = run_and_get_code(torch.compile(f, fullgraph=True, options=options), a, w)
+    torch.testing.assert_close(out, f(a, w))
+    return "\n".join(code)
+
+
+def _calls(code, op):
+    """The buffers each call of ``torch.ops.dmi.<op>`` passes (its tensor arguments, in order)."""
+    return [re.findall(r"\bbuf\d+\b", m) for m in re.findall(rf"torch\.ops\.dmi\.{op}\.default\((.*)\)", code)]
+
+
+def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    plain = _code({})
+    (x,), = _calls(plain, "capture")
+    assert re.search(rf"= {x}; del {x}\s+# reuse", plain), "the hazard this guards against: a captured buffer reused"
+    assert not _calls(plain, "join")
+
+    Chain.marked.clear()
+    chained = _code({"post_grad_custom_post_pass": Chain()})
+    assert Chain.marked == [2]
+    assert "# reuse" not in chained, chained              # no buffer reused at all in this graph
+    (x,), = _calls(chained, "capture")
+    (z, y, after), = _calls(chained, "capture_sum")
+    assert after == x                                       # the previous capture's tensor, kept to here
+    (z2, y2), = _calls(chained, "join")
+    assert (z2, y2) == (z, y)                               # the last capture's tensors, kept to the join
+    assert chained.index("dmi.join") > chained.index("dmi.capture_sum")
+    assert re.search(r"capture(_sum)?\.default\(.*, 1\)\n", chained)     # side=1
+
+
+def test_a_graph_without_captures_is_left_alone():
+    g = torch.fx.symbolic_trace(lambda a: a.sin() + 1).graph
+    before = str(g)
+    assert chain_captures(g) == 0 and str(g) == before
