@@ -16,7 +16,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
-import dmi.siteop  # noqa: F401  (registers the dmi ops)
+from dmi.siteop import run_of       # (importing it registers the dmi ops)
 from dmi.kernels.side import chain_captures
 
 NO_RUN = 999_999
@@ -44,6 +44,7 @@ def _model(ticket):
 
 
 def _code(options):
+    assert run_of(NO_RUN) is None
     torch._dynamo.reset()
     ticket = torch.zeros(1, dtype=torch.int64)
     a, w = torch.randn(8, 8), torch.randn(8, 8)
