@@ -3,9 +3,9 @@
 A capture kernel forked onto a side stream reads its tensor after the op returns, so nothing in
 the graph may be written over that tensor before the join. These tests read the code inductor
 generates for a small graph of matmuls (whose outputs inductor reuses) with and without the
-chain: without it a captured buffer is reused right after its capture (the hazard), with it no
-captured buffer is reused, each capture takes the previous one's tensors, and the graph ends with
-the join. The run id names no open run: the ops' kernels do nothing here (the ring's side of the
+chain: without it a captured buffer is reused right after its capture, or written in place by
+a mutable op after it (the hazards); with it no captured buffer is reused, the mutable op writes a
+copy, each capture takes the previous one's tensors, and the graph ends with the join. The run id names no open run: the ops' kernels do nothing here (the ring's side of the
 chain runs in test_kernels_interpret.py and on the GPU).
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ def _calls(code, op):
     return [re.findall(r"\bbuf\d+\b", m) for m in re.findall(rf"torch\.ops\.dmi\.{op}\.default\((.*)\)", code)]
 
 
-def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+@torch._inductor.config.patch(force_disable_caches=True)      # (the pass runs in every compile)
+def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join():
     plain = _code({})
     (x,), = _calls(plain, "capture")
     assert re.search(rf"= {x}; del {x}\s+# reuse", plain), "the hazard this guards against: a captured buffer reused"
@@ -77,6 +77,44 @@ def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join(monkey
     assert (z2, y2) == (z, y)                               # the last capture's tensors, kept to the join
     assert chained.index("dmi.join") > chained.index("dmi.capture_sum")
     assert re.search(r"capture(_sum)?\.default\(.*, 1\)\n", chained)     # side=1
+
+
+_TEST_LIB = torch.library.Library("dmitest", "DEF")
+_TEST_LIB.define("scale_(Tensor(a!) x) -> ()")        # a mutable op, as engines' fused in-place kernels are
+
+
+def _scale_(x: torch.Tensor) -> None:
+    x.mul_(2)
+
+
+_TEST_LIB.impl("scale_", _scale_, "CompositeExplicitAutograd")
+torch.library.register_fake("dmitest::scale_", lambda x: None, lib=_TEST_LIB)
+
+
+@torch._inductor.config.patch(force_disable_caches=True)
+def test_a_captured_tensor_is_not_mutated_in_place_before_the_next_capture():
+    """A mutable op on a captured tensor after its capture: plain, inductor reinplaces it (the
+    captured buffer itself is written, while a forked capture kernel may still read it); chained,
+    the next capture's ``after`` keeps the tensor in use, so the op writes a copy instead."""
+    def f(a, w, ticket):
+        x = torch.mm(a, w)
+        torch.ops.dmi.capture(x, ticket, NO_RUN, 0, None)
+        torch.ops.dmitest.scale_(x)
+        y = torch.mm(x, w)
+        torch.ops.dmi.capture(y, ticket, NO_RUN, 1, None)
+        return y
+
+    a, w = torch.randn(8, 8), torch.randn(8, 8)
+    mutated = {}
+    for name, options in (("plain", {}), ("chained", {"post_grad_custom_post_pass": Chain()})):
+        torch._dynamo.reset()
+        out, code = run_and_get_code(torch.compile(f, fullgraph=True, options=options), a, w, torch.zeros(1, dtype=torch.int64))
+        torch.testing.assert_close(out, f(a, w, torch.zeros(1, dtype=torch.int64)))
+        code = "\n".join(code)
+        captured = _calls(code, "capture")[0][0]
+        written = re.findall(r"torch\.ops\.dmitest\.scale_\.default\((?:reinterpret_tensor\()?(buf\d+)", code)
+        mutated[name] = written == [captured]
+    assert mutated == {"plain": True, "chained": False}, mutated
 
 
 def test_a_graph_without_captures_is_left_alone():

@@ -222,6 +222,7 @@ class KernelRing(Ring):
             yield
         finally:
             self.graph_mode = graph_mode
+            self._side_open = None     # (a fork a failed capture left: its event belongs to no stream now)
         if not self.end_warm and not (self.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.end_warm = True      # the end-marker kernel too, which only real steps launch (disarmed: it exits)
             self.device_end()

@@ -3,19 +3,20 @@ onto a side stream, joined back where nothing can have overwritten what it reads
 
 Inside a captured graph a capture kernel is a few µs in series with the model's kernels (37 of them
 are +0.11 ms of a 5.3 ms Qwen3-8B decode step). On a side stream, forked from the current one
-where the site's tensor is ready, it runs beside the model's next kernels. Two hazards decide
-where the fork must be joined:
+where the site's tensor is ready, it runs beside the model's next kernels. Three hazards decide
+the shape:
 
 * inductor reuses a buffer's storage right after its last use, and the op looks like that last
   use though its kernel reads later; a later buffer in the same storage would race the read. So
-  each capture takes the previous capture's tensors as ``after`` (inputs it does not read): they
-  stay live, untouched, until the next capture, which makes the current stream wait for the
-  previous one before launching its own.
-  The ``after`` inputs are not enough alone: inductor may hand an extern op a private copy of a
-  tensor (its own buffer, written by the same fused kernel), so the op's lowering
-  (:func:`_register_lowerings`) also names each chained capture's input buffers in
-  ``never_reuse_buffers``: their storage is never reused within the graph, and the ring holds
-  the tensors until the join (the caching allocator cannot hand them out either).
+  the op's lowering (:func:`_register_lowerings`) names a chained capture's input buffers in
+  ``never_reuse_buffers`` (their storage is never reused within the graph), and the ring holds
+  the tensors until the join (the caching allocator cannot hand them out either). Extending their
+  lives with more inputs would not do: inductor may hand an extern op a private copy of a
+  tensor (its own buffer, written by the same fused kernel).
+* a reinplaced mutation (a mutable op whose input is dead after it) could write a captured tensor
+  in place before the join. So each capture takes the previous capture's tensors as ``after``
+  (inputs it does not read): the graph uses them up to the next capture, which makes the stream
+  wait for the previous one before launching its own, and reinplacing leaves them alone.
 * every fork must rejoin the stream that captures the graph before its capture ends; a
   piecewise-compiled model is captured one piece at a time. So the pass ends each compiled graph
   with ``dmi::join`` (the last capture's tensors as ``after``), threaded onto the ticket the last
