@@ -7,6 +7,9 @@
 #   bash perf/gpu_vllm.sh tests            tests only
 #   bash perf/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
 #   bash perf/gpu_vllm.sh fusion [ARGS]    perf/fusion.py --engine vllm (<= 300 s), then perf/online.py ARGS when given
+#   bash perf/gpu_vllm.sh side [ARGS]      DMI_SIDE=1 (capture kernels on a side stream): the manual-graph ring test
+#                                          and vLLM's every-site tests of Qwen3 with it (<= $T_TESTS s), then
+#                                          perf/online.py ARGS when given (e.g. --configs vanilla,dmi-hidden,dmi-hidden-side)
 #   bash perf/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table (perf/drain_bench.py --hol), the
 #                                          bandwidth-cap benchmark (perf/budget.py, <= $T_BUDGET s), then
 #                                          perf/online.py ARGS in what is left: one call for what needs no vLLM
@@ -104,6 +107,11 @@ case "$part" in
     step fusion 300 python3 perf/fusion.py --engine vllm
     grep -E "^\|" "$OUT/fusion.log" || tail -n 30 "$OUT/fusion.log"
     [ $# -gt 0 ] && online "$(left)" "$@" ;;
+  side)     # DMI_SIDE=1 on the GPU: the ring's manual graph (a compiled forward captured with the chain pass), vLLM's graphs
+    step ringside 150 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k manual_cuda_graph -q -ra -p no:cacheprovider
+    tail -n 5 "$OUT/ringside.log"
+    TESTS_K="${TESTS_K:-every_site and qwen3 and not traced}" tests "$T_TESTS"
+    [ $# -gt 0 ] && online "$(left)" "$@" ;;
   bench)
     step ringtest 90 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k wraparound -q -p no:cacheprovider
     tail -n 3 "$OUT/ringtest.log"
@@ -113,6 +121,6 @@ case "$part" in
     grep -E "^\||^vanilla" "$OUT/budget.log"
     [ $# -gt 0 ] || set -- --model qwen3-8b
     online "$(left)" "$@" ;;
-  *) echo "usage: gpu_vllm.sh [all|tests|online|fusion|bench [perf/online.py args]]"; exit 2 ;;
+  *) echo "usage: gpu_vllm.sh [all|tests|online|fusion|side|bench [perf/online.py args]]"; exit 2 ;;
 esac
 echo "== total $((SECONDS - START)) s"
