@@ -561,10 +561,7 @@ class Run:
         """``dmi::capture``: the ring backend copies the step's selected rows of ``x`` (``dmi::capture_sum``:
         of ``x + addend``). ``side``: a compile pass chained this capture to the graph's others
         (:func:`dmi.kernels.side.chain_captures`): its kernel may run on a side stream."""
-        if side:
-            self.ring.capture(self.plan.sites[site_index], x, addend, side=True)
-        else:
-            self.ring.capture(self.plan.sites[site_index], x, addend)
+        self.ring.capture(self.plan.sites[site_index], x, addend, side)
 
     def drain_window(self) -> None:
         """An engine's cue that its host is about to wait for the GPU: it just launched a step

@@ -507,7 +507,8 @@ class KernelRing(Ring):
             self.side_counts["marked"] += 1
             self.join_side()
         cur = self.current if self.current is not None and not self.current.ended else None
-        capturing = self.graph_mode or (self.is_cuda and torch.cuda.is_current_stream_capturing())
+        stream_capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = self.graph_mode or stream_capturing
         if not capturing and (cur is None or site.index not in cur.slots):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
@@ -515,9 +516,8 @@ class KernelRing(Ring):
         if addend is not None and addend.requires_grad:
             addend = addend.detach()
         if eager is None:
-            # (a stream capture: engines capture inside their warm-up runs, graph_mode: fork only if one is on)
-            fork = side and self.side_streams and self.is_cuda and torch.cuda.is_current_stream_capturing()
-            self.sites[site.index].launch(self, x, None, addend, fork=fork)
+            # (engines capture inside their warm-up runs, graph_mode: fork only where a stream capture is on)
+            self.sites[site.index].launch(self, x, None, addend, fork=side and self.side_streams and stream_capturing)
             return
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]

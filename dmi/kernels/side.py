@@ -137,10 +137,3 @@ def _register_lowerings() -> bool:
         logging.getLogger("dmi").warning("dmi: captures stay on the graph's stream (inductor: %s)", e)
         _LOWERED.append(False)
     return _LOWERED[0]
-
-
-def source_hash() -> str:
-    """A hash of this module's code (what :func:`chain_captures` compiles in): compile caches key on it."""
-    import hashlib
-    from pathlib import Path
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]

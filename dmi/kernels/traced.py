@@ -116,13 +116,6 @@ def scatter(rows: torch.Tensor, ctrl: torch.Tensor, payload: torch.Tensor, ticke
     payload.index_put_((dst[:, None] + torch.arange(row_elems, device=rows.device),), rows)
 
 
-def source_hash() -> str:
-    """A hash of this module's code (what :func:`rewrite_captures` compiles in): compile caches key on it."""
-    import hashlib
-    from pathlib import Path
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-
-
 def rewrite_captures(graph: torch.fx.Graph) -> int:
     """A post-grad graph pass: each ``dmi::capture`` / ``dmi::capture_sum`` that carries its ring's
     views (``ring=[ctrl, payload]`` and ``token_dims``: :attr:`dmi.siteop.SiteHandle.views`) becomes

@@ -283,7 +283,7 @@ def prepare(worker) -> None:
     within = side.chain_captures if os.environ.get("DMI_SIDE", "0") == "1" else None
     if above is not None or within is not None:
         worker.dmi_traced_above, worker.dmi_side = compat.install_graph_pass(
-            vllm_config, f"dmi-{traced.source_hash()}-{side.source_hash()}", above=above, within=within)
+            vllm_config, f"dmi-{_source_hash(traced, side)}", above=above, within=within)
 
 
 def engine_trace_mode(vllm_config) -> str:
@@ -468,12 +468,17 @@ def _note_engine_stats(store: str, stats: dict) -> None:
         log.warning("dmi: could not record vLLM stats in %s: %s", store, e)
 
 
+def _source_hash(*modules) -> str:
+    """A hash of these modules' code (what dmi compiles into vLLM's graphs): compile caches key on it."""
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()[:16]
+
+
 def _graph_key(plan, arch, run) -> str:
     from . import patch
     from ... import siteop
     from ...kernels import side, traced
     # the patch, the site call, the traced capture and the side-stream chain are compiled into the graph
-    src = b"".join(Path(m.__file__).read_bytes() for m in (patch, siteop, traced, side))
+    src = _source_hash(patch, siteop, traced, side).encode()
     tp = getattr(run.exporter, "tp", None)
     key = [plan.hook_spec, arch.data, [s.name for s in plan.sites], run.id, getattr(run.ring, "traced", []),
            getattr(run.ring, "trace_mode", "0"), getattr(run.ring, "traced_above", None),
