@@ -124,8 +124,8 @@ def vllm_engine(which: str, sites: str = HIDDEN) -> None:
 
 
 def vllm_rows(sites: str = HIDDEN, engines: tuple = ("vanilla", "dmi")) -> list[tuple]:
-    """(engine, compiled graphs, kernel calls, dmi op calls, tokens) of each engine's compiled code
-    (``engines``: vanilla, dmi, dmi-side)."""
+    """(engine, compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of each
+    engine's compiled code (``engines``: vanilla, dmi, dmi-side)."""
     import subprocess
     rows = []
     for which in engines:
@@ -139,8 +139,9 @@ def vllm_rows(sites: str = HIDDEN, engines: tuple = ("vanilla", "dmi")) -> list[
         code = "\n".join(line.split("[__output_code]", 1)[1][1:] for line in got.stderr.splitlines()
                          if "[__output_code]" in line)
         tokens = next(line[7:] for line in got.stdout.splitlines() if line.startswith("TOKENS "))
-        rows.append((which, code.count("Output code:"), len(KERNEL_CALL.findall(code)), code.count("torch.ops.dmi."),
-                     tokens))
+        graphs = code.split("Output code:")[1:]
+        rows.append((which, len(graphs), len(KERNEL_CALL.findall(code)), code.count("torch.ops.dmi."), tokens,
+                     sum("torch.ops.dmi." in g for g in graphs)))
     return rows
 
 
@@ -160,9 +161,10 @@ def main(argv=None) -> None:
         rows = vllm_rows(args.sites, ("vanilla", "dmi", "dmi-side") if args.side else ("vanilla", "dmi"))
         print(f"vLLM, built-in tiny Qwen3 on {DEV}: inductor's code of the compiled model (TORCH_LOGS=output_code), "
               f"dmi capturing {args.sites} and last-token logits\n")
-        print("| engine | graphs | kernel calls | dmi op calls | tokens = vanilla's |\n| --- | ---: | ---: | ---: | :---: |")
-        for which, graphs, calls, ops, tokens in rows:
-            print(f"| {which} | {graphs} | {calls} | {ops} | {tokens == rows[0][4]} |")
+        print("| engine | graphs | with dmi ops | kernel calls | dmi op calls | tokens = vanilla's |\n"
+              "| --- | ---: | ---: | ---: | ---: | :---: |")
+        for which, graphs, calls, ops, tokens, op_graphs in rows:
+            print(f"| {which} | {graphs} | {op_graphs} | {calls} | {ops} | {tokens == rows[0][4]} |")
         return
     model = build(args.model)
     spec = {"capture": [{"sites": ["resid_post", "final_norm"]}],

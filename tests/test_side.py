@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
@@ -59,8 +60,17 @@ def _calls(code, op):
     return [re.findall(r"\bbuf\d+\b", m) for m in re.findall(rf"torch\.ops\.dmi\.{op}\.default\((.*)\)", code)]
 
 
-@torch._inductor.config.patch(force_disable_caches=True)      # (the pass runs in every compile)
-def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join():
+# vLLM compiles with auto_functionalized v1, torch's default is v2: the chain must hold under both
+FUNCTIONALIZED = pytest.mark.parametrize("v2", [False, True], ids=["functionalized-v1", "functionalized-v2"])
+
+
+@FUNCTIONALIZED
+def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join(v2):
+    with torch._inductor.config.patch(force_disable_caches=True, enable_auto_functionalized_v2=v2):
+        _check_chain()
+
+
+def _check_chain():
     plain = _code({})
     (x,), = _calls(plain, "capture")
     assert re.search(rf"= {x}; del {x}\s+# reuse", plain), "the hazard this guards against: a captured buffer reused"
@@ -75,6 +85,7 @@ def test_captured_buffers_are_never_reused_and_the_chain_ends_with_a_join():
     assert after == x                                       # the previous capture's tensor, kept to here
     (z2, y2), = _calls(chained, "join")
     assert (z2, y2) == (z, y)                               # the last capture's tensors, kept to the join
+    assert re.search(r"dmi\.join\.default\(arg\d+_1, ", chained), chained   # on the ticket itself, not a copy of it
     assert chained.index("dmi.join") > chained.index("dmi.capture_sum")
     assert re.search(r"capture(_sum)?\.default\(.*, 1\)\n", chained)     # side=1
 
@@ -91,8 +102,8 @@ _TEST_LIB.impl("scale_", _scale_, "CompositeExplicitAutograd")
 torch.library.register_fake("dmitest::scale_", lambda x: None, lib=_TEST_LIB)
 
 
-@torch._inductor.config.patch(force_disable_caches=True)
-def test_a_captured_tensor_is_not_mutated_in_place_before_the_next_capture():
+@FUNCTIONALIZED
+def test_a_captured_tensor_is_not_mutated_in_place_before_the_next_capture(v2):
     """A mutable op on a captured tensor after its capture: plain, inductor reinplaces it (the
     captured buffer itself is written, while a forked capture kernel may still read it); chained,
     the next capture's ``after`` keeps the tensor in use, so the op writes a copy instead."""
@@ -108,7 +119,8 @@ def test_a_captured_tensor_is_not_mutated_in_place_before_the_next_capture():
     mutated = {}
     for name, options in (("plain", {}), ("chained", {"post_grad_custom_post_pass": Chain()})):
         torch._dynamo.reset()
-        out, code = run_and_get_code(torch.compile(f, fullgraph=True, options=options), a, w, torch.zeros(1, dtype=torch.int64))
+        with torch._inductor.config.patch(force_disable_caches=True, enable_auto_functionalized_v2=v2):
+            out, code = run_and_get_code(torch.compile(f, fullgraph=True, options=options), a, w, torch.zeros(1, dtype=torch.int64))
         torch.testing.assert_close(out, f(a, w, torch.zeros(1, dtype=torch.int64)))
         code = "\n".join(code)
         captured = _calls(code, "capture")[0][0]

@@ -178,13 +178,15 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
     import fusion
     rows = {which: rest for which, *rest in fusion.vllm_rows(engines=("vanilla", "dmi", "dmi-side"))}
-    (v_graphs, v_calls, _, v_tokens), (d_graphs, d_calls, d_ops, d_tokens) = rows["vanilla"], rows["dmi"]
+    (v_graphs, v_calls, _, v_tokens, _), (d_graphs, d_calls, d_ops, d_tokens, d_op_graphs) = rows["vanilla"], rows["dmi"]
     assert v_graphs == d_graphs >= 1 and v_calls > 0
     assert d_ops >= 4 and d_calls == v_calls, rows
     assert d_tokens == v_tokens
-    # the side-stream chain (dmi.kernels.side): no kernel more either, one dmi::join more a graph
-    s_graphs, s_calls, s_ops, s_tokens = rows["dmi-side"]
-    assert s_graphs == d_graphs and s_calls == v_calls and s_ops == d_ops + d_graphs and s_tokens == v_tokens, rows
+    # the side-stream chain (dmi.kernels.side): no kernel more either, one dmi::join more a graph that
+    # captures (vLLM 0.25.1's CPU build compiles its sampler too, a graph without a site)
+    s_graphs, s_calls, s_ops, s_tokens, _ = rows["dmi-side"]
+    assert d_op_graphs >= 1
+    assert s_graphs == d_graphs and s_calls == v_calls and s_ops == d_ops + d_op_graphs and s_tokens == v_tokens, rows
 
 
 def test_attention_pattern_recomputed_from_q_and_k(tmp_path):

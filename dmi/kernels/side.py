@@ -73,9 +73,9 @@ def chain_captures(graph: torch.fx.Graph) -> int:
         kwargs.update(_ticket_base_index=0, _all_bases=[ticket])
     with graph.inserting_before(first_use):
         join = graph.call_function(last.target, (torch.ops.dmi.join.default,), kwargs)
-        join.meta["val"] = last.meta["val"]
+        join.meta["val"] = _fresh(last.meta["val"])
         handed_on = graph.call_function(operator.getitem, (join, ticket.args[1]))
-        handed_on.meta["val"] = ticket.meta["val"]
+        handed_on.meta["val"] = join.meta["val"][ticket.args[1]]
     for user in later:
         user.replace_input_with(ticket, handed_on)
     previous = None
@@ -85,6 +85,18 @@ def chain_captures(graph: torch.fx.Graph) -> int:
         _set_kwarg(node, "side", 1)
         previous = node
     return len(nodes)
+
+
+def _fresh(vals):
+    """New example values shaped as ``vals`` (a functional op's outputs are new tensors: the
+    join's must not share the ticket's storage, or reinplacing sees the ticket still in use
+    after the join and copies it instead of handing it on)."""
+    def like(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        with v.fake_mode:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    return tuple(like(v) for v in vals)
 
 
 def _set_kwarg(node, key: str, value) -> None:
