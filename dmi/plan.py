@@ -108,6 +108,7 @@ class Plan:
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
+    unavailable: dict = field(default_factory=dict)   # canonical -> why: sites a pattern named that this engine never computes
 
     def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
         return {(s.canonical, s.layer): s for s in self.sites}
@@ -177,14 +178,20 @@ def _match(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[
 
 
 def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_itemsize: int = 4,
-               available: set[tuple[str, int | None]] | None = None) -> Plan:
+               available: set[tuple[str, int | None]] | None = None, unavailable: dict[str, str] | None = None) -> Plan:
     """Semantic validation + resolution. ``available`` lists (canonical, layer) pairs that exist in
-    the loaded model (e.g. MoE sites only on MoE layers); None means all."""
+    the loaded model (e.g. MoE sites only on MoE layers); None means all. ``unavailable``: canonical
+    sites the engine never computes, and why: named alone they are refused with the reason, matched
+    by a glob they are left out and listed in ``Plan.unavailable``."""
     dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
     n_layers = dims["layer"]
     candidates = all_site_names(arch, n_layers)
+    unavailable = unavailable or {}
+    left_out = [c for c in candidates if c[1] in unavailable]
     if available is not None:
         candidates = [c for c in candidates if (c[1], c[2]) in available]
+    candidates = [c for c in candidates if c[1] not in unavailable]
+    skipped: dict[str, str] = {}
     canonical_names = sorted(arch.data["sites"])
     spec = hook.data
     store = spec.get("store", {})
@@ -197,9 +204,10 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
         layers = _layers_of(entry, n_layers, hook, path)
         for j, pattern in enumerate(entry["sites"]):
             matched = _match(pattern, candidates)
+            skipped.update((c[1], unavailable[c[1]]) for c in _match(pattern, left_out))
             if not matched:
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
-                problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where)
+                problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
             if layers is not None:
                 matched = [m for m in matched if m[2] is None or m[2] in layers]
@@ -285,7 +293,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
-                hook_file=hook.file, hook_spec=spec)
+                hook_file=hook.file, hook_spec=spec, unavailable=skipped)
     if policy.drain == "process":      # the child that drains the ring writes the store too
         if store.get("writer") == "thread":
             raise hook.error(("store", "writer"), "store.writer: thread cannot go with policy.drain: process (the "
@@ -313,10 +321,14 @@ def _split_layer(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
-def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int]) -> tuple[str, str]:
+def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],
+              unavailable: dict[str, str]) -> tuple[str, str]:
     """(problem, fix) for a site pattern that matched nothing."""
     layer, base = _split_layer(pattern)
     known = base in canonical
+    if base in unavailable:
+        return (f"site {base!r} cannot be captured in this engine: {unavailable[base]}",
+                f"drop {base!r} from `sites` (or capture it with another engine or backend)")
     if known and layer is not None and not arch.data["sites"][base].get("per_layer"):
         return (f"site pattern {pattern!r} matches nothing: {base!r} is a model-level site, not a per-layer one",
                 f"write {base!r} without 'layers.{layer}.'")

@@ -382,6 +382,27 @@ def test_negative_layer_ranges_resolve():
                                             "layers.1.resid_post", "layers.2.resid_post"]
 
 
+def test_a_site_the_engine_never_computes_is_refused_by_name_and_left_out_of_a_glob(write_spec):
+    """An adapter passes the sites whose anchor exists but never runs in its engine, with why
+    (vLLM 0.25's CPU MoE kernel routes inside itself: scripts/gpu_versions.sh runs that engine).
+    Named, such a site is refused with the reason; matched by a glob it is left out, and the plan
+    says so (the vLLM adapter logs it and records it in the store's ``sites_unavailable``)."""
+    arch, cfg = load_arch_spec(QWEN3_SPEC), tiny_config("qwen3")
+    why = {"attn.q": "this engine fuses q into its attention kernel"}
+    spec = write_spec("""\
+        capture:
+          - sites: [resid_post, attn.q]
+    """)
+    with pytest.raises(SpecError) as info:
+        build_plan(arch, load_hook_spec(spec), cfg, unavailable=why)
+    check(info, SpecError, file=spec, line=2, key="capture[0].sites[1]",
+          says=("'attn.q' cannot be captured in this engine: this engine fuses q", "drop 'attn.q' from `sites`"))
+    plan = build_plan(arch, load_hook_spec({"capture": [{"sites": ["resid_post", "attn.*"]}]}), cfg, unavailable=why)
+    assert plan.unavailable == why
+    assert "attn.q" not in {s.canonical for s in plan.sites} and "attn.k" in {s.canonical for s in plan.sites}
+    assert build_plan(arch, load_hook_spec({"capture": [{"sites": ["resid_post"]}]}), cfg, unavailable=why).unavailable == {}
+
+
 def test_heads_listed_twice(write_spec, load):
     spec = write_spec("""\
         capture:

@@ -120,7 +120,17 @@ def assert_accounting(tree) -> None:
 def test_every_site_equals_hf(family, tmp_path):
     """All sites of each family agree with HF on the same weights; the store is the HF layout."""
     spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "16MiB"}}
-    run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    unavailable = set()
+    try:
+        run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    except dmi.SpecError as e:
+        # vLLM 0.25's CPU MoE kernel routes inside itself (scripts/gpu_versions.sh runs this there): the
+        # routing sites are refused by name, with why; matched by a glob they are left out, and recorded
+        if family not in MOE or "routes inside itself" not in str(e):
+            raise
+        spec["capture"][0]["sites"] = [s for s in all_sites(family) if not s.startswith("moe.")] + ["moe.*"]
+        unavailable = {"moe.topk_ids", "moe.topk_weights"}
+        run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
     try:
         seqs = generate(run, PROMPTS, vllm.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     finally:
@@ -131,6 +141,10 @@ def test_every_site_equals_hf(family, tmp_path):
     # every computed (request, position) once: prompt + all but the last generated token
     want = {rid: list(range(len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
     assert positions_by_request(tree["layers/resid_post"].dataset) == want
+    assert set(tree.attrs.get("sites_unavailable", {})) == unavailable
+    for node in tree.subtree:        # and so does every other site but the logits: none is empty or partial
+        if node.dataset.data_vars and "request" in node.dataset.coords and node.path != "/logits":
+            assert positions_by_request(node.dataset) == want, node.path
     # logits: one row per request and step (its last scheduled token): prompt end, then each decode
     logits = positions_by_request(tree["logits"].dataset)
     assert logits == {rid: list(range(len(p) - 1, len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}

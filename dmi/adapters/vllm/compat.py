@@ -144,6 +144,18 @@ class Batch:
     spec_decode: bool
 
 
+def never_calls(parent, child: str, method: str) -> str | None:
+    """Why this engine never calls ``parent.<child>.<method>`` though it exists (None: it does).
+    A MoE runner whose quant method is monolithic routes inside its fused kernel, so its router's
+    ``select_experts`` never runs: vLLM 0.25's CPU backend (``UnquantizedFusedMoEMethod.is_monolithic``,
+    its "escape hatch for CPU"); 0.32's CPU backend and 0.25's GPU Triton kernels select the experts
+    first, through the router."""
+    if child == "router" and method == "select_experts" and getattr(parent, "is_monolithic", False) is True:
+        return (f"vLLM {vllm_version()}'s MoE kernel here routes inside itself ({type(parent).__name__}.is_monolithic: "
+                f"its CPU backend), so {child}.{method}, where the routing sites are read, never runs")
+    return None
+
+
 def read_batch(runner, scheduler_output) -> Batch:
     """The step's batch, read after ``_prepare_inputs`` has laid it out: request order from the
     persistent ``input_batch``, token counts from the scheduler output (0.25 - 0.32)."""

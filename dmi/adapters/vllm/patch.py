@@ -160,9 +160,11 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
     setattr(obj, method, wrapped)
 
 
-def available_sites(model, arch, n_layers: int) -> set[tuple[str, int | None]]:
-    """(canonical, layer) pairs whose vLLM anchor resolves in this model."""
-    out = set()
+def available_sites(model, arch, n_layers: int) -> tuple[set[tuple[str, int | None]], dict[str, str]]:
+    """(canonical, layer) pairs whose vLLM anchor resolves in this model, and the canonical sites
+    whose anchor resolves but is never called in this engine, with why (``compat.never_calls``)."""
+    from . import compat
+    out, never = set(), {}
     for canonical, s in arch.data["sites"].items():
         anchor = s.get("vllm")
         if anchor is None or anchor.get("unsupported"):
@@ -170,9 +172,15 @@ def available_sites(model, arch, n_layers: int) -> set[tuple[str, int | None]]:
         for layer in (range(n_layers) if s.get("per_layer") else [None]):
             a = layer_anchor(anchor, layer, n_layers)
             obj = resolve(model, a["module"], layer)
-            if obj is not None and (a.get("method") is None or hasattr(obj, a["method"])):
+            if obj is None or (a.get("method") is not None and not hasattr(obj, a["method"])):
+                continue
+            path, _, child = a["module"].rpartition(".")
+            why = a.get("method") and compat.never_calls(resolve(model, path, layer) if path else model, child, a["method"])
+            if why:
+                never[canonical] = why
+            else:
                 out.add((canonical, layer))
-    return out
+    return out, never
 
 
 def anchor_error(arch, site_name: str, obj, what: str) -> AnchorError:

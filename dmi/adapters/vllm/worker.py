@@ -312,7 +312,10 @@ def start(worker) -> Session | None:
                        f"Fix: add them (docs/vllm.md), or capture with backend='hf'")
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     n_layers = text_config.num_hidden_layers
-    plan = build_plan(arch, hook, text_config, available=available_sites(model, arch, n_layers))
+    available, never = available_sites(model, arch, n_layers)
+    plan = build_plan(arch, hook, text_config, available=available, unavailable=never)
+    for canonical, why in plan.unavailable.items():
+        log.warning("dmi: %s is not captured: %s", canonical, why)
     plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, n_layers)) for s in plan.sites]
     _check_pattern(plan, vllm_config, hook)
     policy = ServePolicy.from_hook(hook)
@@ -321,7 +324,7 @@ def start(worker) -> Session | None:
         raise DmiError("dmi: no store given. Fix: pass store= to dmi.load, set store.path in the hook spec, "
                        "or DMI_STORE / additional_config.dmi.store")
     attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
-             "request_policy": policy.describe()}
+             "request_policy": policy.describe(), **({"sites_unavailable": plan.unavailable} if plan.unavailable else {})}
     plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
     if tp is not None and not plan.sites:     # this rank holds nothing the store keeps (e.g. only replicated sites)
         tp.barrier()                          # rank 0 has laid the store out
