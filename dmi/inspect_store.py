@@ -179,6 +179,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "stall_bandwidth_seconds": attrs.get("stall_bandwidth_seconds"),
         "versions": attrs.get("versions", {}),
         "vllm": attrs.get("vllm"),
+        "sites_unavailable": attrs.get("sites_unavailable") or {},
     }
 
 
@@ -266,6 +267,8 @@ def format_summary(info: dict) -> str:
         _stall_line(stall, info.get("stall_bandwidth_seconds")),
         f"sites     {len(info['sites'])} groups",
     ]
+    for site, why in info.get("sites_unavailable", {}).items():     # matched by the hook spec, never computed here
+        lines.append(f"  not captured: {site}: {why}")
     if info["sites"]:
         w = max(len(s["group"]) for s in info["sites"])
         lines.append(f"  {'group':<{w}}  {'tokens':>7}  {'layers':<8}  {'bytes':>10}  arrays")

@@ -29,6 +29,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/se
 import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
+from dmi.inspect_store import format_summary, summarize  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -142,6 +143,8 @@ def test_every_site_equals_hf(family, tmp_path):
     want = {rid: list(range(len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
     assert positions_by_request(tree["layers/resid_post"].dataset) == want
     assert set(tree.attrs.get("sites_unavailable", {})) == unavailable
+    summary = format_summary(summarize(tmp_path / "v.zarr"))          # (dmi inspect's text)
+    assert all(f"not captured: {s}: " in summary for s in unavailable) and ("not captured" in summary) == bool(unavailable)
     for node in tree.subtree:        # and so does every other site but the logits: none is empty or partial
         if node.dataset.data_vars and "request" in node.dataset.coords and node.path != "/logits":
             assert positions_by_request(node.dataset) == want, node.path
