@@ -180,6 +180,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "versions": attrs.get("versions", {}),
         "vllm": attrs.get("vllm"),
         "sites_unavailable": attrs.get("sites_unavailable") or {},
+        "sites_never_computed": attrs.get("sites_never_computed") or [],
     }
 
 
@@ -269,6 +270,10 @@ def format_summary(info: dict) -> str:
     ]
     for site, why in info.get("sites_unavailable", {}).items():     # matched by the hook spec, never computed here
         lines.append(f"  not captured: {site}: {why}")
+    never = info.get("sites_never_computed") or []
+    if never:
+        lines.append(f"  no row computed: {', '.join(never)} (their module never ran, or the engine computed none "
+                     f"of the rows they selected)")
     if info["sites"]:
         w = max(len(s["group"]) for s in info["sites"])
         lines.append(f"  {'group':<{w}}  {'tokens':>7}  {'layers':<8}  {'bytes':>10}  arrays")

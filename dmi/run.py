@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -30,6 +31,17 @@ DRAIN_BATCH = 64             # steps per batch at most
 DRAIN_WINDOW_S = 0.025       # drain windows (Run.drain_window) at most this often
 LAYOUTS_KEPT = 16            # laid-out steps remembered by their rows (an engine's batch sizes come and go)
 
+
+
+log = logging.getLogger("dmi")
+
+
+def never_computed(summary: dict) -> list[str]:
+    """Sites that selected rows and stored none because none was computed (none dropped): a module
+    that never ran, or rows the engine never computed. Nothing was lost, but nothing was captured."""
+    sel, stored, dropped, missing = (summary[k] for k in ("rows_selected", "rows_stored", "rows_dropped",
+                                                          "rows_not_computed"))
+    return [n for n, k in sel.items() if k and not stored.get(n) and not dropped.get(n) and missing.get(n) == k]
 
 class Run:
     """Returned by :func:`dmi.load`. Use ``run.model`` as usual; ``run.close()`` (or ``with``) flushes."""
@@ -816,6 +828,13 @@ class Run:
                                   "rows_not_computed": dict(zip(names, (acc["not_computed"] + self._not_computed).tolist()))}
         if self.policy_changes:
             summary["policy_changes"] = self.policy_changes
+        never = never_computed(summary)
+        if never:
+            summary["sites_never_computed"] = never
+            log.warning("dmi: %d site(s) of %s stored no row: none of the rows they selected was computed (their "
+                        "module never ran, e.g. embed under inputs_embeds, or the engine computed none of those rows, "
+                        "e.g. logits under logits_to_keep): %s", len(never), self.store,
+                        ", ".join(never[:8]) + (", ..." if len(never) > 8 else ""))
         self.exporter.close(summary, clean=clean)
         self.ring.raise_if_failed()
 

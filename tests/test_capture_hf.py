@@ -189,3 +189,29 @@ def test_layer_sites_follow_the_modules(family, encoded, write_spec, tmp_path):
         assert list(ds.layer.values) == layers, group
         for i in layers:
             np.testing.assert_array_equal(ds[leaf].sel(layer=i).values, seen[(leaf, i)][valid], err_msg=f"{group} layer {i}")
+
+
+def test_a_site_whose_module_never_ran_is_named_at_close(encoded, write_spec, tmp_path, caplog):
+    """A forward given ``inputs_embeds`` never calls the embedding module: the embed site selects
+    the step's rows and stores none (all counted as not computed, nothing dropped). The run says so
+    at close (a warning, the store's ``sites_never_computed``, ``dmi inspect``), and the other sites
+    capture the embeddings' forward as the unpatched model computes it."""
+    from dmi.inspect_store import format_summary, summarize
+    model, ref = model_pair("qwen3", attn="sdpa")
+    spec = write_spec("capture:\n  - sites: [embed, resid_post]\n")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    with torch.no_grad():
+        embeds = ref.get_input_embeddings()(ids)
+        want = ref(inputs_embeds=embeds, attention_mask=mask, output_hidden_states=True).hidden_states
+        with caplog.at_level("WARNING", logger="dmi"), dmi.load(model, hook_spec=spec, store=tmp_path / "e.zarr") as run:
+            run.model(inputs_embeds=embeds, attention_mask=mask)
+    tree = dmi.open(tmp_path / "e.zarr")
+    valid = mask.bool().reshape(-1).numpy()
+    assert tree.attrs["sites_never_computed"] == ["embed"]
+    assert tree.attrs["rows_not_computed"]["embed"] == tree.attrs["rows_selected"]["embed"] == valid.sum()
+    assert "1 site(s)" in caplog.text and "embed" in caplog.text and "inputs_embeds" in caplog.text
+    assert "no row computed: embed" in format_summary(summarize(tmp_path / "e.zarr"))
+    resid = tree["layers/resid_post"].dataset.resid_post
+    for i in range(len(ref.model.layers) - 1):       # (the last layer's output is normed in hidden_states)
+        np.testing.assert_allclose(resid.sel(layer=i).values, want[i + 1].reshape(-1, want[i + 1].shape[-1])[valid].numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"layer {i}")
