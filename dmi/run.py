@@ -31,8 +31,6 @@ DRAIN_BATCH = 64             # steps per batch at most
 DRAIN_WINDOW_S = 0.025       # drain windows (Run.drain_window) at most this often
 LAYOUTS_KEPT = 16            # laid-out steps remembered by their rows (an engine's batch sizes come and go)
 
-
-
 log = logging.getLogger("dmi")
 
 
@@ -42,6 +40,7 @@ def never_computed(summary: dict) -> list[str]:
     sel, stored, dropped, missing = (summary[k] for k in ("rows_selected", "rows_stored", "rows_dropped",
                                                           "rows_not_computed"))
     return [n for n, k in sel.items() if k and not stored.get(n) and not dropped.get(n) and missing.get(n) == k]
+
 
 class Run:
     """Returned by :func:`dmi.load`. Use ``run.model`` as usual; ``run.close()`` (or ``with``) flushes."""

@@ -151,8 +151,8 @@ def never_calls(parent, child: str, method: str) -> str | None:
     its "escape hatch for CPU"); 0.32's CPU backend and 0.25's GPU Triton kernels select the experts
     first, through the router."""
     if child == "router" and method == "select_experts" and getattr(parent, "is_monolithic", False) is True:
-        return (f"vLLM {vllm_version()}'s MoE kernel here routes inside itself ({type(parent).__name__}.is_monolithic: "
-                f"its CPU backend), so {child}.{method}, where the routing sites are read, never runs")
+        return (f"vLLM {vllm_version()}'s MoE kernel here routes inside itself ({type(parent).__name__}.is_monolithic), "
+                f"so {child}.{method}, where the routing sites are read, never runs")
     return None
 
 

@@ -34,6 +34,7 @@ from ...errors import AnchorError
 from ...siteop import SiteHandle, site, site_sum
 from ..hf.derived import DERIVED
 from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, rewrite_forward
+from . import compat
 from .pattern import vllm_attention_pattern
 
 DERIVED.setdefault("vllm_attention_pattern", vllm_attention_pattern)
@@ -163,7 +164,6 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
 def available_sites(model, arch, n_layers: int) -> tuple[set[tuple[str, int | None]], dict[str, str]]:
     """(canonical, layer) pairs whose vLLM anchor resolves in this model, and the canonical sites
     whose anchor resolves but is never called in this engine, with why (``compat.never_calls``)."""
-    from . import compat
     out, never = set(), {}
     for canonical, s in arch.data["sites"].items():
         anchor = s.get("vllm")
@@ -184,13 +184,12 @@ def available_sites(model, arch, n_layers: int) -> tuple[set[tuple[str, int | No
 
 
 def anchor_error(arch, site_name: str, obj, what: str) -> AnchorError:
-    from .compat import vllm_version
     rng = arch.data.get("vllm", {}).get("versions", "unspecified")
     line = arch.line_of(("sites", site_name, "vllm"))
     src = inspect.getsourcefile(type(obj)) if obj is not None else "?"
     return AnchorError(
         f"{arch.file}:{line}: sites.{site_name}.vllm: {what} not found in {type(obj).__qualname__} of the installed "
-        f"vllm {vllm_version()}; this spec was written for vllm {rng}. Fix: install vllm {rng}, or update the "
+        f"vllm {compat.vllm_version()}; this spec was written for vllm {rng}. Fix: install vllm {rng}, or update the "
         f"anchor in {arch.file} to this version's source ({src})")
 
 
