@@ -190,6 +190,9 @@ def test_manual_cuda_graph_replays_store_distinct_correct_records(side, write_sp
     static_mask = masks[0].to(CUDA).clone()          # 2D: what run.begin_step reads (real rows, positions)
     static_4d = mask4d(masks[0])
     kw = dict(use_cache=False, output_hidden_states=True)
+    if side:      # transformers installs its output-capturing hooks under a lock Dynamo cannot trace: eagerly, first
+        with torch.no_grad():
+            model(input_ids=static_ids, attention_mask=static_4d, **kw)
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "g.zarr") as run:
         forward = run.model
         if side:
