@@ -117,12 +117,12 @@ def _moe_kernels() -> bool:
     return False
 
 
-MOE = pytest.mark.skipif(not _moe_kernels(), reason="vLLM's MoE kernels are not staged (.vbundle/tools/stage.sh 3)")
+NEEDS_MOE_KERNELS = pytest.mark.skipif(not _moe_kernels(), reason="vLLM's MoE kernels are not staged (.vbundle/tools/stage.sh 3)")
 
 
 @pytest.mark.parametrize("family,traced", [("qwen3", None), ("llama3_1", None), ("qwen3", "0"), ("qwen3", "1"),
-                                           pytest.param("qwen3_moe", None, marks=MOE),
-                                           pytest.param("mixtral", None, marks=MOE)],
+                                           pytest.param("qwen3_moe", None, marks=NEEDS_MOE_KERNELS),
+                                           pytest.param("mixtral", None, marks=NEEDS_MOE_KERNELS)],
                          ids=["qwen3", "llama3_1", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
 def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch):
     """``traced`` (``DMI_TRACED``) None: the default, ``range``: the steps above the largest graph
