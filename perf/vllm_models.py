@@ -43,6 +43,15 @@ _TEXT = ["The quick brown fox jumps over the lazy dog.", "Hello world, how are y
          "Paris is the capital of France.", "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000."]
 
 
+def parameter_count(name: str) -> int:
+    """The weights of a dense shape above (embeddings, attention, MLP, norms, the head unless tied)."""
+    kw = SHAPES[name][2]
+    h, i, v, hd = kw["hidden_size"], kw["intermediate_size"], kw["vocab_size"], kw["head_dim"]
+    q, kv = kw["num_attention_heads"] * hd, kw["num_key_value_heads"] * hd
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * hd      # qkv, o, gate/up/down, norms, q/k norms
+    return v * h * (1 if kw.get("tie_word_embeddings") else 2) + kw["num_hidden_layers"] * layer + h
+
+
 def tokenizer(vocab_size: int):
     """A fast tokenizer with exactly ``vocab_size`` ids (BPE + printable synthetic tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

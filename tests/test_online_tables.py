@@ -233,3 +233,16 @@ def test_a_base_configuration_imports_the_earlier_checkouts_dmi_first(tmp_path):
     assert path[:2] == [str(tmp_path / "base"), str(online.REPO)] and "DMI_PERF_SRC" not in server.env
     plain = _server("dmi-hidden", tmp_path, graph_sizes=[1, 2], no_prefix_cache=False)
     assert plain.env["PYTHONPATH"].split(os.pathsep)[0] == str(online.REPO)
+
+
+def test_interleaved_servers_memory_share_checked_before_start_up():
+    """Three Qwen3-8B servers at the default 0.8 fit a 139 GiB H200 but not an 80 GiB H100 (each
+    would get 21 GiB for 15 GiB of weights and a 4 GiB ring: vLLM failed only after compiling)."""
+    args = argparse.Namespace(model="qwen3-8b", dtype="bfloat16", ring_gib=4.0, gpu_memory_utilization=0.8 / 3)
+    names = ["vanilla", "dmi-hidden", "dmi-hidden-side"]
+    online.check_memory_share(args, names, 3, 139 * online.GiB)
+    with pytest.raises(SystemExit, match=r"3 servers on a 80 GiB GPU get 21.3 GiB each.*15.3 weights \+ 4 ring"):
+        online.check_memory_share(args, names, 3, 80 * online.GiB)
+    args.gpu_memory_utilization, args.ring_gib = 0.93 / 3, 2.0      # what ran on the H100
+    online.check_memory_share(args, names, 3, 80 * online.GiB)
+    online.check_memory_share(args, names, 3, None)                 # no GPU: vLLM's own check stands
