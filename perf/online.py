@@ -603,22 +603,28 @@ def gpu_memory_total() -> int | None:
         return None
 
 
-def check_memory_share(args, names: list[str], n_servers: int, total: int | None) -> None:
+def ring_bytes(cfg: tuple) -> int:
+    """The GPU ring a configuration's hook spec asks for (0: no dmi)."""
+    spec = cfg[0].get("DMI_HOOK_SPEC")
+    return json.loads(Path(spec).read_text())["policy"]["ring_bytes"] if spec else 0
+
+
+def check_memory_share(args, ring: int, n_servers: int, total: int | None) -> None:
     """Refuse, before minutes of start-up, a share of the GPU's memory that cannot hold a server's
-    weights, its dmi ring and vLLM's working memory: vLLM would fail only after loading and compiling
-    ("No available memory for the cache blocks"). The default share was sized on a 139 GiB H200."""
+    weights, its dmi ring (``ring``: the largest of the servers') and vLLM's working memory: vLLM
+    would fail only after loading and compiling ("No available memory for the cache blocks"). The
+    default share was sized on a 139 GiB H200."""
     from vllm_models import parameter_count
     if total is None:
         return                                     # no GPU found: vLLM's own check stands
-    ring = max([(2 if n == "dmi-internals" else 1) * args.ring_gib for n in names if n.startswith("dmi")], default=0)
     weights = parameter_count(args.model) * (4 if args.dtype == "float32" else 2)
-    need = weights + ring * GiB + 4 * GiB          # + activations, CUDA graphs and some KV cache
+    need = weights + ring + 4 * GiB                # + activations, CUDA graphs and some KV cache
     share = args.gpu_memory_utilization * total
     if share < need:
         raise SystemExit(
             f"--interleave: {n_servers} servers on a {total / GiB:.0f} GiB GPU get {share / GiB:.1f} GiB each "
             f"(--gpu-memory-utilization {args.gpu_memory_utilization * n_servers:g} / {n_servers}), but one needs "
-            f"~{need / GiB:.1f} GiB ({weights / GiB:.1f} weights + {ring:g} ring + 4 working). Fix: raise "
+            f"~{need / GiB:.1f} GiB ({weights / GiB:.1f} weights + {ring / GiB:g} ring + 4 working). Fix: raise "
             f"--gpu-memory-utilization (at most 0.95), lower --ring-gib, or run fewer --configs")
 
 
@@ -909,7 +915,8 @@ def main(argv=None) -> int:
         n_servers = len(set(server_of.values()))
         args.gpu_memory_utilization /= n_servers
         if not args.cpu:
-            check_memory_share(args, names, n_servers, gpu_memory_total())
+            check_memory_share(args, max(ring_bytes(cfgs[c]) for c in set(server_of.values())), n_servers,
+                               gpu_memory_total())
         # a shared server sees each window's prompts once per configuration on it: the second would
         # hit the prefix cache for every prompt (almost no prefill). Off on every server.
         args.no_prefix_cache = args.no_prefix_cache or n_servers < len(names)

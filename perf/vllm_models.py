@@ -44,7 +44,8 @@ _TEXT = ["The quick brown fox jumps over the lazy dog.", "Hello world, how are y
 
 
 def parameter_count(name: str) -> int:
-    """The weights of a dense shape above (embeddings, attention, MLP, norms, the head unless tied)."""
+    """The weights of a dense shape above (embeddings, attention, MLP, norms, the head unless tied;
+    Qwen3's q/k norms are counted for Llama too: 256 weights a layer, for a memory estimate)."""
     kw = SHAPES[name][2]
     h, i, v, hd = kw["hidden_size"], kw["intermediate_size"], kw["vocab_size"], kw["head_dim"]
     q, kv = kw["num_attention_heads"] * hd, kw["num_key_value_heads"] * hd

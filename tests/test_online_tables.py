@@ -238,11 +238,20 @@ def test_a_base_configuration_imports_the_earlier_checkouts_dmi_first(tmp_path):
 def test_interleaved_servers_memory_share_checked_before_start_up():
     """Three Qwen3-8B servers at the default 0.8 fit a 139 GiB H200 but not an 80 GiB H100 (each
     would get 21 GiB for 15 GiB of weights and a 4 GiB ring: vLLM failed only after compiling)."""
-    args = argparse.Namespace(model="qwen3-8b", dtype="bfloat16", ring_gib=4.0, gpu_memory_utilization=0.8 / 3)
-    names = ["vanilla", "dmi-hidden", "dmi-hidden-side"]
-    online.check_memory_share(args, names, 3, 139 * online.GiB)
+    GiB = online.GiB
+    args = argparse.Namespace(model="qwen3-8b", dtype="bfloat16", gpu_memory_utilization=0.8 / 3)
+    online.check_memory_share(args, 4 * GiB, 3, 139 * GiB)
     with pytest.raises(SystemExit, match=r"3 servers on a 80 GiB GPU get 21.3 GiB each.*15.3 weights \+ 4 ring"):
-        online.check_memory_share(args, names, 3, 80 * online.GiB)
-    args.gpu_memory_utilization, args.ring_gib = 0.93 / 3, 2.0      # what ran on the H100
-    online.check_memory_share(args, names, 3, 80 * online.GiB)
-    online.check_memory_share(args, names, 3, None)                 # no GPU: vLLM's own check stands
+        online.check_memory_share(args, 4 * GiB, 3, 80 * GiB)
+    args.gpu_memory_utilization = 0.93 / 3                           # what ran on the H100, with a 2 GiB ring
+    online.check_memory_share(args, 2 * GiB, 3, 80 * GiB)
+    online.check_memory_share(args, 4 * GiB, 3, None)                # no GPU: vLLM's own check stands
+
+
+def test_ring_bytes_read_from_each_configurations_hook_spec(tmp_path):
+    """The memory check's ring is what each server's hook spec asks for (dmi-internals: twice)."""
+    args = argparse.Namespace(sink="host", ring_gib=1.5, policy_mode="full", host_gib=None, max_num_seqs=64,
+                              busy_us=600.0, base_src=None)
+    cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
+    rings = {n: online.ring_bytes(cfgs[n]) for n in ("vanilla", "hooks", "dmi-hidden", "dmi-internals")}
+    assert rings == {"vanilla": 0, "hooks": 0, "dmi-hidden": 3 << 29, "dmi-internals": 3 << 30}
