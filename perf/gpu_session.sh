@@ -24,9 +24,12 @@ cat "$OUT/env.txt"
 step() {   # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.log, print its tail
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # (a test's failure is written to $OUT/NAME.failures as it happens: tests/failure_log.py)
+  rm -f "$OUT/$name.failures"
+  DMI_TEST_FAILURES="$OUT/$name.failures" timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: rc=$? in $((SECONDS - t0)) s"
   tail -n "${TAIL:-25}" "$OUT/$name.log"
+  if [ -s "$OUT/$name.failures" ]; then tail -n 60 "$OUT/$name.failures"; fi
 }
 
 part=${1:-check}; shift || true

@@ -51,19 +51,23 @@ EOF
 step() {   # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # (a test's failure is written to $OUT/NAME.failures as it happens: tests/failure_log.py)
+  rm -f "$OUT/$name.failures"
+  DMI_TEST_FAILURES="$OUT/$name.failures" timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)"
+  if [ -s "$OUT/$name.failures" ]; then tail -n 60 "$OUT/$name.failures"; fi
   return $rc
 }
 
 tests() {
   local limit=$1
-  step vllm-tests "$limit" python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py -q -ra -p no:cacheprovider \
+  # -v: each test's outcome in the log as it ends (a call cut by its limit still says which passed)
+  step vllm-tests "$limit" python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py -v -ra -p no:cacheprovider \
     --durations=8 --junitxml "$OUT/vllm-tests.xml" ${TESTS_K:+-k "$TESTS_K"}
-  # the summary lines and the first failure's tail, not the whole log
-  grep -E "^(FAILED|ERROR|PASSED|SKIPPED)|passed|failed|skipped|error|slowest|s (call|setup|teardown) " "$OUT/vllm-tests.log" | tail -n 20
-  grep -n -m1 -A40 "^____" "$OUT/vllm-tests.log" | tail -n 45
+  # the outcome lines (the failures' tracebacks were printed by step), not the whole log
+  grep -E "(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|skipped|error|slowest|s (call|setup|teardown) " \
+    "$OUT/vllm-tests.log" | tail -n 24
 }
 
 online() {

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dmi.models import build_tiny_model, tiny_tokenizer
+import failure_log
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
@@ -29,6 +30,9 @@ def settle_mkl_vml() -> None:
 
 
 settle_mkl_vml()
+
+# each failure on disk as it happens, under DMI_TEST_FAILURES (device calls cut by their time limit)
+pytest_runtest_logreport = failure_log.pytest_runtest_logreport
 
 # One entry per architecture family: adding a family = one spec file + one entry here.
 FAMILIES = ["qwen3", "llama3_1", "qwen3_moe", "mixtral"]

@@ -1,0 +1,50 @@
+"""tests/failure_log.py: a failure's traceback is on disk before the session ends, so a device call
+killed by its time limit still says what failed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_failure_written_before_the_session_is_killed(tmp_path):
+    (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
+        import os, signal
+
+        def test_first_fails():
+            rows = {"req-1": [0, 1, 2]}
+            assert rows["req-1"] == [0, 1], "rows under the wrong positions"
+
+        def test_passes():
+            pass
+
+        def test_then_killed():      # the device call's time limit, mid-session
+            os.kill(os.getpid(), signal.SIGKILL)
+        """))
+    failures = tmp_path / "failures.txt"
+    env = os.environ | {"DMI_TEST_FAILURES": str(failures), "PYTHONPATH": str(TESTS)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_cut.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "rows under the wrong positions" not in proc.stdout      # pytest's own report never came
+    text = failures.read_text()
+    assert text.startswith("== FAILED test_cut.py::test_first_fails (call, ")
+    assert "rows under the wrong positions" in text and "assert [0, 1, 2] == [0, 1]" in text
+    assert "test_passes" not in text and "test_then_killed" not in text
+
+
+def test_nothing_written_for_passing_tests(tmp_path):
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    failures = tmp_path / "failures.txt"
+    env = os.environ | {"DMI_TEST_FAILURES": str(failures), "PYTHONPATH": str(TESTS)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_ok.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not failures.exists()
