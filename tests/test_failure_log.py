@@ -12,6 +12,14 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
+def run_pytest(test_file: Path, failures: Path) -> subprocess.CompletedProcess:
+    """A pytest session of ``test_file`` alone with the plugin loaded and ``DMI_TEST_FAILURES=failures``."""
+    env = os.environ | {"DMI_TEST_FAILURES": str(failures), "PYTHONPATH": str(TESTS)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",
+                           "--rootdir", str(test_file.parent), str(test_file)],
+                          cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_failure_written_before_the_session_is_killed(tmp_path):
     (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
         import os, signal
@@ -27,10 +35,7 @@ def test_failure_written_before_the_session_is_killed(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
         """))
     failures = tmp_path / "failures.txt"
-    env = os.environ | {"DMI_TEST_FAILURES": str(failures), "PYTHONPATH": str(TESTS)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_cut.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_pytest(tmp_path / "test_cut.py", failures)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert "rows under the wrong positions" not in proc.stdout      # pytest's own report never came
     text = failures.read_text()
@@ -42,9 +47,6 @@ def test_failure_written_before_the_session_is_killed(tmp_path):
 def test_nothing_written_for_passing_tests(tmp_path):
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
     failures = tmp_path / "failures.txt"
-    env = os.environ | {"DMI_TEST_FAILURES": str(failures), "PYTHONPATH": str(TESTS)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_ok.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_pytest(tmp_path / "test_ok.py", failures)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not failures.exists()
