@@ -21,6 +21,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
   kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``); ``dmi-hidden-side``: the
   capture kernels of the CUDA graphs on a side stream (``DMI_SIDE=1``, dmi/kernels/side.py);
+  ``dmi-hidden-side-full``: the same in vLLM's full graphs only (``DMI_SIDE=full``: decode steps);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
@@ -571,6 +572,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-op": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="0"),
         # ... and with the graphs' capture kernels on a side stream (dmi.kernels.side; the default: the model's stream)
         "dmi-hidden-side": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="1"),
+        # ... in the full graphs only (decode steps; the pieces of the piecewise graphs keep them inline)
+        "dmi-hidden-side-full": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="full"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)

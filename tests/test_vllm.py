@@ -518,6 +518,30 @@ def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_re
     assert compat.install_graph_pass(config(graphs=CUDAGraphMode.NONE), "t", above=above, within=within) == (None, False)
 
 
+def test_side_stream_modes(monkeypatch):
+    """``DMI_SIDE``: 0, 1 or full, anything else refused with the fix; ``full`` forks only while vLLM
+    captures a full graph, which the forward context's runtime mode tells (not a piece of a
+    piecewise graph, not outside a capture)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from dmi.adapters.vllm import compat, worker
+    for mode in ("0", "1", "full"):
+        monkeypatch.setenv("DMI_SIDE", mode)
+        assert worker.side_mode() == mode
+    monkeypatch.setenv("DMI_SIDE", "yes")
+    with pytest.raises(dmi.DmiError, match=r"DMI_SIDE='yes': unknown\. Fix: 0 .*1 .*full"):
+        worker.side_mode()
+    monkeypatch.delenv("DMI_SIDE")
+    assert worker.side_mode() == "0"
+
+    assert not compat.capturing_full_graph()              # no forward context
+    for mode, full in ((CUDAGraphMode.FULL, True), (CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.NONE, False)):
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
+                                                     cudagraph_runtime_mode=mode)):
+            assert compat.capturing_full_graph() is full, mode
+
+
 def test_engine_in_another_process(tmp_path, monkeypatch):
     """VLLM_ENABLE_V1_MULTIPROCESSING=1: the run lives in the engine process (the plugin starts it
     there); run.close() closes it through LLM.collective_rpc."""

@@ -202,8 +202,11 @@ class KernelRing(Ring):
         self._site_order = np.arange(n_sites, dtype=np.int64)     # (a layout's capture order: its seq offsets)
         self.geometry: tuple[int, int | None] | None = None   # (batch, seq) of the latest step; seq None: x's own
         # captures a compile pass chained (side=1: dmi.kernels.side) launch on this stream while a CUDA
-        # graph is captured, where the engine turns it on; the one not yet joined: (event, its tensors)
+        # graph is captured, where the engine turns it on (and ``side_when``, if set, says yes: vLLM's
+        # full graphs only, where piecewise ones replay slower with forks); the one not yet joined:
+        # (event, its tensors)
         self.side_streams = False
+        self.side_when = None
         self._side_stream = torch.cuda.Stream(dev) if self.is_cuda else None
         self._side_open: tuple | None = None
         self.side_counts = {"marked": 0, "forked": 0, "joined": 0}     # captures marked side=1; forked; joins waited
@@ -517,7 +520,8 @@ class KernelRing(Ring):
             addend = addend.detach()
         if eager is None:
             # (engines capture inside their warm-up runs, graph_mode: fork only where a stream capture is on)
-            self.sites[site.index].launch(self, x, None, addend, fork=side and self.side_streams and stream_capturing)
+            fork = side and self.side_streams and stream_capturing and (self.side_when is None or self.side_when())
+            self.sites[site.index].launch(self, x, None, addend, fork=fork)
             return
         t0 = time.perf_counter()               # the host time of captures outside graphs (engine step stats)
         launcher = self.sites[site.index]

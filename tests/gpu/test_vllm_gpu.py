@@ -49,7 +49,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (GPU machine: s
 import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id, shutdown_llm  # noqa: E402
-from test_vllm import (all_sites, assert_accounting, assert_matches_hf, generate, hf_reference,  # noqa: E402
+from test_vllm import (MOE, all_sites, assert_accounting, assert_matches_hf, generate, hf_reference,  # noqa: E402
                        positions_by_request)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine (and the run) in this process
@@ -93,17 +93,34 @@ def logits_rows(tree, seqs) -> dict[str, np.ndarray]:
 
 def _capture_recorder(monkeypatch):
     """Record every capture made from Python (a replayed graph makes none): (capturing a graph?,
-    site, the open step or None)."""
+    site, the open step or None, made inside vLLM's MoE op?), and for each capture chained onto the
+    side stream while a graph is captured, whether vLLM was capturing a full graph. vLLM runs its MoE layers through a
+    custom op its compile keeps opaque (``vllm::moe_forward`` -> ``MoERunner._forward_impl``): the
+    sites read in there (the router: its top-k, and the gate where the layer routes internally,
+    Qwen3-MoE) are ops no graph pass of dmi sees."""
+    from dmi.adapters.vllm.compat import capturing_full_graph
     from dmi.kernels.cuda_ring import KernelRing
-    events = []
-    inner = KernelRing.capture
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    events, marked_in_graphs, inside = [], [], [0]
+    inner, inner_moe = KernelRing.capture, MoERunner._forward_impl
 
     def capture(self, site, x, addend=None, side=False):
         cur = self.current if self.current is not None and not self.current.ended else None
-        events.append((torch.cuda.is_current_stream_capturing(), site.index, cur.step if cur is not None else None))
+        capturing = torch.cuda.is_current_stream_capturing()
+        events.append((capturing, site.index, cur.step if cur is not None else None, inside[0] > 0))
+        if side and capturing:
+            marked_in_graphs.append(capturing_full_graph())
         return inner(self, site, x, addend, side)
+
+    def moe_forward_impl(self, *args, **kwargs):
+        inside[0] += 1
+        try:
+            return inner_moe(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
     monkeypatch.setattr(KernelRing, "capture", capture)
-    return events
+    monkeypatch.setattr(MoERunner, "_forward_impl", moe_forward_impl)
+    return events, marked_in_graphs
 
 
 def _moe_kernels() -> bool:
@@ -120,19 +137,20 @@ def _moe_kernels() -> bool:
 NEEDS_MOE_KERNELS = pytest.mark.skipif(not _moe_kernels(), reason="vLLM's MoE kernels are not staged (.vbundle/tools/stage.sh 3)")
 
 
-@pytest.mark.parametrize("family,traced", [("qwen3", None), ("llama3_1", None), ("qwen3", "0"), ("qwen3", "1"),
-                                           pytest.param("qwen3_moe", None, marks=NEEDS_MOE_KERNELS),
-                                           pytest.param("mixtral", None, marks=NEEDS_MOE_KERNELS)],
-                         ids=["qwen3", "llama3_1", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
-def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,traced,side_mode", [
+    ("qwen3", None, "1"), ("llama3_1", None, "full"), ("qwen3", "0", "1"), ("qwen3", "1", "1"),
+    pytest.param("qwen3_moe", None, "1", marks=NEEDS_MOE_KERNELS), pytest.param("mixtral", None, "1", marks=NEEDS_MOE_KERNELS)],
+    ids=["qwen3", "llama3_1-side-full", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
+def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, monkeypatch):
     """``traced`` (``DMI_TRACED``) None: the default, ``range``: the steps above the largest graph
     (33-48 tokens) run a compile range of their own whose plain sites' ops were rewritten into
     traced scatters (dmi.kernels.traced.rewrite_captures), no op call there; graph-replayed steps
     keep the op. ``0``: the op in every step. ``1``: traced scatters in every step
     (dmi.kernels.traced). The other sites through the site op; the same numbers. In every mode the
-    graphed ranges' captures are chained onto a side stream (``DMI_SIDE=1``, dmi.kernels.side):
-    each capture kernel of a replayed graph runs beside the model's."""
-    monkeypatch.setenv("DMI_SIDE", "1")
+    graphed ranges' captures are chained onto a side stream (``DMI_SIDE``, dmi.kernels.side):
+    each capture kernel of a replayed graph runs beside the model's; ``full``: in vLLM's full
+    graphs only, the pieces of piecewise graphs keep them inline."""
+    monkeypatch.setenv("DMI_SIDE", side_mode)
     if traced is None:
         monkeypatch.delenv("DMI_TRACED", raising=False)
     else:
@@ -147,7 +165,7 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
         shutdown_llm(plain)
         del plain
 
-    events = _capture_recorder(monkeypatch)
+    events, marked_in_graphs = _capture_recorder(monkeypatch)
     spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "32MiB"}}
     run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
     try:
@@ -161,10 +179,14 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
         traced_sites = set(ring.traced)
         assert ring.trace_mode == mode and bool(traced_sites) == (mode != "0"), (ring.trace_mode, ring.traced)
         assert ring.traced_steps == (mode == "1") and ring.traced_above == (GRAPH_SIZES[-1] if mode == "range" else None)
-        # the graphs' captures ran on the side stream (dmi.kernels.side), each fork joined
+        # the graphs' captures ran on the side stream (dmi.kernels.side), each fork joined; under
+        # full, only those made while vLLM captured a full graph (never more forks than those)
         side = dict(ring.side_counts)
         assert ring.side_streams and side["joined"] == side["forked"], side
         assert side["forked"] > 0 or mode == "1", side
+        assert (ring.side_when is not None) == (side_mode == "full")
+        if side_mode == "full":
+            assert side["forked"] <= sum(marked_in_graphs) < len(marked_in_graphs), (side, len(marked_in_graphs))
     finally:
         run.shutdown()
 
@@ -199,7 +221,7 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
 
     # graphs: sites were captured into CUDA graphs at start-up, and replays wrote the decode steps
     logits_site = next(s.index for s in plan.sites if s.canonical == "logits")
-    captured = {site for capturing, site, _ in events[:n_setup] if capturing}
+    captured = {site for capturing, site, _, _ in events[:n_setup] if capturing}
     # (a traced site is no op call: its scatter is in the compiled code the graphs replay; under
     # range the graphs keep the op and only the steps above them run the rewritten graph)
     every = {s.index for s in plan.sites}
@@ -207,10 +229,14 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
     above_op = every - traced_sites           # the sites an op captures in steps above the graphs
     assert mode != "1" or not captured & traced_sites, "a traced site went through the op"
     assert captured >= through_op - {logits_site}, "sites missing from the graphs"
-    assert not any(capturing for capturing, _, _ in serving), "a graph was captured while serving"
+    assert not any(capturing for capturing, _, _, _ in serving), "a graph was captured while serving"
     eager = collections.defaultdict(set)             # step -> sites captured from Python (not by a replay)
-    for _, site, step in serving:
+    in_moe_op = set()                                # sites captured inside vLLM's opaque MoE op
+    for _, site, step, inside in serving:
         eager[step].add(site)
+        if inside:
+            in_moe_op.add(site)
+    assert bool(in_moe_op) == (family in MOE), sorted(in_moe_op)
     fin = tree["final_norm"].dataset
     steps = collections.defaultdict(list)
     for step, phase in zip(fin.step.values.tolist(), fin.phase.values.tolist()):
@@ -222,11 +248,17 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, tmp_path, monkeypatch)
     mixed = [s for s, ph in steps.items() if s not in decode and len(ph) <= GRAPH_SIZES[-1]]
     assert mixed and all(eager[s] <= {logits_site} for s in mixed), [(s, len(eager[s])) for s in mixed]
     big = [s for s, ph in steps.items() if len(ph) > GRAPH_SIZES[-1]]       # larger than any graph: eager
-    assert big and all(eager[s] == above_op for s in big), [(s, len(eager[s])) for s in big]
+    # ... and the sites read inside vLLM's MoE op: no graph pass sees their ops, so every step without a
+    # graph calls them from Python (they are plain sites the ring may trace: their records are the same)
+    from_python = above_op | in_moe_op
+    name = {s.index: s.name for s in plan.sites}
+    off = {s: (sorted(name[i] for i in eager[s] - from_python), sorted(name[i] for i in from_python - eager[s])) for s in big}
 
     # every site equals HF (both on the GPU, float32) at every stored (request, position)
     ref = hf_reference(family, seqs, spec, tmp_path / "hf.zarr", device="cuda")
     assert assert_matches_hf(tree, ref, atol=ATOL, rtol=RTOL) > 0
+    # (checked after the values, so that a failure here still says whether they hold)
+    assert big and not any(a or b for a, b in off.values()), {s: ("extra", a, "missing", b) for s, (a, b) in off.items()}
 
 
 def test_cuda_graphs_bfloat16_flash_attention(tmp_path, monkeypatch):

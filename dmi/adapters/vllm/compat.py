@@ -291,6 +291,14 @@ def graphed_compile(vllm_config) -> bool:
     return cuda_graphs_on(vllm_config) and getattr(getattr(cc, "mode", None), "name", None) == "VLLM_COMPILE"
 
 
+def capturing_full_graph() -> bool:
+    """Whether the CUDA graph vLLM captures now is a full one (the whole forward: uniform decode
+    batches), not one piece of a piecewise graph (0.25 - 0.32: the forward context's runtime mode)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+
+
 def install_graph_pass(vllm_config, uuid: str, *, above=None, within=None) -> tuple[int | None, bool]:
     """Run post-grad graph passes in vLLM's compile (0.25 - 0.32) by token range: ``above`` in a
     range of its own for the steps above the largest CUDA graph (added to

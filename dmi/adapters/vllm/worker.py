@@ -269,10 +269,12 @@ def prepare(worker) -> None:
       scatters (``dmi.kernels.traced.rewrite_captures``): those steps run without a graph, where
       each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's token
       count (steps of more tokens run the rewritten graph), or None;
-    * with ``DMI_SIDE=1``, the graphed ranges' captures are chained onto a side stream
+    * with ``DMI_SIDE=1`` (or ``full``), the graphed ranges' captures are chained onto a side stream
       (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
-      model's instead of between them. ``worker.dmi_side``: whether the pass chains them. Off by
-      default until a GPU session has run it (tests/gpu/test_vllm_gpu.py turns it on)."""
+      model's instead of between them (``full``: only in vLLM's full graphs, the uniform decode
+      steps; the pieces of piecewise graphs keep them inline). ``worker.dmi_side``: whether the
+      pass chains them. Off by default: served, it cost more than it saved (perf/RESULTS.md,
+      thirty-ninth session)."""
     from .plugin import read_config
     from ...kernels import side, traced
     vllm_config = worker.vllm_config
@@ -280,10 +282,20 @@ def prepare(worker) -> None:
     if read_config(vllm_config) is None:
         return
     above = traced.rewrite_captures if engine_trace_mode(vllm_config) == "range" else None
-    within = side.chain_captures if os.environ.get("DMI_SIDE", "0") == "1" else None
+    within = side.chain_captures if side_mode() != "0" else None
     if above is not None or within is not None:
         worker.dmi_traced_above, worker.dmi_side = compat.install_graph_pass(
             vllm_config, f"dmi-{_source_hash(traced, side)}", above=above, within=within)
+
+
+def side_mode() -> str:
+    """``DMI_SIDE``: ``0`` (unset: captures on the model's stream), ``1`` (on a side stream in every
+    CUDA graph) or ``full`` (in vLLM's full graphs only)."""
+    mode = os.environ.get("DMI_SIDE", "0")
+    if mode not in ("0", "1", "full"):
+        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: 0 (the default), 1 (capture kernels on a side stream in "
+                       "every CUDA graph) or full (in full graphs only)")
+    return mode
 
 
 def engine_trace_mode(vllm_config) -> str:
@@ -357,6 +369,7 @@ def start(worker) -> Session | None:
         run.ring.traced_above = above         # None: no range rewritten (the op in every step)
     if hasattr(run.ring, "side_streams"):
         run.ring.side_streams = bool(getattr(worker, "dmi_side", False)) and run.ring.is_cuda     # (prepare)
+        run.ring.side_when = compat.capturing_full_graph if side_mode() == "full" else None
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
         run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
