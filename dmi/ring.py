@@ -825,11 +825,11 @@ class CpuRing(Ring):
         self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
 
     def capture(self, site, x, addend=None, side: bool = False) -> None:
-        import torch
-        from .gather import gather
         ctrl = self.current
         if ctrl is None or ctrl.ended or site.index not in ctrl.slots:
-            return
+            return                  # (null mode, nothing selected: before the imports, once per site and step)
+        import torch
+        from .gather import gather
         if addend is not None:
             x = x + addend
         slot = ctrl.slots[site.index]
