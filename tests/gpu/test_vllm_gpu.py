@@ -94,10 +94,11 @@ def logits_rows(tree, seqs) -> dict[str, np.ndarray]:
 def _capture_recorder(monkeypatch):
     """Record every capture made from Python (a replayed graph makes none): (capturing a graph?,
     site, the open step or None, made inside vLLM's MoE op?), and for each capture chained onto the
-    side stream while a graph is captured, whether vLLM was capturing a full graph. vLLM runs its MoE layers through a
-    custom op its compile keeps opaque (``vllm::moe_forward`` -> ``MoERunner._forward_impl``): the
-    sites read in there (the router: its top-k, and the gate where the layer routes internally,
-    Qwen3-MoE) are ops no graph pass of dmi sees."""
+    side stream while a graph is captured, whether vLLM was capturing a full graph.
+
+    vLLM runs its MoE layers through a custom op its compile keeps opaque (``vllm::moe_forward``
+    -> ``MoERunner._forward_impl``): the sites read in there (the router's top-k; the gate where the
+    layer routes internally, Qwen3-MoE) are ops no graph pass of dmi sees."""
     from dmi.adapters.vllm.compat import capturing_full_graph
     from dmi.kernels.cuda_ring import KernelRing
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
