@@ -102,6 +102,8 @@ def vllm_engine(which: str, sites: str = HIDDEN) -> None:
                   dtype="bfloat16" if torch.cuda.is_available() else "float32")
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog"]
+    if which == "dmi":
+        os.environ["DMI_SIDE"] = "0"              # the site op inline (the default chains it in full graphs)
     if which == "dmi-side":       # the side-stream chain (dmi.kernels.side) in the compiled graphs
         if torch.cuda.is_available():
             os.environ["DMI_SIDE"] = "1"          # dmi installs it in the graphed ranges

@@ -20,8 +20,9 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   (``DMI_TRACED=1``, ``dmi/kernels/traced.py``; by default only the steps above the largest CUDA
   graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
   kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``); ``dmi-hidden-side``: the
-  capture kernels of the CUDA graphs on a side stream (``DMI_SIDE=1``, dmi/kernels/side.py);
-  ``dmi-hidden-side-full``: the same in vLLM's full graphs only (``DMI_SIDE=full``: decode steps);
+  capture kernels of every CUDA graph on a side stream (``DMI_SIDE=1``, dmi/kernels/side.py; by
+  default only in vLLM's full graphs, the decode steps); ``dmi-hidden-inline``: on the model's
+  stream in every graph (``DMI_SIDE=0``);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
@@ -570,10 +571,11 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
         # ... and with the op in the steps above the largest graph too (the default: rewritten into traced ops there)
         "dmi-hidden-op": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="0"),
-        # ... and with the graphs' capture kernels on a side stream (dmi.kernels.side; the default: the model's stream)
+        # ... and with every graph's capture kernels on a side stream (dmi.kernels.side; the default: in the full
+        # graphs only, the decode steps; the pieces of the piecewise graphs keep them inline)
         "dmi-hidden-side": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="1"),
-        # ... in the full graphs only (decode steps; the pieces of the piecewise graphs keep them inline)
-        "dmi-hidden-side-full": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="full"),
+        # ... and with them on the model's stream in every graph
+        "dmi-hidden-inline": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="0"),
         # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)

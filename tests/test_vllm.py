@@ -519,9 +519,9 @@ def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_re
 
 
 def test_side_stream_modes(monkeypatch):
-    """``DMI_SIDE``: 0, 1 or full, anything else refused with the fix; ``full`` forks only while vLLM
-    captures a full graph, which the forward context's runtime mode tells (not a piece of a
-    piecewise graph, not outside a capture)."""
+    """``DMI_SIDE``: full (the default), 1 or 0, anything else refused with the fix; ``full`` forks
+    only while vLLM captures a full graph, which the forward context's runtime mode tells (not a
+    piece of a piecewise graph, not outside a capture)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import ForwardContext, override_forward_context
 
@@ -530,10 +530,10 @@ def test_side_stream_modes(monkeypatch):
         monkeypatch.setenv("DMI_SIDE", mode)
         assert worker.side_mode() == mode
     monkeypatch.setenv("DMI_SIDE", "yes")
-    with pytest.raises(dmi.DmiError, match=r"DMI_SIDE='yes': unknown\. Fix: 0 .*1 .*full"):
+    with pytest.raises(dmi.DmiError, match=r"DMI_SIDE='yes': unknown\. Fix: full .*1 .*0"):
         worker.side_mode()
     monkeypatch.delenv("DMI_SIDE")
-    assert worker.side_mode() == "0"
+    assert worker.side_mode() == "full"
 
     assert not compat.capturing_full_graph()              # no forward context
     for mode, full in ((CUDAGraphMode.FULL, True), (CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.NONE, False)):

@@ -139,9 +139,9 @@ NEEDS_MOE_KERNELS = pytest.mark.skipif(not _moe_kernels(), reason="vLLM's MoE ke
 
 
 @pytest.mark.parametrize("family,traced,side_mode", [
-    ("qwen3", None, "1"), ("llama3_1", None, "full"), ("qwen3", "0", "1"), ("qwen3", "1", "1"),
+    ("qwen3", None, "1"), ("llama3_1", None, None), ("qwen3", "0", "1"), ("qwen3", "1", "1"),
     pytest.param("qwen3_moe", None, "1", marks=NEEDS_MOE_KERNELS), pytest.param("mixtral", None, "1", marks=NEEDS_MOE_KERNELS)],
-    ids=["qwen3", "llama3_1-side-full", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
+    ids=["qwen3", "llama3_1-side-default", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
 def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, monkeypatch):
     """``traced`` (``DMI_TRACED``) None: the default, ``range``: the steps above the largest graph
     (33-48 tokens) run a compile range of their own whose plain sites' ops were rewritten into
@@ -149,9 +149,13 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, m
     keep the op. ``0``: the op in every step. ``1``: traced scatters in every step
     (dmi.kernels.traced). The other sites through the site op; the same numbers. In every mode the
     graphed ranges' captures are chained onto a side stream (``DMI_SIDE``, dmi.kernels.side):
-    each capture kernel of a replayed graph runs beside the model's; ``full``: in vLLM's full
-    graphs only, the pieces of piecewise graphs keep them inline."""
-    monkeypatch.setenv("DMI_SIDE", side_mode)
+    each capture kernel of a replayed graph runs beside the model's; ``side_mode`` None (unset:
+    the default, ``full``): in vLLM's full graphs only, the pieces of piecewise graphs keep them
+    inline."""
+    if side_mode is None:
+        monkeypatch.delenv("DMI_SIDE", raising=False)      # the default: full graphs only
+    else:
+        monkeypatch.setenv("DMI_SIDE", side_mode)
     if traced is None:
         monkeypatch.delenv("DMI_TRACED", raising=False)
     else:
@@ -185,8 +189,8 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, m
         side = dict(ring.side_counts)
         assert ring.side_streams and side["joined"] == side["forked"], side
         assert side["forked"] > 0 or mode == "1", side
-        assert (ring.side_when is not None) == (side_mode == "full")
-        if side_mode == "full":
+        assert (ring.side_when is not None) == (side_mode in ("full", None))
+        if ring.side_when is not None:
             assert side["forked"] <= sum(marked_in_graphs) < len(marked_in_graphs), (side, len(marked_in_graphs))
     finally:
         run.shutdown()

@@ -269,12 +269,12 @@ def prepare(worker) -> None:
       scatters (``dmi.kernels.traced.rewrite_captures``): those steps run without a graph, where
       each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's token
       count (steps of more tokens run the rewritten graph), or None;
-    * with ``DMI_SIDE=1`` (or ``full``), the graphed ranges' captures are chained onto a side stream
+    * unless ``DMI_SIDE=0``, the graphed ranges' captures are chained onto a side stream
       (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
-      model's instead of between them (``full``: only in vLLM's full graphs, the uniform decode
-      steps; the pieces of piecewise graphs keep them inline). ``worker.dmi_side``: whether the
-      pass chains them. Off by default: served, it cost more than it saved (perf/RESULTS.md,
-      thirty-ninth session)."""
+      model's instead of between them. ``full`` (the default): only in vLLM's full graphs, the
+      uniform decode steps; the pieces of piecewise graphs keep them inline, where forks and joins
+      cost more host time than they save (``1``: in every graph; perf/RESULTS.md, thirty-ninth and
+      fortieth sessions). ``worker.dmi_side``: whether the pass chains them."""
     from .plugin import read_config
     from ...kernels import side, traced
     vllm_config = worker.vllm_config
@@ -289,12 +289,12 @@ def prepare(worker) -> None:
 
 
 def side_mode() -> str:
-    """``DMI_SIDE``: ``0`` (unset: captures on the model's stream), ``1`` (on a side stream in every
-    CUDA graph) or ``full`` (in vLLM's full graphs only)."""
-    mode = os.environ.get("DMI_SIDE", "0")
+    """``DMI_SIDE``: ``full`` (unset: capture kernels on a side stream in vLLM's full graphs only),
+    ``1`` (in every CUDA graph) or ``0`` (on the model's stream)."""
+    mode = os.environ.get("DMI_SIDE", "full")
     if mode not in ("0", "1", "full"):
-        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: 0 (the default), 1 (capture kernels on a side stream in "
-                       "every CUDA graph) or full (in full graphs only)")
+        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: full (the default: capture kernels on a side stream in "
+                       "full CUDA graphs only), 1 (in every CUDA graph) or 0 (on the model's stream)")
     return mode
 
 
