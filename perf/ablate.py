@@ -146,6 +146,18 @@ def kernel_times(run, dgen, steps: int) -> None:
     run.set_enabled(True)
 
 
+def sampled_against_vanilla(gen, fn, seconds: float, name: str) -> None:
+    """py-spy on the model's thread running vanilla's ``gen``, then ``fn``, each ``seconds`` long:
+    per-thread growth by function (perf/pyspy.py; raw files in $OUT or the temp directory)."""
+    out = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    a, b = out / "pyspy-vanilla.txt", out / f"pyspy-{name}.txt"
+    if pyspy.sample_while(gen, seconds, a) and pyspy.sample_while(fn, seconds, b):
+        print(pyspy.compare(a, b), flush=True)
+    else:
+        print("py-spy: no profile (not found: carry its wheel in .whl, see perf/fetch_wheels.sh; or it failed, "
+              "above)", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -158,6 +170,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only-stores", action="store_true", help="skip the ablation rows (vanilla and host stay)")
     ap.add_argument("--pyspy", type=float, default=0, help="seconds: py-spy samples vanilla, then the host row, "
                     "each that long, and prints per-thread growth (perf/pyspy.py; files in $OUT or /tmp)")
+    ap.add_argument("--pyspy-null", type=float, default=0, help="seconds: py-spy samples vanilla, then the null "
+                    "row (patched, nothing begun), each that long: where the patched graph's floor goes")
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the host row: dmi's functions, "
                     "per step, by own time")
     args = ap.parse_args(argv)
@@ -209,13 +223,7 @@ def main(argv=None) -> None:
                     flushed(), flushed()
                     report("dmi hidden (full, -> host)", paired(flushed, run=run))
                     if args.pyspy:
-                        out = Path(os.environ.get("OUT", tempfile.gettempdir()))
-                        a, b = out / "pyspy-vanilla.txt", out / "pyspy-dmi-host.txt"
-                        if pyspy.sample_while(gen, args.pyspy, a) and pyspy.sample_while(flushed, args.pyspy, b):
-                            print(pyspy.compare(a, b), flush=True)
-                        else:
-                            print("py-spy: no profile (not found: carry its wheel in .whl, see "
-                                  "perf/fetch_wheels.sh; or it failed, above)", flush=True)
+                        sampled_against_vanilla(gen, flushed, args.pyspy, "dmi-host")
                     if args.profile:
                         base = host_profile(gen, args.new)
                         print(profile_diff(host_profile(flushed, args.new), base), flush=True)
@@ -225,14 +233,20 @@ def main(argv=None) -> None:
                     run.set_enabled(False)
                     dgen(), dgen()
                     report("dmi null", paired(dgen, run=run))
+                    if args.pyspy_null:
+                        sampled_against_vanilla(gen, dgen, args.pyspy_null, "dmi-null")
                     run.set_enabled(True)
 
-                    tables = run._site_info, run._site_ids, run._site_filter     # what a step selects from
-                    run._site_info, run._site_ids, run._site_filter = [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+                    # what a step selects from: the run's per-site tables, emptied for this row
+                    none = {"_site_info": [], "_site_ids": np.zeros(0, np.int64), "_site_filter": np.zeros(0, np.int64),
+                            "_site_row_bytes": np.zeros(0, np.int64), "_site_priority": [], "_held_at": {},
+                            "_sources": {}}
+                    tables = {name: getattr(run, name) for name in none}
+                    vars(run).update(none)
                     run.forget_layouts()       # (a layout laid out before selects every site)
                     flushed(), flushed()
                     report("dmi no sites (steps only)", paired(flushed, run=run))
-                    run._site_info, run._site_ids, run._site_filter = tables
+                    vars(run).update(tables)
                     run.forget_layouts()
 
                     ready = run.ring.drain_ready
