@@ -121,20 +121,8 @@ class Run:
         # position windows): decode steps then reuse one StepLayout
         self._stateless_filters = all(f.every_n_steps <= 1 and f.max_per_request is None and f.positions is None
                                       for f in filters)
-        # per site: index, bytes per row, index of its token filter, priority, held rows it reads (or None);
-        # index and filter again as arrays, for a step's accounting without a per-site Python loop
         self._filter_list = filters
-        self._site_info = [(s.index, s.row_bytes(self.itemsize), filters.index(s.tokens), s.priority,
-                            s.anchor.get("rows")) for s in plan.sites]
-        self._site_ids = np.array([i[0] for i in self._site_info], np.int64)
-        self._site_filter = np.array([i[2] for i in self._site_info], np.int64)
-        self._site_row_bytes = np.array([i[1] for i in self._site_info], np.int64)
-        self._site_priority = [i[3] for i in self._site_info]
-        self._sources: dict[tuple, tuple] = {}        # held tensors' names -> _source_plan
-        self._held_at: dict[str, list[int]] = {}       # held rows name -> positions of the sites reading them
-        for i, info in enumerate(self._site_info):
-            if info[4] is not None:
-                self._held_at.setdefault(info[4], []).append(i)
+        self._index_sites(plan.sites)
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._exported = 0                   # steps the exporter thread is done with
@@ -468,6 +456,23 @@ class Run:
             self.rows_selected[sites] += selected * n
             self._not_computed[sites] += missing * n
         self._counting = [None, 0]
+
+    def _index_sites(self, sites) -> None:
+        """The tables a step's layout selects from, for ``sites`` (the plan's; perf/ablate.py's "no
+        sites" row passes none). Per site: index, bytes per row, index of its token filter, priority,
+        held rows it reads (or None); index and filter again as arrays, for a step's accounting
+        without a per-site Python loop."""
+        self._site_info = [(s.index, s.row_bytes(self.itemsize), self._filter_list.index(s.tokens), s.priority,
+                            s.anchor.get("rows")) for s in sites]
+        self._site_ids = np.array([i[0] for i in self._site_info], np.int64)
+        self._site_filter = np.array([i[2] for i in self._site_info], np.int64)
+        self._site_row_bytes = np.array([i[1] for i in self._site_info], np.int64)
+        self._site_priority = [i[3] for i in self._site_info]
+        self._sources: dict[tuple, tuple] = {}        # held tensors' names -> _source_plan
+        self._held_at: dict[str, list[int]] = {}       # held rows name -> positions of the sites reading them
+        for i, info in enumerate(self._site_info):
+            if info[4] is not None:
+                self._held_at.setdefault(info[4], []).append(i)
 
     def _layout_of(self, st: StepTokens, held: dict | None) -> StepLayout:
         """A step's layout when no request picked its own sites: one selection per token filter,

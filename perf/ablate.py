@@ -37,7 +37,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,16 +236,11 @@ def main(argv=None) -> None:
                         sampled_against_vanilla(gen, dgen, args.pyspy_null, "dmi-null")
                     run.set_enabled(True)
 
-                    # what a step selects from: the run's per-site tables, emptied for this row
-                    none = {"_site_info": [], "_site_ids": np.zeros(0, np.int64), "_site_filter": np.zeros(0, np.int64),
-                            "_site_row_bytes": np.zeros(0, np.int64), "_site_priority": [], "_held_at": {},
-                            "_sources": {}}
-                    tables = {name: getattr(run, name) for name in none}
-                    vars(run).update(none)
+                    run._index_sites([])       # what a step selects from: no site
                     run.forget_layouts()       # (a layout laid out before selects every site)
                     flushed(), flushed()
                     report("dmi no sites (steps only)", paired(flushed, run=run))
-                    vars(run).update(tables)
+                    run._index_sites(run.plan.sites)
                     run.forget_layouts()
 
                     ready = run.ring.drain_ready
