@@ -17,10 +17,20 @@ N rounds, the order rotating each round, every run right after a vanilla run, as
 ``--rounds``: each row meets the same alternation of compiled models and the same drift of the
 host, and is also given over the A/A row's median pair (what alternating two models costs the
 harness without dmi). The caps are fractions of the capture rate of the last uncapped warm-up run.
+
+``--inline`` (with ``--rounds``): a second dmi run on another twin, loaded with ``DMI_SIDE=0``,
+adds its null, uncapped ``full`` and first-cap ``best_effort`` rows to the rotation: the capture
+kernels on the model's stream in the recorded graph, against the default run's side stream
+(dmi.kernels.side; transformers' compiled forward is one full graph). ``--pyspy SECONDS`` (with
+``--rounds``): py-spy on the model's thread, vanilla against the first cap's ``best_effort`` row
+(perf/pyspy.py; carry py-spy's wheel in ``.whl``). With ``--rounds`` on a GPU each row also gives
+the host time of Dynamo's cache lookup (guard evaluation) per step in its profiled run: vanilla's
+in the A/A row, each dmi row's over it.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -46,6 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=0, help="round-robin with an A/A twin row, this many rounds")
     ap.add_argument("--copy-at-step", action="store_true", help="the CUDA ring copies each step out as the next "
                     "begins (DMI_COPY_AT_STEP=1)")
+    ap.add_argument("--inline", action="store_true", help="with --rounds: rows of a second run with DMI_SIDE=0")
+    ap.add_argument("--pyspy", type=float, default=0, help="with --rounds: seconds of py-spy, vanilla against the "
+                    "first cap's best_effort row")
     args = ap.parse_args(argv)
     model = build(args.model)
     dmodel = twin(model)          # dmi patches this instance; `model` stays vanilla
@@ -73,10 +86,24 @@ def main(argv=None) -> None:
             dmodel.generate(**enc, **kw)
             run.flush()
         if args.rounds:
+            runs = [(run, go, "", configs)]
+            if args.inline:
+                inline, saved = twin(model), os.environ.get("DMI_SIDE")
+                os.environ["DMI_SIDE"] = "0"
+                try:
+                    irun = dmi.load(inline, hook_spec=spec, store=sd / "budget-inline.zarr", overwrite=True)
+                finally:
+                    os.environ.pop("DMI_SIDE") if saved is None else os.environ.__setitem__("DMI_SIDE", saved)
+
+                def igo():
+                    inline.generate(**enc, **kw)
+                    irun.flush()
+                runs.append((irun, igo, ", inline", configs[:3]))
             try:
-                _rounds(model, run, gen, go, enc, kw, configs, args, v_prof)
+                _rounds(model, runs, gen, enc, kw, args, v_prof)
             finally:
-                run.close()
+                for r, *_ in runs:
+                    r.close()
             return
         print("| policy | cap GB/s | ratio | GPU ratio | compute ratio | s (median) | stall s/run | captured GB/run "
               "| dropped GB/run | drop fraction |")
@@ -117,54 +144,72 @@ def set_policy(run, mode: str, cap: float | None, rate: float | None) -> None:
         run.set_limits(mode=mode, d2h_bytes_per_s=None if cap is None else int(cap * rate))
 
 
-def _rounds(model, run, vanilla, go, enc, kw, configs, args, v_prof) -> None:
-    """``--rounds N``: the A/A twin and every (mode, cap) configuration round-robin (module doc);
-    ``vanilla`` and ``go`` run the unpatched model and the dmi run's generate."""
+def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
+    """``--rounds N``: the A/A twin and every run's (mode, cap) configurations round-robin (module
+    doc); ``runs``: (dmi run, its generate, label suffix, configurations); ``vanilla`` runs the
+    unpatched model."""
     aa = twin(model)
     profile = v_prof is not None
-
-    with Skip(run):
+    skips = [Skip(r) for r, *_ in runs]
+    for sk in skips:
+        sk.__enter__()
+    try:
         aa.generate(**enc, **kw), aa.generate(**enc, **kw)       # compiles the twin
-        set_policy(run, "full", None, None)
-        go()                                                     # compiles dmi's graph
+        for r, go, *_ in runs:
+            set_policy(r, "full", None, None)
+            go()                                                 # compiles dmi's graph
+        run, go = runs[0][:2]
         before = run.stats()
         t = timed(go)
         rate = (run.stats()["bytes_drained"] - before["bytes_drained"]) / t
-        rows = [("vanilla twin (A/A)", None, None)] + [(f"{m} ({'uncapped' if c is None else f'{c:.2f} x rate'})", m, c)
-                                                       for m, c in configs]
+        rows = [("vanilla twin (A/A)", None, lambda: aa.generate(**enc, **kw), None, None)]
+        for r, g, suffix, configs in runs:
+            rows += [(f"{m} ({'uncapped' if c is None else f'{c:.2f} x rate'}){suffix}", r, g, m, c) for m, c in configs]
         pairs = {label: [] for label, *_ in rows}
         sums = {label: dict.fromkeys(("bytes_drained", "dropped_bytes", "stall_seconds"), 0.0) for label, *_ in rows}
         times = {label: [] for label, *_ in rows}
-        for r in range(args.rounds):
-            k = r % len(rows)
-            for label, mode, cap in rows[k:] + rows[:k]:
-                if mode is not None:
-                    set_policy(run, mode, cap, rate)
+        for i in range(args.rounds):
+            k = i % len(rows)
+            for label, r, fn, mode, cap in rows[k:] + rows[:k]:
+                if r is not None:
+                    set_policy(r, mode, cap, rate)
                 v = timed(vanilla)
-                before = run.stats()
-                t = timed(go if mode is not None else lambda: aa.generate(**enc, **kw))
-                after = run.stats()
+                before = (r or run).stats()
+                t = timed(fn)
+                after = (r or run).stats()
                 pairs[label].append(v / t)
                 times[label].append(t)
                 for key in sums[label]:
                     sums[label][key] += after[key] - before[key]
+        if args.pyspy:
+            from ablate import sampled_against_vanilla
+            label, r, fn, mode, cap = next(row for row in rows if row[3] == "best_effort")
+            set_policy(r, mode, cap, rate)
+            print(f"py-spy: vanilla against {label}", flush=True)
+            sampled_against_vanilla(vanilla, fn, args.pyspy, "budget-best-effort")
+    finally:
+        for sk in skips:
+            sk.__exit__(None, None, None)
     aa_pair = statistics.median(pairs[rows[0][0]])
     print(f"uncapped capture rate {rate / 1e9:.2f} GB/s; {args.rounds} rounds, each run after a vanilla run; "
           f"the A/A row's median pair {aa_pair:.3f}")
-    print("| policy | cap GB/s | pairs (low / median / high) | over A/A | GPU ratio | compute ratio | s (median) "
-          "| stall s/run | captured GB/run | dropped GB/run | drop fraction |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| policy | cap GB/s | pairs (low / median / high) | over A/A | GPU ratio | compute ratio | cache lookup µs/step "
+          "| s (median) | stall s/run | captured GB/run | dropped GB/run | drop fraction |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     n = args.rounds
-    for label, mode, cap in rows:
+    for label, r, fn, mode, cap in rows:
         p = sorted(pairs[label])
-        gpu = " | "
-        if profile and mode is not None:
-            set_policy(run, mode, cap, rate)
-            with Skip(run):
-                prof = gpu_profile(go, args.new)
-            gpu = f"{v_prof['busy_ms'] / prof['busy_ms']:.3f} | {v_prof['compute_ms'] / prof['compute_ms']:.3f}"
+        gpu = " |  | "
+        if profile and r is not None:
+            set_policy(r, mode, cap, rate)
+            with Skip(r):
+                prof = gpu_profile(fn, args.new)
+            gpu = (f"{v_prof['busy_ms'] / prof['busy_ms']:.3f} | {v_prof['compute_ms'] / prof['compute_ms']:.3f} | "
+                   f"{prof['lookup_us'] - v_prof['lookup_us']:+.0f}")
+        elif profile:
+            gpu = f" |  | {v_prof['lookup_us']:.0f}"
         got, dropped, stall = (sums[label][k] / n for k in ("bytes_drained", "dropped_bytes", "stall_seconds"))
-        over = "" if mode is None else f"**{statistics.median(p) / aa_pair:.3f}**"
+        over = "" if r is None else f"**{statistics.median(p) / aa_pair:.3f}**"
         print(f"| {label} | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {p[0]:.3f} / {statistics.median(p):.3f} / "
               f"{p[-1]:.3f} | {over} | {gpu} | {statistics.median(times[label]):.3f} | {stall:.3f} | {got / 1e9:.2f} | "
               f"{dropped / 1e9:.2f} | {dropped / max(got + dropped, 1):.3f} |", flush=True)

@@ -54,6 +54,10 @@ def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_c
     _run("side")
 
 
+def test_compiled_generate_chains_its_captures_unless_dmi_side_is_0():
+    _run("side_generate")
+
+
 # --- sections (run in the subprocess) ---------------------------------------------------------------
 def _site(name, layout, dims, shape, outputs=None, heads=None, reduce=None, index=0):
     from dmi.plan import Output, SitePlan, TokenFilter
@@ -547,6 +551,52 @@ def section_side() -> None:
     print("side:", len(run.plan.sites), "captures chained; arrays equal:", _compare_stores(tmp / "plain.zarr", tmp / "side.zarr"))
 
 
+def section_side_generate() -> None:
+    """transformers' compiled generate (``reduce-overhead``) gets the chain from the HF adapter
+    (``DMI_SIDE`` unset; :func:`dmi.adapters.hf._chained`) and not with ``DMI_SIDE=0``: in each
+    compiled decode step every capture is marked and the graph's join runs after the last one; tokens
+    and stores equal the inline run's. (On the CPU inductor records no CUDA graph and nothing forks;
+    tests/gpu: the graphs.)"""
+    import tempfile
+
+    import torch
+    from transformers import CompileConfig
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    torch._inductor.config.force_disable_caches = True
+    os.environ["DMI_TRACED"] = "0"
+    enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
+    spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q"]}, {"sites": ["logits"], "tokens": "last"}]}
+    tmp = Path(tempfile.mkdtemp())
+    new, tokens, seen = 4, {}, {}
+    for kind in ("0", "full"):
+        os.environ["DMI_SIDE"] = kind
+        model, _ = model_pair("qwen3", attn="sdpa")
+        config = CompileConfig(mode="reduce-overhead")
+        config._compile_all_devices = True        # (transformers compiles for CUDA devices only unless told)
+        torch._dynamo.reset()
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{kind}.zarr") as run:
+            ring, joins = run.ring, []
+            join = ring.join_side
+            ring.join_side = lambda: (joins.append(1), join())[1]
+            tokens[kind] = run.model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                              cache_implementation="static", compile_config=config)
+            stats = run.stats()
+            seen[kind] = (dict(ring.side_counts), len(joins), ring.side_streams, len(run.plan.sites))
+        assert stats["steps"] == new and stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
+    torch._dynamo.reset()
+    n = seen["full"][3]
+    decode = new - 1                  # (generate's prefill runs uncompiled)
+    assert seen["0"][:2] == ({"marked": 0, "forked": 0, "joined": 0}, 0), seen
+    # each compiled step: every capture marked (each first joins the one before it), then the join op
+    assert seen["full"][:3] == ({"marked": n * decode, "forked": 0, "joined": 0}, (n + 1) * decode, False), seen
+    assert torch.equal(tokens["0"], tokens["full"])
+    print("side_generate:", n, "captures chained; arrays equal:", _compare_stores(tmp / "0.zarr", tmp / "full.zarr"))
+
+
 def section_wrap_null() -> None:
     import tempfile
 
@@ -661,4 +711,5 @@ if __name__ == "__main__":
     from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
     settle_mkl_vml()
     {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null, "side": section_side,
+     "side_generate": section_side_generate,
      "control": section_control, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()

@@ -29,10 +29,44 @@ ring forks only while a CUDA graph is being captured and the engine turned it on
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 
+from ..errors import DmiError
+
 CAPTURE_SOURCES = {"capture": ("x",), "capture_sum": ("x", "y")}     # each op's tensors a capture reads
+
+
+def side_mode() -> str:
+    """``DMI_SIDE``: ``full`` (unset: capture kernels on a side stream in full CUDA graphs, the whole
+    forward: vLLM's uniform decode steps, transformers' compiled generate), ``1`` (in every CUDA
+    graph, vLLM's piecewise ones too) or ``0`` (on the model's stream)."""
+    mode = os.environ.get("DMI_SIDE", "full")
+    if mode not in ("0", "1", "full"):
+        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: full (the default: capture kernels on a side stream in "
+                       "full CUDA graphs only), 1 (in every CUDA graph) or 0 (on the model's stream)")
+    return mode
+
+
+_PASS: list = []
+
+
+def chain_pass():
+    """:func:`chain_captures` as inductor's ``post_grad_custom_post_pass`` (a ``CustomGraphPass``:
+    inductor's FX graph cache keys on this module's source)."""
+    if not _PASS:
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+        class ChainCaptures(CustomGraphPass):
+            def __call__(self, graph) -> None:
+                chain_captures(graph)
+
+            def uuid(self):
+                return get_hash_for_files((__file__,))
+
+        _PASS.append(ChainCaptures())
+    return _PASS[0]
 
 
 def capture_nodes(graph: torch.fx.Graph) -> list:

@@ -332,17 +332,24 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
     assert torch.equal(first.sequences, second.sequences)
 
 
-@pytest.mark.parametrize("traced", ["1", "0"])
-def test_compiled_generate_captures_equal_its_hidden_states(traced, encoded, write_spec, tmp_path, monkeypatch):
+@pytest.mark.parametrize("traced,side_mode", [("1", None), ("0", None), ("0", "0")], ids=["traced", "op", "op-inline"])
+def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, encoded, write_spec, tmp_path,
+                                                            monkeypatch):
     """Compiled generate (inductor, static cache), the plain sites captured as traced ops fused into
     inductor's kernels (``DMI_TRACED=1``) or through the site op (the default): first without CUDA
     graphs, whose hidden states generate keeps (reduce-overhead's are overwritten by the next replay),
     then twice with reduce-overhead's CUDA graphs (the same inductor code, recorded, then replayed).
     Every step's ``resid_post`` and ``final_norm`` rows equal the hidden states of the graph-free
-    run's same step, bit for bit (the eager prefill's too), and the store holds every step once."""
+    run's same step, bit for bit (the eager prefill's too), and the store holds every step once.
+    The ops' capture kernels run on a side stream in the recorded graph (``DMI_SIDE`` unset: the
+    HF adapter chains them, dmi.kernels.side), or on the model's stream (``DMI_SIDE=0``)."""
     from transformers import CompileConfig
     monkeypatch.setenv("DMI_RING", "cuda")
     monkeypatch.setenv("DMI_TRACED", traced)
+    if side_mode is None:
+        monkeypatch.delenv("DMI_SIDE", raising=False)
+    else:
+        monkeypatch.setenv("DMI_SIDE", side_mode)
     enc = _enc(encoded)
     new = 6
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [resid_mid], layers: [1], tokens: last}]\n"
@@ -357,8 +364,14 @@ def test_compiled_generate_captures_equal_its_hidden_states(traced, encoded, wri
                    for _ in range(2)]                      # compile + record, then replays
         stats = run.stats()
         n_traced, traced_steps = len(run.ring.traced), run.ring.traced_steps
+        side = dict(run.ring.side_counts, on=run.ring.side_streams)
     torch._dynamo.reset()
     assert (n_traced > 0 and traced_steps) == (traced == "1"), (n_traced, traced_steps)
+    # chained: the recording forked each op's capture (the warm-up ran them inline) and joined it
+    assert side["on"] == (side_mode is None), side
+    assert side["forked"] == side["joined"] <= side["marked"], side
+    if traced == "0":
+        assert (side["forked"] > 0) == (side_mode is None), side
     assert stats["steps"] == 3 * new and stats["not_run"] == 0 and stats["dropped_captures"] == 0, stats
     assert all(torch.equal(g.sequences, ref.sequences) for g in graphed)
     tree = dmi.open(tmp_path / "s.zarr")

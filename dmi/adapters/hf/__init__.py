@@ -1,6 +1,7 @@
 """Hugging Face Transformers adapter: resolve spec anchors to modules and patch them at load time."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections import defaultdict
@@ -8,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from ...errors import AnchorError, DmiError
+from ...kernels import side
 from ...plan import Plan
 from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
@@ -162,10 +164,15 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
         return prepare(*args, **kwargs)
 
     compiled_call = model.get_compiled_call
+    chain = hasattr(run.ring, "side_streams") and side.side_mode() != "0"
+    if chain:
+        run.ring.side_streams = run.ring.is_cuda
 
     @functools.wraps(compiled_call)
-    def get_compiled_call(*args, **kwargs):
-        return run.stepped(constant_sites(compiled_call(*args, **kwargs)), step_inputs)
+    def get_compiled_call(compile_config=None, *args, **kwargs):
+        if chain:
+            compile_config = _chained(compile_config or _default_compile_config(model))
+        return run.stepped(constant_sites(compiled_call(compile_config, *args, **kwargs)), step_inputs)
 
     # one generate() at a time per run: its steps share the run's request bookkeeping, so another
     # thread's step meanwhile is refused (Run.exclusive)
@@ -179,6 +186,33 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     model.prepare_inputs_for_generation = prepare_inputs_for_generation
     model.get_compiled_call = get_compiled_call
     model.generate = generate_
+
+
+def _default_compile_config(model):
+    """What get_compiled_call compiles with when generate() names no config (5.19:
+    ``_default_compile_config``, TPUs aside; before it, ``CompileConfig()``)."""
+    default = getattr(model, "_default_compile_config", None)
+    if default is not None:
+        return default()
+    from transformers import CompileConfig
+    return CompileConfig()
+
+
+def _chained(config):
+    """transformers' ``CompileConfig`` for generate()'s compiled forward with dmi's side-stream chain
+    (:func:`dmi.kernels.side.chain_captures`) among inductor's passes, where that forward replays a
+    CUDA graph (``reduce-overhead``): each replay then runs the capture kernels beside the model's
+    instead of between them. ``config`` itself where inductor does not compile it, no graph is
+    captured, or a post-grad pass of the user's is set (left alone; captures stay inline).
+    (``mode`` becomes the options it stands for: torch.compile takes one or the other.)"""
+    from torch._inductor import list_mode_options
+    options = dict(config.options or {})
+    if config.backend != "inductor" or "post_grad_custom_post_pass" in options or (config.mode and options):
+        return config
+    options = {**list_mode_options(config.mode), **options}
+    if not options.get("triton.cudagraphs"):
+        return config
+    return dataclasses.replace(config, mode=None, options={**options, "post_grad_custom_post_pass": side.chain_pass()})
 
 
 _STEP_ATTRS = ("forward", "prepare_inputs_for_generation", "get_compiled_call", "generate")

@@ -28,6 +28,7 @@ import numpy as np
 from ... import shards
 from ...errors import DmiError, PolicyError
 from ...plan import build_plan
+from ...kernels.side import side_mode
 from ...run import Run
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
 from . import compat
@@ -286,16 +287,6 @@ def prepare(worker) -> None:
     if above is not None or within is not None:
         worker.dmi_traced_above, worker.dmi_side = compat.install_graph_pass(
             vllm_config, f"dmi-{_source_hash(traced, side)}", above=above, within=within)
-
-
-def side_mode() -> str:
-    """``DMI_SIDE``: ``full`` (unset: capture kernels on a side stream in vLLM's full graphs only),
-    ``1`` (in every CUDA graph) or ``0`` (on the model's stream)."""
-    mode = os.environ.get("DMI_SIDE", "full")
-    if mode not in ("0", "1", "full"):
-        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: full (the default: capture kernels on a side stream in "
-                       "full CUDA graphs only), 1 (in every CUDA graph) or 0 (on the model's stream)")
-    return mode
 
 
 def engine_trace_mode(vllm_config) -> str:

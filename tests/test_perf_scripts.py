@@ -1,0 +1,63 @@
+"""perf/ scripts on the CPU (they are GPU benchmarks; this keeps them runnable between device
+sessions, where a row that broke would cost a device call to find): perf/ablate.py's every row,
+perf/budget.py's round-robin with the inline run's rows, perf/guardcost.py's table, each on a real
+patched model."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ["vanilla", "dmi null", "dmi no sites (steps only)", "dmi hidden, drain gated", "dmi hidden (full)"]
+
+
+def test_every_row_runs_and_reports_a_ratio(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "perf" / "ablate.py"), "--model", "tiny", "--batch", "2",
+                          "--new", "8", "--repeats", "1", "--mode", "eager"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = {}
+    for line in out.stdout.splitlines():
+        m = re.match(r"(.+?)\s+([\d.]+) ms/step\s+ratio ([\d.]+)", line)
+        if m:
+            got[m.group(1)] = (float(m.group(2)), float(m.group(3)))
+    assert list(got) == ROWS, out.stdout
+    assert all(ms > 0 and ratio > 0 for ms, ratio in got.values()), got
+    # the full row captured and drained its steps: host time in dmi's step calls, nothing stalled
+    full = next(line for line in out.stdout.splitlines() if line.startswith("dmi hidden (full)"))
+    assert re.search(r"host \d+ us/step in step begin/end", full) and "stall 0.000s" in full, full
+
+
+def _script(tmp_path, name: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "perf" / name), *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _table(stdout: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in stdout.splitlines() if line.startswith("| ")]
+    return {r[0]: r[1:] for r in rows if not set(r[0]) <= set("-: ")}
+
+
+def test_budget_rounds_rotate_both_runs_and_report_each_row(tmp_path):
+    got = _table(_script(tmp_path, "budget.py", "--model", "tiny", "--batch", "2", "--new", "8", "--rounds", "2",
+                         "--caps", "0.5", "--mode", "eager", "--inline"))
+    base = ["null (uncapped)", "full (uncapped)", "best_effort (0.50 x rate)"]
+    assert list(got) == ["policy", "vanilla twin (A/A)", *base, "full (0.50 x rate)", *(b + ", inline" for b in base)], got
+    for label, cells in got.items():
+        if label not in ("policy", "vanilla twin (A/A)"):
+            low, median, high = map(float, cells[1].split(" / "))
+            assert 0 < low <= median <= high and float(cells[2].strip("*")) > 0, (label, cells)
+
+
+def test_guardcost_reports_every_model_and_the_guards(tmp_path):
+    out = _script(tmp_path, "guardcost.py", "--layers", "2", "--batch", "2", "--new", "4", "--repeats", "1")
+    got = _table(out)
+    assert list(got) == ["model", "vanilla", "A/A twin", "dmi null", "dmi capturing"], out
+    assert all(int(cells[0]) > 0 and float(cells[1]) > 0 for label, cells in got.items() if label != "model"), got
+    assert re.search(r"^dmi cache entry 0: \d+ guard lines", out, re.M), out
