@@ -901,6 +901,9 @@ class ZarrExporter:
             else:
                 self._acc["dropped"][d.site] += d.rows
         self._append_drops(new)
+        release = getattr(ring_drops, "release", None)     # (dmi.ring.DropLog: written, so forgotten there)
+        if release is not None:
+            release(self._ring_pos)
 
     def _append_drops(self, drops: list[Drop]) -> None:
         if not drops:

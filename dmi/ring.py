@@ -279,6 +279,67 @@ class Drop:
     reason: str
 
 
+class DropLog:
+    """The captures a ring dropped, in order: the model's thread appends, the store's writer takes
+    them by absolute position (``len``, ``log[i]``, ``log[i:]`` count every drop since the start)
+    and releases those it has written (:meth:`release`), so a long ``best_effort`` run under a tight
+    cap keeps memory flat. The counts the run reports (captures, bytes, per reason) cover every
+    drop, released or not. Iteration yields the drops still held."""
+
+    def __init__(self) -> None:
+        self._held: list[Drop] = []
+        self._base = 0                  # absolute position of _held[0]
+        self._lock = threading.Lock()   # (release against positional reads from another thread)
+        self.bytes = 0
+        self.by_reason: dict[str, int] = {}
+
+    def append(self, drop: Drop) -> None:
+        self._held.append(drop)
+        self.bytes += drop.bytes
+        self.by_reason[drop.reason] = self.by_reason.get(drop.reason, 0) + 1
+
+    def extend(self, drops) -> None:
+        for d in drops:
+            self.append(d)
+
+    def __len__(self) -> int:
+        return self._base + len(self._held)
+
+    def __getitem__(self, key):
+        with self._lock:
+            if isinstance(key, slice):
+                start = self._base if key.start is None else key.start
+                if start < self._base or key.stop is not None or key.step is not None:
+                    raise IndexError(f"DropLog[{key}]: drops before {self._base} were released (only [start:] with "
+                                     f"start >= {self._base} can be read)")
+                return self._held[start - self._base:]
+            if key < self._base:
+                raise IndexError(f"DropLog[{key}]: released (the first held drop is {self._base})")
+            return self._held[key - self._base]
+
+    def __iter__(self):
+        return iter(list(self._held))
+
+    def through(self, step: int) -> int:
+        """The absolute position after the last drop of a step up to ``step`` (drops come in step
+        order); released drops count as such (only written ones are released)."""
+        with self._lock:
+            n = 0
+            for d in self._held:
+                if d.step > step:
+                    break
+                n += 1
+            return self._base + n
+
+    def release(self, upto: int) -> None:
+        """Forget the drops before absolute position ``upto`` (written to the store)."""
+        with self._lock:
+            k = max(0, min(upto, len(self)) - self._base)
+            if k:
+                del self._held[:k]
+                self._base += k
+
+
 @dataclass
 class Stats:
     steps: int = 0
@@ -288,7 +349,7 @@ class Stats:
     stall_seconds: float = 0.0               # steps held back (full): ring/meta space or the bandwidth cap
     stall_bandwidth_seconds: float = 0.0     # of which waiting for policy.d2h_bytes_per_s
     not_run: int = 0
-    drops: list[Drop] = field(default_factory=list)
+    drops: DropLog = field(default_factory=DropLog)
 
 
 class TokenBucket:

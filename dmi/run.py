@@ -758,15 +758,16 @@ class Run:
 
     def stats(self) -> dict:
         st, exp = self.ring.stats, self.exporter
-        drops = st.drops + exp.drops         # ring_full (best_effort) + sink (the store failed)
-        by_reason: dict[str, int] = {}
-        for d in drops:
+        # the ring's (best_effort: ring_full, bandwidth; counted whole, written ones released) + the
+        # store's (sink: the store failed)
+        by_reason = dict(st.drops.by_reason)
+        for d in exp.drops:
             by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
         return {"steps": st.steps, "records": st.records, "bytes_captured": st.bytes_captured,
                 "bytes_drained": st.bytes_drained, "stall_seconds": round(st.stall_seconds, 6),
                 "stall_bandwidth_seconds": round(st.stall_bandwidth_seconds, 6),
-                "not_run": st.not_run, "dropped_captures": len(drops),
-                "dropped_bytes": sum(d.bytes for d in drops), "drops_by_reason": by_reason,
+                "not_run": st.not_run, "dropped_captures": len(st.drops) + len(exp.drops),
+                "dropped_bytes": st.drops.bytes + sum(d.bytes for d in exp.drops), "drops_by_reason": by_reason,
                 "requests": len(self.requests.ids), "committed_step": exp.committed_step,
                 "store_bytes": exp.store_bytes, "store_error": None if exp.error is None else str(exp.error)}
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from .errors import CaptureError, StoreError
 from .exporter import TICK_S, lower_priority, sink_policy
-from .ring import META_DTYPE, ByteRing, slot_views
+from .ring import META_DTYPE, ByteRing, DropLog, slot_views
 from .ringshare import map_shared, shared_file
 
 log = logging.getLogger("dmi")
@@ -156,6 +156,7 @@ class ProcessExporter:
                 self._unsettled.popleft()
             # (the records' bytes stand in as a range of their length: only their number is read then)
             self._unsettled.append((ctrl.step, ctrl, [(slot, rec, range(len(data))) for slot, rec, data in records]))
+        self._forget_drops(ring_drops)
 
     # --- policy.drain: process (dmi.ringshare): the child drains the ring itself ------------------------
     def attach_ring(self, info: dict) -> None:
@@ -172,6 +173,7 @@ class ProcessExporter:
         """Ended steps' descriptors (:class:`dmi.ringshare.StepSender`), in step order."""
         self._raise_once()
         self._send(("steps", descs, self._new_ids(request_ids), self._new_drops(ring_drops)))
+        self._forget_drops(ring_drops)
 
     def detach_ring(self) -> None:
         """After every step was drained: the child lets go of the ring (before this process frees it)."""
@@ -188,6 +190,7 @@ class ProcessExporter:
         if self._inproc is not None or self._call("sync") is None:
             return self._delegate("sync")
         self._raise_once()
+        self._forget_drops(self._ring_drops_ref)          # (every step sent is committed now)
 
     def finish(self, ring_drops=()) -> None:
         reply = self._call("finish", self._new_drops(ring_drops)) if self._inproc is None else None
@@ -218,6 +221,17 @@ class ProcessExporter:
     def _new_drops(self, drops) -> list:
         new, self._drops_sent = list(drops[self._drops_sent:]), len(drops)
         return new
+
+    def _forget_drops(self, ring_drops) -> None:
+        """Release from the ring's log (``dmi.ring.DropLog``) the drops the child has: all sent ones,
+        or, where this process may take the store over after the child dies, those of the steps the
+        child committed (a failover counts them, :func:`_drops_through`)."""
+        release = getattr(ring_drops, "release", None)
+        if release is not None:
+            upto = self._drops_sent
+            if self._failover_ok:
+                upto = min(upto, ring_drops.through(self.committed_step))
+            release(upto)
 
     def _send(self, msg) -> bool:
         """Send to the child: True, or False once an in-process exporter took over."""
@@ -303,7 +317,7 @@ class ProcessExporter:
             self._raised = True
             raise self.error from e
         committed = exp.committed_step
-        exp.continue_run(self._open_prior, sum(1 for d in self._ring_drops_ref if d.step <= committed))
+        exp.continue_run(self._open_prior, _drops_through(self._ring_drops_ref, committed))
         lost = [u for u in self._unsettled if u[0] > committed]
         for _, ctrl, records in lost:
             exp.lose_step(ctrl, records, self._ids_ref, self._ring_drops_ref)
@@ -373,6 +387,12 @@ def _state(exp, sent: list) -> dict:
             "error": None if exp.error is None else str(exp.error)}
 
 
+
+def _drops_through(ring_drops, step: int) -> int:
+    """How many of the ring's drops (in step order) belong to steps up to ``step``."""
+    through = getattr(ring_drops, "through", None)
+    return through(step) if through is not None else sum(1 for d in ring_drops if d.step <= step)
+
 def _guarded(fn, *args) -> str | None:
     """Run an exporter call; its StoreError goes back with the next answer (state['error'])."""
     try:
@@ -392,7 +412,7 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
         return
     conn.send(("opened", str(exp.path), exp.next_step, exp.stored_request_ids, exp.store_bytes, exp.committed_step))
     ids: list[str] = []
-    ring_drops: list = []
+    ring_drops = DropLog()           # (the parent's drops as they arrive; released once written)
     sent: list = []
     drain = _Drain(exp, ids, ring_drops, conn, sent)
     ticked = time.monotonic()
@@ -456,7 +476,7 @@ class _Drain:
     changed. A failure to drain (not the store's: the exporter accounts those) stops draining and
     goes back as ``drain_error``; the model's process then stops capturing."""
 
-    def __init__(self, exp, ids: list, ring_drops: list, conn: Connection, sent: list):
+    def __init__(self, exp, ids: list, ring_drops: DropLog, conn: Connection, sent: list):
         self.exp, self.ids, self.ring_drops, self.conn, self.sent = exp, ids, ring_drops, conn, sent
         self.reader = self.receiver = None
         self.exported = 0

@@ -106,3 +106,36 @@ def _check_order(ds, lengths, first, count) -> None:
             np.testing.assert_array_equal(p, np.arange(first(n), first(n) + count(n)), err_msg=f"c{c}.{b}")
             decode = s[p >= n]
             np.testing.assert_array_equal(np.diff(decode), 1, err_msg=f"c{c}.{b}: a decode step missing or repeated")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_best_effort_drops_are_all_counted_and_the_ring_forgets_the_written_ones(writer, tmp_path):
+    """``best_effort`` under a D2H cap far below the capture rate drops most captures of 1,200
+    decode steps: every drop is in the store's drops table and in the run's counts, while the ring
+    holds only those the writer has not written yet (a long run under a tight cap keeps memory
+    flat; before, the ring kept every Drop of the run)."""
+    enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
+    spec = {"capture": SPEC["capture"],
+            "policy": {"mode": "best_effort", "ring_bytes": "64KiB", "d2h_bytes_per_s": "16KiB"},
+            "store": {"writer": writer}}
+    calls, new = 3, 401
+    held = []
+    with torch.inference_mode(), dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "d.zarr") as run:
+        for _ in range(calls):
+            run.model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            assert run.flush(timeout=60)
+            held.append(sum(1 for _ in run.ring.stats.drops))
+        stats = run.stats()
+        logged = len(run.ring.stats.drops)
+    assert stats["steps"] == calls * new and stats["dropped_captures"] == logged > calls * new, (stats, logged)
+    assert stats["drops_by_reason"] == {"bandwidth": logged}, stats
+    # the ring's log keeps what the writer has not written: after a flush, nothing (a process
+    # writer's parent keeps the drops of steps its child has not committed, to take the store over
+    # should the child die; a flush commits them all)
+    assert held == [0] * calls, (held, logged)
+    print(f"{writer}: {logged} drops, held in the ring's log after each call: {held}")
+    tree = dmi.open(tmp_path / "d.zarr")
+    check_accounting(tree)
+    drops = tree["drops"].dataset
+    assert drops.sizes["drop"] == logged and int(drops.bytes.sum()) == stats["dropped_bytes"]
+    assert set(map(str, drops.reason.values)) == {"bandwidth"}
