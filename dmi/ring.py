@@ -303,7 +303,8 @@ class DropLog:
             self.append(d)
 
     def __len__(self) -> int:
-        return self._base + len(self._held)
+        with self._lock:
+            return self._base + len(self._held)
 
     def __getitem__(self, key):
         with self._lock:
@@ -334,7 +335,7 @@ class DropLog:
     def release(self, upto: int) -> None:
         """Forget the drops before absolute position ``upto`` (written to the store)."""
         with self._lock:
-            k = max(0, min(upto, len(self)) - self._base)
+            k = max(0, min(upto - self._base, len(self._held)))
             if k:
                 del self._held[:k]
                 self._base += k

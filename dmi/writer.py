@@ -219,7 +219,8 @@ class ProcessExporter:
         return new
 
     def _new_drops(self, drops) -> list:
-        new, self._drops_sent = list(drops[self._drops_sent:]), len(drops)
+        new = list(drops[self._drops_sent:])
+        self._drops_sent += len(new)      # (not len(drops): the model's thread may have appended since)
         return new
 
     def _forget_drops(self, ring_drops) -> None:
@@ -387,11 +388,11 @@ def _state(exp, sent: list) -> dict:
             "error": None if exp.error is None else str(exp.error)}
 
 
-
 def _drops_through(ring_drops, step: int) -> int:
     """How many of the ring's drops (in step order) belong to steps up to ``step``."""
     through = getattr(ring_drops, "through", None)
     return through(step) if through is not None else sum(1 for d in ring_drops if d.step <= step)
+
 
 def _guarded(fn, *args) -> str | None:
     """Run an exporter call; its StoreError goes back with the next answer (state['error'])."""
