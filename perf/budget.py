@@ -30,10 +30,12 @@ in the A/A row, each dmi row's over it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -88,12 +90,9 @@ def main(argv=None) -> None:
         if args.rounds:
             runs = [(run, go, "", configs)]
             if args.inline:
-                inline, saved = twin(model), os.environ.get("DMI_SIDE")
-                os.environ["DMI_SIDE"] = "0"
-                try:
+                inline = twin(model)
+                with mock.patch.dict(os.environ, DMI_SIDE="0"):         # read when the model is patched
                     irun = dmi.load(inline, hook_spec=spec, store=sd / "budget-inline.zarr", overwrite=True)
-                finally:
-                    os.environ.pop("DMI_SIDE") if saved is None else os.environ.__setitem__("DMI_SIDE", saved)
 
                 def igo():
                     inline.generate(**enc, **kw)
@@ -150,10 +149,9 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
     unpatched model."""
     aa = twin(model)
     profile = v_prof is not None
-    skips = [Skip(r) for r, *_ in runs]
-    for sk in skips:
-        sk.__enter__()
-    try:
+    with contextlib.ExitStack() as skips:
+        for r, *_ in runs:
+            skips.enter_context(Skip(r))
         aa.generate(**enc, **kw), aa.generate(**enc, **kw)       # compiles the twin
         for r, go, *_ in runs:
             set_policy(r, "full", None, None)
@@ -187,9 +185,6 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
             set_policy(r, mode, cap, rate)
             print(f"py-spy: vanilla against {label}", flush=True)
             sampled_against_vanilla(vanilla, fn, args.pyspy, "budget-best-effort")
-    finally:
-        for sk in skips:
-            sk.__exit__(None, None, None)
     aa_pair = statistics.median(pairs[rows[0][0]])
     print(f"uncapped capture rate {rate / 1e9:.2f} GB/s; {args.rounds} rounds, each run after a vanilla run; "
           f"the A/A row's median pair {aa_pair:.3f}")

@@ -62,11 +62,16 @@ def gpu_profile(fn, steps: int) -> dict:
     by_name = collections.defaultdict(float)
     for e in events:
         by_name[e.name[:90]] += e.time_range.end - e.time_range.start
-    # Dynamo's cache lookup before each compiled call (guard evaluation; the profiler's own cost included)
-    lookup = sum(e.cpu_time_total for e in p.events() if e.name == "TorchDynamo Cache Lookup")
+    lookup = sum(cache_lookups_us(p))
     return {"wall_ms": wall * 1e3 / steps, "busy_ms": busy / 1e3 / steps, "compute_ms": compute / 1e3 / steps,
             "kernels": len(events) / steps, "lookup_us": lookup / steps,
             "by_name": {k: v / steps for k, v in by_name.items()}}
+
+
+def cache_lookups_us(prof) -> list[float]:
+    """CPU µs of each Dynamo cache lookup (guard evaluation before a compiled call) a torch.profiler
+    run recorded, the profiler's own cost included."""
+    return [e.cpu_time_total for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
 
 
 def _union_us(events) -> float:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi   # noqa: E402
 from callcost import tiny_setup   # noqa: E402
+from gpuclock import cache_lookups_us   # noqa: E402
 from offline import twin   # noqa: E402
 
 KINDS = re.compile(r"\b([A-Z_]*(?:MATCH|GUARD|CHECK|ALIASING|CONTAINS|STATE|DEVICE)[A-Z_]*)\b")
@@ -38,7 +39,7 @@ def lookups_us(fn) -> tuple[int, float]:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as p:
         fn()
-    ev = [e.cpu_time_total for e in p.events() if e.name == "TorchDynamo Cache Lookup"]
+    ev = cache_lookups_us(p)
     return len(ev), (sum(ev) / len(ev) if ev else 0.0)
 
 
