@@ -299,8 +299,11 @@ class DropLog:
         self.by_reason[drop.reason] = self.by_reason.get(drop.reason, 0) + 1
 
     def extend(self, drops) -> None:
+        drops = list(drops)
+        self._held.extend(drops)
+        self.bytes += sum(d.bytes for d in drops)
         for d in drops:
-            self.append(d)
+            self.by_reason[d.reason] = self.by_reason.get(d.reason, 0) + 1
 
     def __len__(self) -> int:
         with self._lock:
@@ -720,15 +723,25 @@ class Ring:
         return kept, order[:k]
 
     def _record_laid_out_drops(self, step: int, tokens, layout: StepLayout, dropped: np.ndarray) -> None:
-        """Drops of a laid-out step's captures (``dropped``: indices into ``layout``), each row
-        selection's requests found once."""
-        requests: dict[int, tuple] = {}
-        sites, srcs, sizes = layout.site_ids[dropped].tolist(), layout.src[dropped].tolist(), layout.nbytes[dropped].tolist()
-        for site, j, nbytes in zip(sites, srcs, sizes):
-            sel = layout.arrays[j][0]
+        """Drops of a laid-out step's captures (``dropped``: indices into ``layout``). Every capped
+        decode step of a batch drops the same captures of the same requests, and this runs before
+        the step's forward (``take_ahead``): the captures' (site, row selection, bytes) are kept in
+        ``layout.cache`` per victim set, and each selection's requests per batch of request ids."""
+        cache = layout.cache
+        key = ("dropped", dropped.tobytes())
+        captures = cache.get(key)
+        if captures is None:
+            captures = cache[key] = list(zip(layout.site_ids[dropped].tolist(), layout.src[dropped].tolist(),
+                                             layout.nbytes[dropped].tolist()))
+        ids, requests = cache.get("drop_requests", (None, None))
+        if ids is None or not np.array_equal(ids, tokens.request):
+            ids, requests = tokens.request.copy(), {}
+            cache["drop_requests"] = (ids, requests)
+        for _, j, _ in captures:
             if j not in requests:
-                requests[j] = tuple(np.unique(tokens.request[sel]).tolist())
-            self.stats.drops.append(Drop(step, site, requests[j], len(sel), nbytes, "bandwidth"))
+                sel = layout.arrays[j][0]
+                requests[j] = (tuple(np.unique(ids[sel]).tolist()), len(sel))
+        self.stats.drops.extend([Drop(step, site, *requests[j], nbytes, "bandwidth") for site, j, nbytes in captures])
 
     def _record_drop(self, step: int, tokens, want: tuple, reason: str) -> None:
         site, sel, _rows, nbytes, _priority = want

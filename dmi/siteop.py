@@ -15,7 +15,9 @@ for Qwen3-8B on the H200, though a later fresh compile took 28.7 s against the t
 31.5: perf/RESULTS.md, twenty-second and twenty-fourth sessions). Code that compiles the whole
 model as one graph (generate()'s compiled forward, under :func:`constant_sites`) passes ``site``
 and no tensor: there nothing is reused across layers, and every tensor input costs each call
-host time (Dynamo's guards and prologue).
+host time (Dynamo's guards and prologue). There the HF adapter's patched modules call
+:func:`site_at`, with the run and site written into their code, so that no handle is guarded
+either (``dmi.adapters.hf.patch.constant_sites_class``).
 
 All of them mutate ``ticket``, a one-element tensor per run: that orders them inside a compiled
 graph (a capture never moves before its step's begin or after its end) and keeps them from being
@@ -232,6 +234,19 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
         r = _RUNS.get(handle.run)
         if r is not None:
             r.capture(handle.site, x)
+    return x
+
+
+def site_at(run: int, site_index: int, x: torch.Tensor) -> torch.Tensor:
+    """:func:`site` for code that has the site's run and index written in (a whole-model graph's,
+    ``dmi.adapters.hf.patch.constant_sites_class``): compiled, the op with the site a constant of
+    the graph, and no handle for Dynamo to guard."""
+    if torch.compiler.is_compiling():
+        torch.ops.dmi.capture(x, run_ticket(run), run, site_index, None)
+    else:
+        r = _RUNS.get(run)
+        if r is not None:
+            r.capture(site_index, x)
     return x
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -155,13 +156,13 @@ def main(argv=None) -> None:
             ring.publish_control = publish
             pub = per_call_us(lambda: publish(last), args.calls)
 
-            spent = {"begin": 0.0, "end": 0.0}
+            spent: dict = {"begin": [], "end": []}
 
             def decode_step():   # one decode step's host side, as the run does it around a graph replay
                 run._owner.claim("a step")
                 t = time.thread_time()           # (the thread's CPU: the drain thread's GIL share is not counted)
                 ring.begin_step(run._step, last.tokens, last.pad, last.layout)
-                spent["begin"] += time.thread_time() - t
+                spent["begin"].append(time.thread_time() - t)
                 run._step += 1
                 t = time.thread_time()
                 if DEV == "cuda":
@@ -169,22 +170,26 @@ def main(argv=None) -> None:
                 else:
                     ring.publish_end(ring.current)
                 ring.end_step(device=True)
-                spent["end"] += time.thread_time() - t
+                spent["end"].append(time.thread_time() - t)
                 run._owner.release_step()
+
+            def medians_us() -> tuple[float, float]:
+                """Median begin and end (a step's first capped begin builds its layout: ms, once)."""
+                return tuple(statistics.median(spent[k]) * 1e6 for k in ("begin", "end"))
             n = max(args.calls // 10, 100)
             per_call_us(decode_step, n)
-            begin, end = (spent[k] / (n + min(n, 100)) * 1e6 for k in ("begin", "end"))
+            begin, end = medians_us()
             capped = ""
             if args.cap:       # best_effort under a D2H cap of args.cap x the loop's own capture rate
                 from dmi.ring import TokenBucket
                 ring.set_limits("best_effort", None)
                 # (the bucket's clock counts steps: each step refills args.cap x a step's bytes, whatever the host's speed)
                 ring.bucket = TokenBucket(args.cap * last.layout.total, burst=last.layout.total, clock=lambda: run._step)
-                spent.update(begin=0.0, end=0.0)
+                spent.update(begin=[], end=[])
                 drops = len(ring.stats.drops)
                 per_call_us(decode_step, n)
                 done = n + min(n, 100)
-                capped = (f"; best_effort capped at {args.cap:g} x a step's bytes per step: begin {spent['begin'] / done * 1e6:.1f} "
+                capped = (f"; best_effort capped at {args.cap:g} x a step's bytes per step: begin {medians_us()[0]:.1f} "
                           f"us, {(len(ring.stats.drops) - drops) / done:.1f} captures dropped a step")
             run.flush()
     finally:

@@ -8,12 +8,14 @@ differently from eager; the GPU suite runs inductor and CUDA graphs.)
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 import dmi
-from conftest import model_pair
+from conftest import model_pair, patched_modules
 
 
 def _arrays(tree):
@@ -211,14 +213,18 @@ def test_compiled_generate_under_a_best_effort_cap_begins_steps_ahead_and_accoun
         np.testing.assert_array_equal(ds.final_norm.values[ds.step.values == k], rows.numpy(), err_msg=f"step {k}")
 
 
-def test_compiled_forward_guards_a_site_by_its_handle_alone(encoded, write_spec, tmp_path):
+@pytest.mark.parametrize("constants", ["1", "0"])
+def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tmp_path, monkeypatch, constants):
     """Every call of a compiled forward evaluates Dynamo's guards first (host time the GPU waits
-    for in generate()). A patched module's forward is its class's (dmi.adapters.hf.patch), so
-    nothing of it is guarded through the instance, and the run's ticket is one graph input guarded
-    once: a site adds only its handle's few attributes (the instance-level closures before cost
-    ~10 guards a site more, and an aliasing check of each site's ticket)."""
+    for in generate()). generate()'s compiled forward traces the whole model, and there each
+    patched module gets a class whose code names its sites (``DMI_CONSTANT_SITES``, default 1,
+    ``patch.constant_sites_class``): Dynamo guards it by its type, as it does an unpatched
+    module, and no handle. With ``0`` each site's handle costs its few attributes (~9 guards a
+    site). Either way the run's ticket is one graph input guarded once, and no patched module has
+    a forward of its own to guard (the instance-level closures before cost ~10 guards a site more)."""
     import re
     from transformers import CompileConfig
+    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
     spec = write_spec("""
         capture:
           - sites: [resid_pre, resid_post, attn.q, mlp.out, final_norm]
@@ -240,13 +246,69 @@ def test_compiled_forward_guards_a_site_by_its_handle_alone(encoded, write_spec,
             n_sites = len(run.plan.sites)
     torch._dynamo.reset()
     assert torch.equal(got, want) and len(guards) == 2, len(guards)
-    names = guards[1]
+    vanilla, names = guards
     assert not [n for n in names if re.search(r"\._modules\['[^']+'\]\.forward", n)]     # no instance forward
     assert len([n for n in names if n.endswith(".ticket")]) == 1, [n for n in names if n.endswith(".ticket")]
     # the handles' guards (torch 2.13 names a module's attribute `.__dict__['_dmi_sites']`, 2.11 `._dmi_sites`)
     per_site = {n.replace(".__dict__['_dmi_sites']", "._dmi_sites") for n in names if "_dmi_sites" in n}
-    assert 0 < len(per_site) <= 8 * n_sites, (len(per_site), n_sites)
+    if constants == "1":
+        # what is left over vanilla's: the step wrapper, the site functions' globals and each
+        # patched class's MRO level (13 sites of 7 modules here; their handles cost 114 guards)
+        assert not per_site and len(names) - len(vanilla) <= 60, (per_site, len(names), len(vanilla))
+    else:
+        assert 0 < len(per_site) <= 9 * n_sites, (len(per_site), n_sites)
     assert dmi.open(tmp_path / "gen.zarr")["final_norm"].dataset.step.size > 0
+
+
+_ANCHOR_KINDS = {      # sites of every anchor kind each family's spec has (the MoE ones: the router's)
+    "qwen3": "embed, resid_pre, attn.q, attn.k_rot, attn.z, resid_mid, mlp.act, resid_post, final_norm",
+    "llama3_1": "embed, resid_pre, attn.q, attn.k_rot, attn.z, mlp.act, mlp.out, resid_post, final_norm",
+    "qwen3_moe": "resid_pre, attn.q, mlp.in, mlp.out, moe.router_logits, moe.topk_ids, moe.topk_weights, final_norm",
+    "mixtral": "attn.k_rot, attn.z, mlp.out, moe.router_logits, moe.topk_ids, moe.topk_weights, resid_post",
+}
+
+
+@pytest.mark.parametrize("family", list(_ANCHOR_KINDS))
+def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, encoded, write_spec, tmp_path,
+                                                                       monkeypatch):
+    """generate()'s compiled forward with each patched module's sites written into its class's
+    code (``DMI_CONSTANT_SITES=1``, the default) stores bit for bit what the same run stores
+    through the handles (``0``), for every kind of anchor: inputs, outputs, rewritten assignments
+    and a computed site (attn.pattern), in every built-in family. The classes are the instances'
+    own from the first compiled call on, and closing the run gives every module its own class back."""
+    spec = write_spec(f"""
+        capture:
+          - sites: [{_ANCHOR_KINDS[family]}]
+          - sites: [attn.pattern]
+            layers: [1]
+            max_keys: 64
+          - sites: [logits]
+            tokens: last
+    """)
+    kw = _compiled_generate_kwargs(4)
+    model, ref = model_pair(family, attn="sdpa")
+    classes = {id(m): type(m) for m in model.modules()}
+    with torch.no_grad():
+        want = ref.generate(**encoded, **kw)
+    stores = {}
+    for constants in ("1", "0"):
+        monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
+        torch._dynamo.reset()
+        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"c{constants}.zarr") as run:
+            assert torch.equal(run.model.generate(**encoded, **kw), want)
+            patched = patched_modules(model.model)
+            assert len(patched) > 2 and (len({type(m) for m in patched}) == len(patched)) == (constants == "1")
+            for m in patched_modules(model.model):     # what any attribute resolves to is unchanged
+                cls = type(m).__dict__["_dmi_unpatched"]
+                assert isinstance(m, cls) and type(m).__name__ == cls.__name__
+                assert all(inspect.getattr_static(type(m), name) is inspect.getattr_static(cls, name)
+                           for name in dir(cls) if name not in ("forward", "__dict__", "__weakref__", "__doc__")), cls
+        assert not patched_modules(model) and {id(m): type(m) for m in model.modules()} == classes
+        stores[constants] = _arrays(dmi.open(tmp_path / f"c{constants}.zarr"))
+    torch._dynamo.reset()
+    assert stores["1"].keys() == stores["0"].keys() and len(stores["1"]) > 10
+    for key, a in stores["1"].items():
+        np.testing.assert_array_equal(a, stores["0"][key], err_msg=str(key))
 
 
 def test_generate_compiled_forward_names_sites_as_constants(encoded, write_spec, tmp_path):

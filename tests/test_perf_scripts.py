@@ -1,6 +1,7 @@
 """perf/ scripts on the CPU (they are GPU benchmarks; this keeps them runnable between device
 sessions, where a row that broke would cost a device call to find): perf/ablate.py's every row,
-perf/budget.py's round-robin with the inline run's rows, perf/guardcost.py's table, each on a real
+perf/budget.py's round-robin with the inline run's rows, perf/guardcost.py's table (its guard lines
+compared: constant sites guard fewer than handles), each on a real
 patched model."""
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def test_budget_rounds_rotate_both_runs_and_report_each_row(tmp_path):
 def test_guardcost_reports_every_model_and_the_guards(tmp_path):
     out = _script(tmp_path, "guardcost.py", "--layers", "2", "--batch", "2", "--new", "4", "--repeats", "1")
     got = _table(out)
-    assert list(got) == ["model", "vanilla", "A/A twin", "dmi null", "dmi capturing"], out
+    assert list(got) == ["model", "vanilla", "A/A twin", "dmi null", "dmi capturing", "dmi null, handles"], out
     assert all(int(cells[0]) > 0 and float(cells[1]) > 0 for label, cells in got.items() if label != "model"), got
+    checked = {label: (float(cells[3]), int(cells[5])) for label, cells in got.items()
+               if label not in ("model", "dmi capturing")}
+    assert all(us > 0 for us, _ in checked.values()), checked
+    # guard lines: the twins share vanilla's tree; constant sites guard fewer than the handles
+    lines = {label: n for label, (_, n) in checked.items()}
+    assert lines["vanilla"] == lines["A/A twin"] < lines["dmi null"] < lines["dmi null, handles"], lines
     assert re.search(r"^dmi cache entry 0: \d+ guard lines", out, re.M), out

@@ -332,8 +332,10 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
     assert torch.equal(first.sequences, second.sequences)
 
 
-@pytest.mark.parametrize("traced,side_mode", [("1", None), ("0", None), ("0", "0")], ids=["traced", "op", "op-inline"])
-def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, encoded, write_spec, tmp_path,
+@pytest.mark.parametrize("traced,side_mode,constants", [("1", None, "1"), ("0", None, "1"), ("0", "0", "1"),
+                                                       ("0", None, "0")],
+                         ids=["traced", "op", "op-inline", "op-handles"])
+def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, constants, encoded, write_spec, tmp_path,
                                                             monkeypatch):
     """Compiled generate (inductor, static cache), the plain sites captured as traced ops fused into
     inductor's kernels (``DMI_TRACED=1``) or through the site op (the default): first without CUDA
@@ -342,10 +344,13 @@ def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, e
     Every step's ``resid_post`` and ``final_norm`` rows equal the hidden states of the graph-free
     run's same step, bit for bit (the eager prefill's too), and the store holds every step once.
     The ops' capture kernels run on a side stream in the recorded graph (``DMI_SIDE`` unset: the
-    HF adapter chains them, dmi.kernels.side), or on the model's stream (``DMI_SIDE=0``)."""
+    HF adapter chains them, dmi.kernels.side), or on the model's stream (``DMI_SIDE=0``). The ops'
+    sites are constants of each patched module's own class (``DMI_CONSTANT_SITES``, default 1) or
+    read through their handles (``0``); traced sites keep their handles."""
     from transformers import CompileConfig
     monkeypatch.setenv("DMI_RING", "cuda")
     monkeypatch.setenv("DMI_TRACED", traced)
+    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
     if side_mode is None:
         monkeypatch.delenv("DMI_SIDE", raising=False)
     else:
@@ -365,8 +370,10 @@ def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, e
         stats = run.stats()
         n_traced, traced_steps = len(run.ring.traced), run.ring.traced_steps
         side = dict(run.ring.side_counts, on=run.ring.side_streams)
+        classes = {type(layer) for layer in model.model.layers}
     torch._dynamo.reset()
     assert (n_traced > 0 and traced_steps) == (traced == "1"), (n_traced, traced_steps)
+    assert (len(classes) == len(model.model.layers)) == (traced == "0" and constants == "1"), classes
     # chained: the recording forked each op's capture (the warm-up ran them inline) and joined it
     assert side["on"] == (side_mode is None), side
     assert side["forked"] == side["joined"] <= side["marked"], side

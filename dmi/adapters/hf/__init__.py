@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections import defaultdict
 
 import torch
@@ -13,7 +14,7 @@ from ...kernels import side
 from ...plan import Plan
 from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
-from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, parameter_position, patch_module
+from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, constant_sites_class, parameter_position, patch_module
 
 
 def transformers_version() -> str:
@@ -104,7 +105,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
                 undo.append(patch_module(module, sites, mod_edits, tuple(inputs[module]), tuple(outputs[module])))
             except AnchorNotFound as e:
                 raise _anchor_error(arch, e.site or mod_edits[0].canonical, module, str(e)) from None
-        _wrap_step(model, run)
+        _wrap_step(model, run, list(handles))
     except BaseException:
         detach()            # a half-patched model is never handed back
         raise
@@ -121,8 +122,21 @@ def _step_inputs(given: dict) -> tuple:
     return tokens, given.get("attention_mask"), given.get("position_ids"), cache
 
 
-def _wrap_step(model: torch.nn.Module, run) -> None:
-    """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step)."""
+def constant_sites_mode() -> bool:
+    """``DMI_CONSTANT_SITES``: ``1`` (unset) gives the patched modules classes whose code names
+    their sites when generate() first compiles its forward (``patch.constant_sites_class``); ``0``
+    keeps the handles (a baseline for perf/guardcost.py)."""
+    mode = os.environ.get("DMI_CONSTANT_SITES", "1")
+    if mode not in ("0", "1"):
+        raise DmiError(f"DMI_CONSTANT_SITES={mode!r}: unknown. Fix: 1 (the default: sites as constants of generate()'s "
+                       "compiled forward) or 0 (through their handles)")
+    return mode == "1"
+
+
+def _wrap_step(model: torch.nn.Module, run, patched: list) -> None:
+    """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step).
+    ``patched``: the modules patched with sites, which generate()'s compiled forward (the whole
+    model as one graph) gets with constant sites (``patch.constant_sites_class``)."""
     inner = model.forward
     run_id = run.id
     traced = list(getattr(run.ring, "traced_views", {}).values()) or None   # step_end follows their writes (dmi.siteop)
@@ -167,11 +181,15 @@ def _wrap_step(model: torch.nn.Module, run) -> None:
     chain = hasattr(run.ring, "side_streams") and side.side_mode() != "0"
     if chain:
         run.ring.side_streams = run.ring.is_cuda
+    constants = patched if constant_sites_mode() else []
 
     @functools.wraps(compiled_call)
     def get_compiled_call(compile_config=None, *args, **kwargs):
         if chain:
             compile_config = _chained(compile_config or _default_compile_config(model))
+        while constants:        # once (detach restores the unpatched classes)
+            module = constants.pop()
+            module.__class__ = constant_sites_class(module) or type(module)
         return run.stepped(constant_sites(compiled_call(compile_config, *args, **kwargs)), step_inputs)
 
     # one generate() at a time per run: its steps share the run's request bookkeeping, so another

@@ -14,8 +14,17 @@ made once per (class, patched forward), with the original's name (:func:`patch_m
 instance holds only its sites' handles (``_dmi_sites``). A compiled forward then guards a patched
 module as any module, by its type, plus each handle's few attributes (an instance-level
 ``forward`` closing over lists of handles cost ~10 guards a site more, evaluated before every
-call; perf/callcost.py). An instance that already has a ``forward`` of its own (accelerate's
-hooks) keeps it, with the patched forward bound on top.
+call; perf/callcost.py). Every instance of a class shares that forward's code, so a layer compiled
+on its own (``layer.compile()``) reuses one graph for all layers: the handle names the site by a
+tensor (``dmi.siteop``).
+
+Code that compiles the whole model as one graph (generate()'s compiled forward) reuses nothing
+across layers, and there the handles' guards are all Dynamo adds to an unpatched model's (~12 guard
+lines a site, evaluated before every decode step). :func:`constant_sites_class` gives such an
+instance a class of its own instead, whose forward has its sites' run and index written into its
+code: Dynamo guards it by its type, which it guards anyway, and the class's one more MRO level
+(perf/guardcost.py). An instance that already has a ``forward`` of its own (accelerate's hooks)
+keeps it, with the patched forward bound on top.
 
 Instances that observe nothing keep their class.
 """
@@ -30,10 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...siteop import SiteHandle, site
+from ...siteop import SiteHandle, site, site_at
 from .derived import DERIVED
 
 SITES_ATTR = "_dmi_sites"
+PATCH_ATTR = "_dmi_patch"      # a patched class's (edits, inputs, outputs): what constant_sites_class rebuilds
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,10 @@ def _dmi_compute(module, canonical: str, fn: str, **kwargs):
     handle = getattr(module, SITES_ATTR, {}).get(canonical)
     if handle is not None:
         site(handle, DERIVED[fn](**kwargs))
+
+
+def _dmi_compute_at(run: int, site_index: int, fn: str, **kwargs):
+    site_at(run, site_index, DERIVED[fn](**kwargs))
 
 
 def _calls(node: ast.AST, name: str) -> bool:
@@ -118,13 +132,18 @@ def _find(fn_node: ast.FunctionDef, anchor: dict) -> tuple[ast.stmt, list]:
     return hits[0]
 
 
-def _inserted(anchor: dict, canonical: str, like: ast.stmt) -> ast.stmt:
+def _inserted(anchor: dict, canonical: str, like: ast.stmt, at: tuple[int, int] | None = None) -> ast.stmt:
+    """The site call after ``like``: through the instance's handle, or with ``at`` (run, site
+    index) written in (:func:`constant_sites_class`)."""
+    kwargs = ", ".join(f"{k}={expr}" for k, expr in dict(anchor.get("args", ())).items())
     if "assign" in anchor:
         v = anchor["assign"]
-        code = f"{v} = __dmi_site__(self, {canonical!r}, {v})"
-    else:
-        kwargs = ", ".join(f"{k}={expr}" for k, expr in dict(anchor["args"]).items())
+        code = (f"{v} = __dmi_site__(self, {canonical!r}, {v})" if at is None else
+                f"{v} = __dmi_site_at__({at[0]}, {at[1]}, {v})")
+    elif at is None:
         code = f"__dmi_compute__(self, {canonical!r}, {anchor['compute']!r}, {kwargs})"
+    else:
+        code = f"__dmi_compute_at__({at[0]}, {at[1]}, {anchor['compute']!r}, {kwargs})"
     node = ast.parse(code).body[0]
     for sub in ast.walk(node):
         sub.lineno, sub.col_offset = like.lineno, like.col_offset
@@ -135,6 +154,11 @@ def _inserted(anchor: dict, canonical: str, like: ast.stmt) -> ast.stmt:
 @functools.lru_cache(maxsize=None)
 def rewrite_forward(cls: type, edits: tuple[SourceEdit, ...]):
     """``cls.forward`` with the site calls inserted. Raises AnchorNotFound naming what is missing."""
+    return _rewrite(cls, edits, {})
+
+
+def _rewrite(cls: type, edits: tuple[SourceEdit, ...], at: dict[str, tuple[int, int]]):
+    """:func:`rewrite_forward`; a site named in ``at`` with its (run, site index) written in."""
     fn = cls.forward
     raw = inspect.unwrap(fn)
     if raw.__code__.co_freevars:
@@ -150,12 +174,15 @@ def rewrite_forward(cls: type, edits: tuple[SourceEdit, ...]):
             stmt, body = _find(fn_node, dict(edit.anchor))
         except AnchorNotFound as e:
             raise AnchorNotFound(str(e), edit.canonical) from None
-        placed.append((body, body.index(stmt), _inserted(dict(edit.anchor), edit.canonical, stmt)))
+        placed.append((body, body.index(stmt), _inserted(dict(edit.anchor), edit.canonical, stmt,
+                                                         at.get(edit.canonical))))
     for body, index, new in reversed(sorted(placed, key=lambda p: p[1])):
         body.insert(index + 1, new)
     module_globals = raw.__globals__
     module_globals.setdefault("__dmi_site__", _dmi_site)
     module_globals.setdefault("__dmi_compute__", _dmi_compute)
+    module_globals.setdefault("__dmi_site_at__", site_at)
+    module_globals.setdefault("__dmi_compute_at__", _dmi_compute_at)
     code = compile(ast.Module(body=[fn_node], type_ignores=[]), inspect.getsourcefile(raw) or "<dmi>", "exec")
     namespace: dict = {}
     exec(code, module_globals, namespace)
@@ -175,28 +202,86 @@ def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[t
     through the site op before it and ``outputs`` ((index, canonical)) after it. Generated code:
     positions, names and indices are constants of it, and its globals are its own (Dynamo guards
     them once, whatever instance runs it)."""
-    lines = ["def forward(self, *args, **kwargs):", f"    sites = self.__dict__[{SITES_ATTR!r}]"]
+    return _io_forward(inner, inputs, outputs, {})
+
+
+@functools.lru_cache(maxsize=None)
+def _io_scope(inner) -> dict:
+    """The globals of ``inner``'s generated forwards: one dict for all of them (one guard)."""
+    return {"__dmi_capture__": site, "__dmi_site_at__": site_at, "__dmi_inner__": inner}
+
+
+def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
+    """:func:`io_forward`; a site named in ``at`` with its (run, site index) written in."""
+    def capture(canonical: str, x: str) -> str:
+        if canonical in at:
+            return f"__dmi_site_at__({at[canonical][0]}, {at[canonical][1]}, {x})"
+        return f"__dmi_capture__(self.__dict__[{SITES_ATTR!r}][{canonical!r}], {x})"
+    lines = ["def forward(self, *args, **kwargs):"]
     for pos, name, canonical in inputs:
         lines += [f"    if len(args) > {pos}:",
-                  f"        args = args[:{pos}] + (__dmi_capture__(sites[{canonical!r}], args[{pos}]),) + args[{pos + 1}:]",
+                  f"        args = args[:{pos}] + ({capture(canonical, f'args[{pos}]')},) + args[{pos + 1}:]",
                   f"    elif {name!r} in kwargs:",
-                  f"        kwargs[{name!r}] = __dmi_capture__(sites[{canonical!r}], kwargs[{name!r}])"]
+                  f"        kwargs[{name!r}] = {capture(canonical, f'kwargs[{name!r}]')}"]
     lines.append("    out = __dmi_inner__(self, *args, **kwargs)")
     for index, canonical in outputs:
-        lines.append(f"    __dmi_capture__(sites[{canonical!r}], out[{index}] if isinstance(out, (tuple, list)) else out)")
+        lines.append(f"    {capture(canonical, f'out[{index}] if isinstance(out, (tuple, list)) else out')}")
     lines.append("    return out")
-    scope = {"__dmi_capture__": site, "__dmi_inner__": inner}
-    exec(compile("\n".join(lines), f"<dmi: {getattr(inner, '__qualname__', 'forward')} with sites>", "exec"), scope)
-    fn = scope["forward"]
+    namespace: dict = {}
+    exec(compile("\n".join(lines), f"<dmi: {getattr(inner, '__qualname__', 'forward')} with sites>", "exec"),
+         _io_scope(inner), namespace)
+    fn = namespace["forward"]
     fn.__wrapped__, fn.__doc__ = inner, inner.__doc__
     return fn
 
 
 @functools.lru_cache(maxsize=None)
-def patched_class(cls: type, forward) -> type:
-    """``cls`` with ``forward`` as its forward: what an observed instance's ``__class__`` becomes."""
+def patched_class(cls: type, forward, patch: tuple = ()) -> type:
+    """``cls`` with ``forward`` as its forward: what an observed instance's ``__class__`` becomes.
+    ``patch``: (edits, inputs, outputs) that made ``forward``, for :func:`constant_sites_class`."""
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, "_dmi_unpatched": cls})
+                                      "__qualname__": cls.__qualname__, "_dmi_unpatched": cls, PATCH_ATTR: patch})
+
+
+# what a class's own layout or machinery defines: not copied into a flattened class's dict
+_OWN = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__",
+                  "__init_subclass__", "__slotnames__", "__abstractmethods__", "_abc_impl", "__orig_bases__",
+                  "__parameters__"})
+
+
+def _flattened(cls: type) -> dict:
+    """Every attribute ``cls`` finds through its MRO (``object``'s aside), as one class dict."""
+    ns: dict = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        ns.update((k, v) for k, v in vars(klass).items() if k not in _OWN)
+    return ns
+
+
+def constant_sites_class(module: torch.nn.Module) -> type | None:
+    """A class of this patched instance's own, whose forward names its sites by constants (run,
+    site index) instead of through its handles, or None where it keeps its class (its forward is
+    an instance's own; or a site traced as torch ops, whose handle says how). For code compiled as
+    one graph of the whole model (module doc); code compiled layer by layer would compile each
+    layer on its own with it.
+
+    Its dict also holds every attribute its bases define (a snapshot: the class lives as long as
+    the run): Dynamo looks ``__call__``, ``_call_impl`` and the like up through each MRO level
+    before the one defining it and guards each level it passed, so a subclass would add one level
+    per patched module (36 layers, torch 2.11 on the dev box: 7,731 guard lines and +31.6 µs a
+    check over the unpatched model's 7,441); flattened, it finds them at the class itself (7,371
+    lines, +12.3 µs; perf/guardcost.py). ``isinstance`` and the class's name are unchanged."""
+    patched = type(module)
+    edits, inputs, outputs = patched.__dict__.get(PATCH_ATTR) or (None, None, None)
+    handles = module.__dict__.get(SITES_ATTR, {})
+    if edits is None or any(h.traced is not None or h.views is not None for h in handles.values()):
+        return None
+    cls = patched.__dict__["_dmi_unpatched"]
+    at = {canonical: (h.run, h.site) for canonical, h in handles.items()}
+    inner = _rewrite(cls, edits, at) if edits else cls.forward
+    forward = _io_forward(inner, inputs, outputs, at) if inputs or outputs else inner
+    own = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+           "_dmi_unpatched": cls, PATCH_ATTR: (edits, inputs, outputs)}
+    return type(cls.__name__, (cls,), {**_flattened(cls), **own})
 
 
 def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits: tuple = (), inputs: tuple = (),
@@ -210,7 +295,7 @@ def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits:
     forward = io_forward(inner, inputs, outputs) if inputs or outputs else inner
     module.__dict__[SITES_ATTR] = handles
     if prior is None:
-        module.__class__ = patched_class(cls, forward)
+        module.__class__ = patched_class(cls, forward, (edits, inputs, outputs))
 
         def undo():
             module.__class__ = cls
