@@ -244,7 +244,7 @@ def patched_class(cls: type, forward, patch: tuple = ()) -> type:
 
 
 # what a class's own layout or machinery defines: not copied into a flattened class's dict
-_OWN = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__",
+_OWN = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__", "__annotations__",
                   "__init_subclass__", "__slotnames__", "__abstractmethods__", "_abc_impl", "__orig_bases__",
                   "__parameters__"})
 
@@ -281,7 +281,10 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     forward = _io_forward(inner, inputs, outputs, at) if inputs or outputs else inner
     own = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
            "_dmi_unpatched": cls, PATCH_ATTR: (edits, inputs, outputs)}
-    return type(cls.__name__, (cls,), {**_flattened(cls), **own})
+    try:
+        return type(cls.__name__, (cls,), {**_flattened(cls), **own})
+    except Exception:      # (a base's descriptor refusing to be set on a second class): one MRO level more
+        return type(cls.__name__, (cls,), own)
 
 
 def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits: tuple = (), inputs: tuple = (),
