@@ -108,12 +108,15 @@ def guard_check(model, call) -> tuple[callable, int]:
     raise RuntimeError(f"no cache entry of {type(model).__name__}'s compiled forward passes its last call's locals")
 
 
-def checks_us(checks: dict, blocks: int = 30, per_block: int = 100) -> dict[str, float]:
-    """Median µs of each row's guard check, the rows' blocks of ``per_block`` interleaved."""
+BLOCKS, PER_BLOCK = 30, 100      # direct guard checks per row: interleaved blocks of evaluations
+
+
+def checks_us(checks: dict) -> dict[str, float]:
+    """Median µs of each row's guard check, the rows' blocks of ``PER_BLOCK`` interleaved."""
     times: dict = {k: [] for k in checks}
-    for _ in range(blocks):
+    for _ in range(BLOCKS):
         for label, check in checks.items():
-            for _ in range(per_block):
+            for _ in range(PER_BLOCK):
                 t = time.perf_counter_ns()
                 check()
                 times[label].append(time.perf_counter_ns() - t)
@@ -151,7 +154,8 @@ def main(argv=None) -> None:
             for m in models.values():
                 m.generate(**enc, **kw), m.generate(**enc, **kw)
             rows = [("vanilla", "vanilla", None), ("A/A twin", "A/A twin", None),
-                    ("dmi null", "dmi", False), ("dmi capturing", "dmi", True), ("dmi null, handles", "dmi, handles", None)]
+                    ("dmi null", "dmi", False), ("dmi capturing", "dmi", True),
+                    ("dmi null, handles", "dmi, handles", None)]
             got = {label: [] for label, *_ in rows}
             for _ in range(args.repeats):
                 for label, name, enabled in rows:
@@ -166,7 +170,7 @@ def main(argv=None) -> None:
             base = statistics.median(us for _, us in got["A/A twin"])
             print(f"{args.layers} layers, {len(run.plan.sites)} sites, batch {args.batch}, {dev}: Dynamo cache lookup "
                   f"per compiled call, CPU µs (profiled: median of {args.repeats} generate() calls; guard check: "
-                  "median of 3,000 direct evaluations)")
+                  f"median of {BLOCKS * PER_BLOCK:,} direct evaluations)")
             print("| model | lookups/generate | profiled µs/lookup | - A/A | guard check µs | - A/A | guard lines |")
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
             for label, name, _ in rows:

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -22,9 +22,9 @@ Code that compiles the whole model as one graph (generate()'s compiled forward) 
 across layers, and there the handles' guards are all Dynamo adds to an unpatched model's (~12 guard
 lines a site, evaluated before every decode step). :func:`constant_sites_class` gives such an
 instance a class of its own instead, whose forward has its sites' run and index written into its
-code: Dynamo guards it by its type, which it guards anyway, and the class's one more MRO level
-(perf/guardcost.py). An instance that already has a ``forward`` of its own (accelerate's hooks)
-keeps it, with the patched forward bound on top.
+code and whose dict holds its bases' attributes: Dynamo guards it by its type, which it guards
+anyway, and passes no extra MRO level (perf/guardcost.py). An instance that already has a
+``forward`` of its own (accelerate's hooks) keeps it, with the patched forward bound on top.
 
 Instances that observe nothing keep their class.
 """
@@ -235,25 +235,31 @@ def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
     return fn
 
 
+def _own(cls: type, forward, patch: tuple) -> dict:
+    """What a patched subclass of ``cls`` defines itself: ``forward``, ``cls``'s names, and what
+    it was patched from (``patch``: (edits, inputs, outputs) that made ``forward``)."""
+    return {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "_dmi_unpatched": cls, PATCH_ATTR: patch}
+
+
 @functools.lru_cache(maxsize=None)
 def patched_class(cls: type, forward, patch: tuple = ()) -> type:
     """``cls`` with ``forward`` as its forward: what an observed instance's ``__class__`` becomes.
     ``patch``: (edits, inputs, outputs) that made ``forward``, for :func:`constant_sites_class`."""
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, "_dmi_unpatched": cls, PATCH_ATTR: patch})
+    return type(cls.__name__, (cls,), _own(cls, forward, patch))
 
 
 # what a class's own layout or machinery defines: not copied into a flattened class's dict
-_OWN = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__", "__annotations__",
-                  "__init_subclass__", "__slotnames__", "__abstractmethods__", "_abc_impl", "__orig_bases__",
-                  "__parameters__"})
+_NOT_FLATTENED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__",
+                            "__annotations__", "__init_subclass__", "__slotnames__", "__abstractmethods__", "_abc_impl",
+                            "__orig_bases__", "__parameters__"})
 
 
 def _flattened(cls: type) -> dict:
     """Every attribute ``cls`` finds through its MRO (``object``'s aside), as one class dict."""
     ns: dict = {}
     for klass in reversed(cls.__mro__[:-1]):
-        ns.update((k, v) for k, v in vars(klass).items() if k not in _OWN)
+        ns.update((k, v) for k, v in vars(klass).items() if k not in _NOT_FLATTENED)
     return ns
 
 
@@ -279,8 +285,7 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     at = {canonical: (h.run, h.site) for canonical, h in handles.items()}
     inner = _rewrite(cls, edits, at) if edits else cls.forward
     forward = _io_forward(inner, inputs, outputs, at) if inputs or outputs else inner
-    own = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-           "_dmi_unpatched": cls, PATCH_ATTR: (edits, inputs, outputs)}
+    own = _own(cls, forward, (edits, inputs, outputs))
     try:
         return type(cls.__name__, (cls,), {**_flattened(cls), **own})
     except Exception:      # (a base's descriptor refusing to be set on a second class): one MRO level more
