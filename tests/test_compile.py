@@ -260,6 +260,63 @@ def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tm
     assert dmi.open(tmp_path / "gen.zarr")["final_norm"].dataset.step.size > 0
 
 
+def _tag_safe_roots(model) -> list[str]:
+    """The tag-safe roots of the guard tree of ``model``'s compiled forward, as paths below the
+    model: subtrees Dynamo skips while their dicts' version tags are unchanged."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    import re
+    fwd = model.forward
+    (entry,) = _debug_get_cache_entry_list(getattr(fwd, "__code__", None) or fwd.__func__.__code__)
+    roots, todo = [], [entry.guard_manager.root]
+    while todo:
+        node = todo.pop()
+        if node.is_tag_safe_root():
+            # (vanilla's frame names the model L['self'], dmi's step wrapper L['inner'].__self__)
+            roots.append(re.sub(r"^L\['(self|inner)'\](\.__self__)?", "", node.get_source()))
+            continue
+        todo += node.get_child_managers()
+        if hasattr(node, "get_key_value_managers"):          # a dict's keys and values
+            todo += [m for kv in node.get_key_value_managers().values() for m in kv if m is not None]
+    return sorted(roots)
+
+
+@pytest.mark.parametrize("constants", ["1", "0"])
+def test_generate_compiled_forward_keeps_vanillas_tag_safe_roots(encoded, write_spec, tmp_path, monkeypatch,
+                                                                  constants):
+    """Where Dynamo tags dicts recursively (``use_recursive_dict_tags_for_guards``: torch 2.11's
+    default, the GPU machine's release), a module whose guards reach only immutable or tag-safe
+    values is a tag-safe root, and its whole subtree is skipped on every call whose dicts are
+    unchanged. With constant sites each patched module keeps that: dmi's guard tree has exactly
+    vanilla's roots. A site handle (``DMI_CONSTANT_SITES=0``) is a ``__slots__`` object, never tag
+    safe: each patched module (here the final norm and every MLP) loses its root."""
+    from transformers import CompileConfig
+    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post, mlp.out, final_norm]
+    """)
+    config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    kw = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+    model, ref = model_pair("qwen3", attn="sdpa")
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
+        want = ref.generate(**encoded, **kw)
+        vanilla = _tag_safe_roots(ref)
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "gen.zarr") as run:
+            got = run.model.generate(**encoded, **kw)
+            roots = _tag_safe_roots(run.model)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    final_norm = "._modules['model']._modules['norm']"
+    assert final_norm in vanilla and len(vanilla) > 4, vanilla      # (every layer's attention, MLP and norms too)
+    if constants == "1":
+        assert roots == vanilla, (set(vanilla) ^ set(roots))
+    else:
+        lost = set(vanilla) - set(roots)      # (a patched MLP's own children become roots instead)
+        assert final_norm in lost and {r for r in lost if r.endswith("._modules['mlp']")}, lost
+
+
 _ANCHOR_KINDS = {      # sites of every anchor kind each family's spec has (the MoE ones: the router's)
     "qwen3": "embed, resid_pre, attn.q, attn.k_rot, attn.z, resid_mid, mlp.act, resid_post, final_norm",
     "llama3_1": "embed, resid_pre, attn.q, attn.k_rot, attn.z, mlp.act, mlp.out, resid_post, final_norm",
