@@ -9,6 +9,7 @@ differently from eager; the GPU suite runs inductor and CUDA graphs.)
 from __future__ import annotations
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -213,6 +214,16 @@ def test_compiled_generate_under_a_best_effort_cap_begins_steps_ahead_and_accoun
         np.testing.assert_array_equal(ds.final_norm.values[ds.step.values == k], rows.numpy(), err_msg=f"step {k}")
 
 
+def _whole_graph_generate(**options) -> dict:
+    """generate() arguments whose compiled forward is the whole model as one graph, compiled with
+    the eager backend (Dynamo's guards without inductor) on any device: static cache, 3 tokens.
+    ``options``: the compile options (e.g. a ``guard_filter_fn``)."""
+    from transformers import CompileConfig
+    config = CompileConfig(backend="eager", fullgraph=True, mode=None, options=options or None)
+    config._compile_all_devices = True
+    return dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+
+
 @pytest.mark.parametrize("constants", ["1", "0"])
 def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tmp_path, monkeypatch, constants):
     """Every call of a compiled forward evaluates Dynamo's guards first (host time the GPU waits
@@ -222,8 +233,6 @@ def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tm
     module, and no handle. With ``0`` each site's handle costs its few attributes (~9 guards a
     site). Either way the run's ticket is one graph input guarded once, and no patched module has
     a forward of its own to guard (the instance-level closures before cost ~10 guards a site more)."""
-    import re
-    from transformers import CompileConfig
     monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
     spec = write_spec("""
         capture:
@@ -233,9 +242,7 @@ def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tm
 
     def kw():
         keep = lambda entries: guards.append([e.name for e in entries]) or [True] * len(entries)   # noqa: E731
-        config = CompileConfig(backend="eager", fullgraph=True, mode=None, options={"guard_filter_fn": keep})
-        config._compile_all_devices = True
-        return dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+        return _whole_graph_generate(guard_filter_fn=keep)
 
     model, ref = model_pair("qwen3", attn="sdpa")
     torch._dynamo.reset()
@@ -264,7 +271,6 @@ def _tag_safe_roots(model) -> list[str]:
     """The tag-safe roots of the guard tree of ``model``'s compiled forward, as paths below the
     model: subtrees Dynamo skips while their dicts' version tags are unchanged."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    import re
     fwd = model.forward
     (entry,) = _debug_get_cache_entry_list(getattr(fwd, "__code__", None) or fwd.__func__.__code__)
     roots, todo = [], [entry.guard_manager.root]
@@ -289,15 +295,12 @@ def test_generate_compiled_forward_keeps_vanillas_tag_safe_roots(encoded, write_
     unchanged. With constant sites each patched module keeps that: dmi's guard tree has exactly
     vanilla's roots. A site handle (``DMI_CONSTANT_SITES=0``) is a ``__slots__`` object, never tag
     safe: each patched module (here the final norm and every MLP) loses its root."""
-    from transformers import CompileConfig
     monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
     spec = write_spec("""
         capture:
           - sites: [resid_post, mlp.out, final_norm]
     """)
-    config = CompileConfig(backend="eager", fullgraph=True, mode=None)
-    config._compile_all_devices = True
-    kw = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=config)
+    kw = _whole_graph_generate()
     model, ref = model_pair("qwen3", attn="sdpa")
     torch._dynamo.reset()
     with torch.no_grad(), torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
