@@ -177,6 +177,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
                           "dropped_bytes_attr": attrs.get("dropped_bytes")},
         "stall_seconds": attrs.get("stall_seconds"),
         "stall_bandwidth_seconds": attrs.get("stall_bandwidth_seconds"),
+        "streamed_steps": attrs.get("streamed_steps"),
+        "stream_parts": attrs.get("stream_parts"),
         "versions": attrs.get("versions", {}),
         "vllm": attrs.get("vllm"),
         "sites_unavailable": attrs.get("sites_unavailable") or {},
@@ -266,6 +268,8 @@ def format_summary(info: dict) -> str:
         + (" (" + ", ".join(f"{r}: {c}, {human_bytes(by_reason.get(r))}" for r, c in drops["by_reason"].items())
            + ")" if drops["by_reason"] else ""),
         _stall_line(stall, info.get("stall_bandwidth_seconds")),
+        *([f"streamed  {info['streamed_steps']} step(s) larger than the ring went through it in "
+           f"{info['stream_parts']} parts"] if info.get("streamed_steps") else []),
         f"sites     {len(info['sites'])} groups",
     ]
     for site, why in info.get("sites_unavailable", {}).items():     # matched by the hook spec, never computed here

@@ -14,8 +14,9 @@ from typing import Any
 
 from .errors import PolicyError
 from .spec import Document, parse_bytes
+from .stall import DEFAULT_STALL_TIMEOUT_S
 
-DEFAULT_RING_BYTES = 64 << 20
+DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_MAX_KEYS = 256
 RING_ALIGN = 256     # every site's block in the payload ring starts at a multiple of this (dmi.ring.ALIGN)
 
@@ -90,6 +91,7 @@ class Policy:
     on_store_error: str = "raise"
     d2h_bytes_per_s: int | None = None   # device-to-host cap on reserved step bytes (None: uncapped)
     drain: str = "thread"                # policy.drain: a thread of this process, or a child process (ringshare)
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S    # a wait without progress this long is an error (dmi.stall)
 
 
 @dataclass
@@ -117,10 +119,12 @@ class Plan:
         """Upper bound of one step's payload for ``tokens`` rows (analytic, from the plan)."""
         return sum(tokens * s.row_bytes(float_itemsize) for s in self.sites)
 
-    def reserved_bytes(self, tokens: int, float_itemsize: int) -> int:
-        """What the ring reserves for a step of ``tokens`` rows in every site: each site's block is
-        rounded up to ``RING_ALIGN``, so this (not :meth:`step_bytes`) is what must fit a budget."""
-        return sum(-(-tokens * s.row_bytes(float_itemsize) // RING_ALIGN) * RING_ALIGN for s in self.sites)
+    def reserved_bytes(self, tokens: int, float_itemsize: int, sites: list | None = None) -> int:
+        """What the ring reserves for a step of ``tokens`` rows in every site (of ``sites``): each
+        site's block is rounded up to ``RING_ALIGN``, so this (not :meth:`step_bytes`) is what must
+        fit a budget."""
+        return sum(-(-tokens * s.row_bytes(float_itemsize) // RING_ALIGN) * RING_ALIGN
+                   for s in (self.sites if sites is None else sites))
 
 
 def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
@@ -361,6 +365,7 @@ def _policy(hook: Document) -> Policy:
     out.meta_records = p.get("meta_records", out.meta_records)
     out.max_step_tokens = p.get("max_step_tokens")
     out.drain = p.get("drain", out.drain)
+    out.stall_timeout_s = float(p.get("stall_timeout_s", out.stall_timeout_s))
     # a failed store write follows the mode unless said: full stops the model, best_effort drops
     out.on_store_error = p.get("on_store_error", "drop" if out.mode == "best_effort" else "raise")
     return out
@@ -383,12 +388,12 @@ def _size(n: int) -> str:
 
 
 def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, tokens: int | None = None) -> None:
-    """Refuse a policy that cannot be met: a budget of zero bytes, or one step (of max_step_tokens
-    tokens, else of one token) that does not fit the ring, the host staging or the meta ring."""
+    """Refuse a policy that cannot be met: a budget of zero bytes, one step (of max_step_tokens
+    tokens, else of one token) that cannot go through the ring, or the meta ring. Host staging
+    has no minimum: a larger step is copied to pageable host memory instead."""
     n = tokens or plan.policy.max_step_tokens or 1
     _check_nonzero(plan, hook)
     _check_step_fits(plan, itemsize, hook, n, "ring_bytes", "ring")
-    _check_step_fits(plan, itemsize, hook, n, "host_bytes", "host staging")
     _check_meta(plan, hook)
 
 
@@ -406,10 +411,20 @@ def _check_nonzero(plan: Plan, hook: Document | None) -> None:
 
 
 def _check_step_fits(plan: Plan, itemsize: int, hook: Document | None, n: int, key: str, what: str) -> None:
-    """One step of ``n`` tokens must fit ``policy.<key>`` (the ring; host staging, where the drain
-    stages a whole step before the exporter takes it)."""
-    need = plan.reserved_bytes(n, itemsize)
+    """Under ``full`` one capture of ``n`` tokens must fit ``policy.<key>`` (a larger step streams
+    through the ring capture by capture); under ``best_effort``, which drops rather than waits, one
+    whole step must."""
     have = getattr(plan.policy, key)
+    if plan.policy.mode == "full":
+        need = max((plan.reserved_bytes(n, itemsize, [s]) for s in plan.sites), default=0)
+        if need > have:
+            site = max(plan.sites, key=lambda s: s.row_bytes(itemsize))
+            raise _policy_error(plan, hook, key, f"one capture of {n} token(s) of {site.name} needs {need:,} bytes "
+                                f"of {what} but policy.{key} is {have:,}",
+                                f"raise policy.{key} to at least {need:,} ({_size(need)}), or lower "
+                                f"policy.max_step_tokens")
+        return
+    need = plan.reserved_bytes(n, itemsize)
     if need > have:
         msg = (f"one step of {n} token(s) over {len(plan.sites)} site(s) needs {need:,} bytes of {what} but "
                f"policy.{key} is {have:,}")

@@ -37,6 +37,7 @@ import numpy as np
 
 from .errors import CaptureError, PolicyError
 from .plan import RING_ALIGN
+from .stall import DEFAULT_STALL_TIMEOUT_S, Stall
 
 ALIGN = RING_ALIGN       # the plan's budget checks round each site's block the same way
 META_DTYPE = np.dtype([("seq", "<u8"), ("step", "<i8"), ("site", "<i4"), ("flags", "<i4"),
@@ -114,6 +115,24 @@ class StepControl:
     copied: object = None     # backends that copy a step out early mark it here (CudaRing)
     dev_rows: dict = field(default_factory=dict)   # kernel rings: rows start -> its device view (eager captures)
     ranges: dict = field(default_factory=dict)     # kernel rings: what a rows array is as a row range (copied_as_range)
+    stream: "_Stream | None" = None    # a step larger than the ring: this is one of its parts (Ring.stream_slot)
+    block_start: int = 0      # a part's block: absolute ring position of its start
+    partial: bool = False     # a part that is not the step's last: the run merges it with the rest before export
+
+
+class _Stream:
+    """A step whose captures do not fit the ring at once (``full`` mode): it goes through the ring
+    in parts. Each part reserves a block of at most half the ring; a capture takes the next place
+    in the open part as it comes (any order), and one that does not fit ends the part (its end
+    marker follows its captures on the device) and opens the next, waiting for the drain to free
+    room. The drain copies each ended part out while the forward goes on; the run merges the parts
+    into one step before the store sees it."""
+    __slots__ = ("wanted", "left", "parts")
+
+    def __init__(self, wanted: dict, left: int):
+        self.wanted = wanted      # site -> (capture tuple, aligned bytes): not captured yet
+        self.left = left          # their bytes
+        self.parts = 0
 
 
 class StepLayout:
@@ -353,6 +372,8 @@ class Stats:
     stall_seconds: float = 0.0               # steps held back (full): ring/meta space or the bandwidth cap
     stall_bandwidth_seconds: float = 0.0     # of which waiting for policy.d2h_bytes_per_s
     not_run: int = 0
+    streamed_steps: int = 0                  # steps larger than the ring, captured in parts (full)
+    stream_parts: int = 0
     drops: DropLog = field(default_factory=DropLog)
 
 
@@ -426,11 +447,13 @@ class Ring:
         # policy.drain process (dmi.ringshare): the child's progress words, and what was taken of them
         self.share = None
         self._seen = None
+        self.stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S    # policy.stall_timeout_s
 
     # --- backend hooks --------------------------------------------------------------------------
     def setup(self, plan, dtype, device) -> None:
         """Called once by the run: the plan's sites, the capture dtype and the model's device."""
         self.plan, self.dtype, self.device = plan, dtype, device
+        self.stall_timeout = getattr(plan.policy, "stall_timeout_s", DEFAULT_STALL_TIMEOUT_S)
         rate = getattr(plan.policy, "d2h_bytes_per_s", None)
         self.bucket = TokenBucket(rate) if rate else None
 
@@ -523,17 +546,13 @@ class Ring:
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)          # the previous forward raised before it ended
         total = sum(sizes)
-        if total > self.bytes.capacity:
-            if self.mode == "full":
-                raise PolicyError(
-                    f"step {step} needs {total:,} bytes of ring ({len(tokens)} tokens) but policy.ring_bytes is "
-                    f"{self.bytes.capacity:,}. Fix: raise policy.ring_bytes, lower the batch size, or capture "
-                    f"fewer sites/tokens (policy.mode best_effort would drop them instead)")
         keep = list(range(len(wanted)))
         if self.bucket is not None:              # policy.d2h_bytes_per_s: wait (full) or drop (best_effort)
             keep = self._within_bandwidth(step, tokens, wanted, sizes, keep)
+        if self.mode == "full" and total > self.bytes.capacity:      # through the ring in parts
+            return self._begin_stream(step, tokens, pad, [wanted[i] for i in keep], [sizes[i] for i in keep])
         with self.cond:
-            t0 = None                                # set when the step first waits for space (full)
+            t0 = stall = None                        # set when the step first waits for space (full)
             while True:
                 self.raise_if_failed()
                 need = sum(sizes[i] for i in keep)
@@ -558,8 +577,7 @@ class Ring:
                     self._record_drop(step, tokens, wanted[victim], "ring_full")
                     continue
                 t0 = t0 or time.perf_counter()
-                self.urgent.set()
-                self.cond.wait(self.wait_s)
+                stall = self._wait_for_room(stall, step, need, n_meta)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
@@ -591,6 +609,119 @@ class Ring:
         if 4 * self.bytes.used > self.bytes.capacity or 4 * (self.next_seq - self.freed_seq) > self.meta_records:
             self.urgent.set()
 
+    def _wait_for_room(self, stall: Stall | None, step: int, nbytes: int, n_meta: int) -> Stall:
+        """Under ``cond``: one wait of a ``full`` step for ring room (the drain is woken to free
+        it); an error once the drain has freed nothing for ``stall_timeout_s``."""
+        if stall is None:
+            stall = Stall(f"step {step} waiting for ring space (drain)", self.stall_timeout,
+                          lambda: self.describe_room(nbytes, n_meta))
+        self.urgent.set()
+        self.cond.wait(self.wait_s)
+        stall.check((self.bytes.tail, self.freed_seq))
+        return stall
+
+    def describe_room(self, nbytes: int = 0, n_meta: int = 0) -> str:
+        """The ring's figures for an error: what is wanted, used and pending."""
+        return (f"needs {nbytes:,} bytes and {n_meta} meta records; ring {self.bytes.used:,} of "
+                f"{self.bytes.capacity:,} bytes used, meta {self.next_seq - self.freed_seq} of {self.meta_records} "
+                f"records, {len(self.pending)} step(s) pending, oldest "
+                f"{self.pending[0].step if self.pending else None}")
+
+    # --- steps larger than the ring (full mode): in parts ---------------------------------------
+    def _begin_stream(self, step: int, tokens, pad: np.ndarray, wanted: list, sizes: list[int]) -> StepControl:
+        """begin_step of a step whose captures exceed the ring (:class:`_Stream`): its first part."""
+        too_big = [(w, z) for w, z in zip(wanted, sizes) if z > self.bytes.capacity]
+        if too_big:
+            (site, sel, *_), z = too_big[0]
+            raise PolicyError(
+                f"step {step}: one capture of {self.plan.sites[site].name} ({len(sel)} rows) needs {z:,} bytes of "
+                f"ring but policy.ring_bytes is {self.bytes.capacity:,}; a step streams through the ring capture by "
+                f"capture, so each capture must fit it", key="policy.ring_bytes",
+                fix=f"raise policy.ring_bytes to at least {z:,}, or select fewer rows of that site (tokens: last)")
+        if self.share is not None:
+            raise PolicyError(f"step {step} needs {sum(sizes):,} bytes of ring but policy.ring_bytes is "
+                              f"{self.bytes.capacity:,}, and policy.drain: process drains whole steps only",
+                              key="policy.ring_bytes", fix="raise policy.ring_bytes, or use policy.drain: thread "
+                                                           "(which streams a larger step through the ring)")
+        self.raise_if_failed()
+        if self.current is not None and not self.current.ended:
+            self.end_step(aborted=True)
+        stream = _Stream({w[0]: (w, z) for w, z in zip(wanted, sizes)}, sum(sizes))
+        return self._open_part(step, tokens, pad, stream, 0)
+
+    def _open_part(self, step: int, tokens, pad: np.ndarray, stream: _Stream, at_least: int) -> StepControl:
+        """The next part of a streamed step: a block of half the ring (or what is left of the step,
+        and at least ``at_least`` bytes), waiting for the drain to free it."""
+        want = max(at_least, min(self.bytes.capacity // 2, stream.left))
+        with self.cond:
+            t0 = stall = None
+            while True:
+                self.raise_if_failed()
+                head = self.bytes.head
+                block = self.bytes.try_reserve(want)
+                if block is not None and self.next_seq + 2 - self.freed_seq <= self.meta_records:
+                    break
+                self.bytes.head = head
+                t0 = t0 or time.perf_counter()
+                stall = self._wait_for_room(stall, step, want, 2)
+            if t0 is not None:
+                self.stats.stall_seconds += time.perf_counter() - t0
+            base, block_end = block
+            ctrl = StepControl(step, tokens, pad, {}, self.next_seq, block_end, self.next_seq, base=base, nbytes=0,
+                               stream=stream, block_start=block_end - align_up(want))
+            stream.parts += 1
+            self.pending.append(ctrl)
+            self.current = ctrl
+            self.stats.stream_parts += 1
+            if stream.parts == 1:
+                self.stats.steps += 1
+                self.stats.streamed_steps += 1
+            self.urgent.set()
+        self.publish_control(ctrl)
+        return ctrl
+
+    def stream_slot(self, site: int) -> None:
+        """Called by the capture of ``site`` in a streamed step, before it copies: give the site its
+        place in the open part, ending the part and opening the next where it does not fit."""
+        ctrl = self.current
+        stream = ctrl.stream
+        got = stream.wanted.pop(site, None)
+        if got is None:
+            return                                 # not selected, or captured already
+        (site, sel, rows, _nbytes, _), size = got
+        room = ctrl.block_end - ctrl.block_start
+        if ctrl.nbytes + size > room or self.next_seq + 2 - self.freed_seq > self.meta_records:
+            self._end_part(ctrl)
+            ctrl = self._open_part(ctrl.step, ctrl.tokens, ctrl.pad, stream, size)
+        ctrl.slots[site] = SiteSlot(site, ctrl.base + ctrl.nbytes, size, sel, rows, self.next_seq)
+        self.next_seq += 1
+        ctrl.end_seq = self.next_seq               # (taken when the part ends)
+        ctrl.nbytes += size
+        stream.left -= size
+        self.publish_control(ctrl)
+
+    def _end_part(self, ctrl: StepControl) -> None:
+        """End a part that is not the step's last: its end marker after its captures, its unused
+        reservation given back."""
+        ctrl.partial = True
+        self._close_part(ctrl)
+        ctrl.ended = True
+        self.end_part_marker(ctrl)
+        with self.cond:
+            self.cond.notify_all()
+
+    def _close_part(self, ctrl: StepControl) -> None:
+        """A part's seqs and ring block end where its captures ended (it is the newest reservation)."""
+        with self.cond:
+            self.next_seq = ctrl.end_seq + 1
+            end = ctrl.block_start + align_up(ctrl.nbytes) if ctrl.nbytes else ctrl.block_start
+            if end < ctrl.block_end and self.bytes.head == ctrl.block_end:
+                self.bytes.head = ctrl.block_end = max(end, self.bytes.tail)
+
+    def end_part_marker(self, ctrl: StepControl) -> None:
+        """Publish the end marker of a part ended inside the forward (CPU: the host writes it)."""
+        self.publish_end(ctrl)
+
     def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout,
                         ahead: bool = False) -> StepControl | None:
         """begin_step for a reused layout; None where the general path must decide (the bandwidth
@@ -610,7 +741,7 @@ class Ring:
             self.end_step(aborted=True)
         n = len(layout)
         with self.cond:
-            t0 = None
+            t0 = stall = None
             while True:
                 self.raise_if_failed()
                 head = self.bytes.head
@@ -623,8 +754,7 @@ class Ring:
                 if self.mode == "best_effort" or ahead:
                     return None
                 t0 = t0 or time.perf_counter()
-                self.urgent.set()
-                self.cond.wait(self.wait_s)
+                stall = self._wait_for_room(stall, step, layout.total, n + 1)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
             if self.bucket is not None:
@@ -755,6 +885,9 @@ class Ring:
         ctrl = self.current
         if ctrl is None or ctrl.ended:
             return
+        if ctrl.stream is not None:                # a streamed step's last part
+            self._close_part(ctrl)
+            self.stats.not_run += len(ctrl.stream.wanted)
         ctrl.ended = True
         if aborted or not (device and self.device_publishes_end):
             self.publish_end(ctrl, FLAG_ABORTED if aborted else 0)
@@ -837,6 +970,7 @@ class Ring:
                 recs = recs[hit]
             per_step.append((slots, recs))
         datas = self.fetch_steps(ctrls, [recs for _, recs in per_step])
+        ctrls = ctrls[:len(datas)]             # a backend may copy fewer (its staging filled): the rest waits
         out = []
         for (slots, recs), data in zip(per_step, datas):
             out.append(list(zip(slots, recs, data)))
@@ -851,7 +985,8 @@ class Ring:
         return out
 
     def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """:meth:`fetch` for several steps (a backend may copy them at once)."""
+        """:meth:`fetch` for several steps (a backend may copy them at once, and only the first
+        few of them: at least one)."""
         return [self.fetch(c, r) for c, r in zip(ctrls, recs)]
 
     def drain_step(self, ctrl: StepControl) -> list[tuple[SiteSlot, np.void, np.ndarray]]:
@@ -901,6 +1036,9 @@ class CpuRing(Ring):
 
     def capture(self, site, x, addend=None, side: bool = False) -> None:
         ctrl = self.current
+        if ctrl is not None and ctrl.stream is not None and not ctrl.ended:
+            self.stream_slot(site.index)
+            ctrl = self.current
         if ctrl is None or ctrl.ended or site.index not in ctrl.slots:
             return                  # (null mode, nothing selected: before the imports, once per site and step)
         import torch
@@ -974,6 +1112,6 @@ def make_ring(policy, device, *, kind: str | None = None, traced: str | None = N
                           key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
     if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
         from .kernels.cuda_ring import InterpretRing
-        return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode,
+        return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
                              max_step_tokens=policy.max_step_tokens, traced=traced)
     raise ValueError(f"unknown ring backend {kind!r} (DMI_RING): use 'cpu', 'cuda' or 'interpret'")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -18,9 +19,10 @@ from .errors import CaptureError, PolicyError, SpecError, StoreError
 from .exporter import TICK_S, ZarrExporter
 from .plan import Plan, check_policy_fits
 from .spec import parse_bytes
-from .ring import Ring, StepLayout, make_ring
+from .ring import Ring, SiteSlot, StepControl, StepLayout, make_ring
 from .ringshare import EXPORTED, StepSender
 from .siteop import register_run, unregister_run
+from .stall import Stall
 from .subscribers import Subscribers, Subscription
 from .tokens import FilterState, RequestTable, StepTokens, select, step_tokens
 
@@ -125,6 +127,7 @@ class Run:
         self._index_sites(plan.sites)
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
+        self._parts: list = []               # the drained parts of a streamed step, until its last
         self._exported = 0                   # steps the exporter thread is done with
         self._queue_cond = threading.Condition()
         self._closed = False
@@ -610,7 +613,7 @@ class Run:
         try:
             while True:
                 self._until_due()
-                if batch() or (self._closed and not self.ring.pending):
+                if batch() or (self._closed and (not self.ring.pending or self.ring.error is not None)):
                     break
         except BaseException as e:    # surfaces in the caller's next step or close
             self._fail(e)
@@ -637,15 +640,25 @@ class Run:
                     if chunk and self._queued_bytes + nbytes > budget:
                         self._queue.put(chunk)    # (what the exporter can free meanwhile)
                         chunk = []
+                    stall = None
                     while self._queued_bytes and self._queued_bytes + nbytes > budget:
                         if ring.error:
                             return True
+                        stall = stall or Stall(f"the drain waiting for the exporter (step {ctrl.step})",
+                                               ring.stall_timeout, lambda: self._queue_figures(nbytes))
                         self._queue_cond.wait(0.05)
+                        stall.check(self._queued_bytes)
                     self._queued_bytes += nbytes
                 chunk.append((ctrl, records, nbytes))
             if chunk:
                 self._queue.put(chunk)
         return False
+
+    def _queue_figures(self, nbytes: int = 0) -> str:
+        """The exporter queue's figures for an error."""
+        return (f"{nbytes:,} bytes to hand over; {self._queued_bytes:,} bytes queued for the store of "
+                f"policy.host_bytes {self.plan.policy.host_bytes:,}; {self._exported} of {self.ring.stats.steps} "
+                f"steps exported; store {self.store}")
 
     def _hand_over(self) -> bool:
         """``policy.drain: process``: send the newly ended steps to the child as descriptors and
@@ -699,9 +712,19 @@ class Run:
 
     def _export_steps(self, steps: list) -> None:
         """Write a chunk of drained steps (after a failure the exporter accounts each as dropped
-        instead), freeing each one's staging as it goes."""
+        instead), freeing each one's staging as it goes. The parts of a streamed step are held
+        until its last part and written as one step."""
+        whole = 0
         try:
-            for ctrl, records, _ in steps:
+            for drained, records, _ in steps:
+                ctrl = drained
+                if ctrl.stream is not None:
+                    self._parts.append((ctrl, records))
+                    if ctrl.partial:
+                        continue
+                    ctrl, records = _merged(self._parts)
+                    self._parts = []
+                whole += 1
                 try:
                     self.exporter.write_step(ctrl, records, self.requests.ids, self.ring.stats.drops)
                     if self.subscribers:
@@ -709,11 +732,11 @@ class Run:
                 except BaseException as e:     # surfaces in the caller's next step, flush or close
                     self._fail(e)
                 finally:
-                    self.ring.release_host(ctrl)
+                    self.ring.release_host(drained)
         finally:
             with self._queue_cond:
                 self._queued_bytes -= sum(n for *_, n in steps)
-                self._exported += len(steps)
+                self._exported += whole
                 self._queue_cond.notify_all()
 
     def _fail(self, e: BaseException) -> None:
@@ -737,23 +760,29 @@ class Run:
 
     def _flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        ring = self.ring
+        stall = Stall("flush waiting for the drain and the store", ring.stall_timeout,
+                      lambda: f"{ring.describe_room()}; {self._queue_figures()}")
         with self._queue_cond:
-            while self._exported < self.ring.stats.steps:
-                if self.ring.error is not None:
+            while self._exported < ring.stats.steps:
+                if ring.error is not None:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._queue_cond.wait(0.01 if left is None else min(left, 0.01))
-        if self.ring.error is None and self._export.is_alive():    # and on disk, committed
+                stall.check((self._exported, self._queued_bytes, ring.bytes.tail, ring.stats.bytes_drained))
+        if ring.error is None and self._export.is_alive():    # and on disk, committed
             done = threading.Event()
             self._queue.put(done)
+            stall = Stall("flush waiting for the store's commit", ring.stall_timeout, lambda: f"store {self.store}")
             while not done.wait(0.01):
-                if self.ring.error is not None:
+                if ring.error is not None:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     return False
-        self.ring.raise_if_failed()
+                stall.check(self.exporter.store_bytes)
+        ring.raise_if_failed()
         return True
 
     def stats(self) -> dict:
@@ -766,7 +795,8 @@ class Run:
         return {"steps": st.steps, "records": st.records, "bytes_captured": st.bytes_captured,
                 "bytes_drained": st.bytes_drained, "stall_seconds": round(st.stall_seconds, 6),
                 "stall_bandwidth_seconds": round(st.stall_bandwidth_seconds, 6),
-                "not_run": st.not_run, "dropped_captures": len(st.drops) + len(exp.drops),
+                "not_run": st.not_run, "streamed_steps": st.streamed_steps, "stream_parts": st.stream_parts,
+                "dropped_captures": len(st.drops) + len(exp.drops),
                 "dropped_bytes": st.drops.bytes + sum(d.bytes for d in exp.drops), "drops_by_reason": by_reason,
                 "requests": len(self.requests.ids), "committed_step": exp.committed_step,
                 "store_bytes": exp.store_bytes, "store_error": None if exp.error is None else str(exp.error)}
@@ -806,8 +836,14 @@ class Run:
         self._external = False
         self._closed = True
         self.ring.urgent.set()
-        self._drain.join()
-        self._export.join()
+        ring = self.ring
+        try:
+            self._join(self._drain, "close waiting for the drain",
+                       lambda: (ring.bytes.tail, ring.freed_seq, len(ring.pending)), ring.describe_room)
+        except CaptureError as e:          # (the drain then stops; the store is closed as failed)
+            self._fail(e)
+        self._join(self._export, "close waiting for the store's writes",
+                   lambda: (self._exported, self.exporter.store_bytes), self._queue_figures)
         if self._remote:
             try:              # (the child lets go of the ring before this process frees it)
                 self.exporter.detach_ring()
@@ -842,6 +878,15 @@ class Run:
                         ", ".join(never[:8]) + (", ..." if len(never) > 8 else ""))
         self.exporter.close(summary, clean=clean)
         self.ring.raise_if_failed()
+
+    def _join(self, thread: threading.Thread, stage: str, progress, figures) -> None:
+        """Join one of the run's threads; a CaptureError once it shows no progress for
+        ``policy.stall_timeout_s`` (the thread, a daemon, is left behind)."""
+        stall = Stall(stage, self.ring.stall_timeout, figures)
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive():
+                stall.check(progress())
 
     def __enter__(self) -> "Run":
         return self
@@ -930,6 +975,20 @@ class _Mirror:
         self.arange = np.arange(batch, dtype=np.int64)
         self.zeros = np.zeros(batch, np.int64)
         self.decode = np.ones(batch, np.int8)
+
+
+def _merged(parts: list) -> tuple[StepControl, list]:
+    """The parts of a streamed step (:class:`dmi.ring._Stream`) as one step: every part's records,
+    and as its slots every capture it planned (those that never ran too, so the store counts their
+    rows as not computed, as for a whole step)."""
+    last = parts[-1][0]
+    slots = {}
+    for ctrl, _ in parts:
+        slots.update(ctrl.slots)
+    for site, ((_, sel, rows, *_), _) in last.stream.wanted.items():
+        slots[site] = SiteSlot(site, 0, 0, sel, rows, -1)
+    records = [r for _, recs in parts for r in recs]
+    return dataclasses.replace(last, slots=slots, stream=None, partial=False), records
 
 
 def _past_int(past) -> int:

@@ -38,6 +38,10 @@ def test_tiny_ring_wraps_and_null_mode():
     _run("wrap_null")
 
 
+def test_steps_larger_than_staging_or_the_ring_never_hang_and_store_what_the_cpu_path_stores():
+    _run("stream")
+
+
 def test_a_reused_layout_resends_its_words_after_another_step_changed_them():
     _run("control")
 
@@ -635,6 +639,59 @@ def section_wrap_null() -> None:
     print("null ok")
 
 
+def section_stream() -> None:
+    """The CUDA ring's drain (staging, batches of steps) and its parts of a step larger than the
+    ring, under the interpreter: several generate() calls in a row into a store, each bounded in
+    time (a stall is an error after stall_timeout_s, the test's bound is above it), equal to the CPU
+    path's store. ``paused``: the drain sleeps while the steps pile up, then takes one batch far
+    larger than host staging (a wait cycle once: the drain waited for staging that only its own
+    batch, not yet handed to the store, held)."""
+    import tempfile
+    import threading
+
+    import torch
+
+    import dmi
+    from conftest import PROMPTS, model_pair
+    from dmi.models import tiny_tokenizer
+    torch.set_num_threads(2)
+    enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
+    tmp = Path(tempfile.mkdtemp())
+    capture = [{"sites": ["resid_post", "mlp.out", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]
+    cases = {"reference": ("cpu", {"ring_bytes": "8MiB"}, False),
+             "paused": ("interpret", {"ring_bytes": "2MiB", "host_bytes": "16KiB", "stall_timeout_s": 20}, True),
+             "streamed": ("interpret", {"ring_bytes": "24KiB", "host_bytes": "16KiB", "meta_records": 32,
+                                        "stall_timeout_s": 20}, False)}
+    outs = {}
+    for name, (kind, policy, paused) in cases.items():
+        os.environ["DMI_RING"] = kind
+        model, _ = model_pair("qwen3")
+        got: dict = {}
+
+        def generates():
+            try:
+                with torch.no_grad(), dmi.load(model, hook_spec={"capture": capture, "policy": policy},
+                                               store=tmp / f"{name}.zarr") as run:
+                    if paused:
+                        run.drain_paced, run.drain_interval = False, 100.0
+                    got["out"] = [run.model.generate(**enc, max_new_tokens=12, do_sample=False) for _ in range(3)]
+                got["stats"] = run.stats()
+            except BaseException as e:     # noqa: BLE001
+                got["error"] = e
+        t = threading.Thread(target=generates, daemon=True)
+        t.start()
+        t.join(240)
+        assert not t.is_alive(), f"{name}: hung"
+        if "error" in got:
+            raise got["error"]
+        assert got["stats"]["dropped_captures"] == 0, got["stats"]
+        outs[name] = got["out"]
+        if name != "reference":
+            assert all(torch.equal(a, b) for a, b in zip(outs["reference"], got["out"]))
+            print(name, "arrays equal:", _compare_stores(tmp / "reference.zarr", tmp / f"{name}.zarr"))
+    print("stream ok")
+
+
 def section_control() -> None:
     """A decode step that reuses the last step's layout sends the device only the global words. A
     step in between that took the general path (here: one capture dropped) changed the site words
@@ -712,4 +769,4 @@ if __name__ == "__main__":
     settle_mkl_vml()
     {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null, "side": section_side,
      "side_generate": section_side_generate,
-     "control": section_control, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()
+     "control": section_control, "stream": section_stream, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()

@@ -177,14 +177,88 @@ def test_backpressure_with_tiny_ring_is_lossless_and_bit_identical(encoded, writ
     assert b.attrs["dmi_status"] == "closed"
 
 
-def test_step_larger_than_ring_is_refused_in_full_mode(encoded, write_spec, tmp_path):
+STREAM_CAPTURE = [{"sites": ["resid_post", "mlp.out", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]
+
+
+def _bounded(fn, seconds: float = 240.0):
+    """Run ``fn`` on a thread; fail (instead of hanging the suite) if it has not returned in time."""
+    import threading
+    out: dict = {}
+
+    def go():
+        try:
+            out["value"] = fn()
+        except BaseException as e:     # noqa: BLE001 - re-raised on the test's thread
+            out["error"] = e
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: a hang"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_steps_larger_than_the_ring_stream_through_it_losslessly(encoded, write_spec, tmp_path, monkeypatch):
+    """Under full a step larger than the ring is never refused: it goes through the ring in parts,
+    several generate() calls in a row, and the store equals a run whose ring holds every step."""
+    import dmi.ring as ring_mod
+    parts = []
+    monkeypatch.setattr(ring_mod.Ring, "_open_part", lambda self, *a, _f=ring_mod.Ring._open_part: parts.append(1)
+                        or _f(self, *a))
+    stores = {}
+    for name, policy in (("big", {"ring_bytes": "8MiB"}),
+                         ("small", {"ring_bytes": "24KiB", "host_bytes": "16KiB", "meta_records": 32,
+                                    "stall_timeout_s": 30})):
+        model, _ = model_pair("qwen3")
+        spec = {"capture": STREAM_CAPTURE, "policy": policy}
+
+        def three_generates():
+            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
+                outs = [run.model.generate(**encoded, max_new_tokens=12, do_sample=False) for _ in range(3)]
+            return outs, run
+        outs, run = _bounded(three_generates)
+        stores[name] = (outs, run.stats())
+    assert len(parts) > 3                                  # the prefills went through in parts
+    assert all(torch.equal(a, b) for a, b in zip(stores["big"][0], stores["small"][0]))
+    small = stores["small"][1]
+    assert small["dropped_captures"] == 0 and small["steps"] == stores["big"][1]["steps"]
+    a, b = dmi.open(tmp_path / "big.zarr"), dmi.open(tmp_path / "small.zarr")
+    for group, var in (("layers/resid_post", "resid_post"), ("layers/mlp/out", "out"), ("final_norm", "final_norm"),
+                       ("logits", "logits")):
+        x, y = a[group].dataset, b[group].dataset
+        assert x.sizes == y.sizes
+        np.testing.assert_array_equal(x[var].values, y[var].values)
+        for coord in ("request", "position", "step", "phase"):
+            assert list(x[coord].values) == list(y[coord].values), (group, coord)
+    assert b.attrs["dmi_status"] == "closed"
+
+
+def test_a_capture_larger_than_the_ring_is_refused_naming_the_site_and_the_fix(encoded, write_spec, tmp_path):
     model, _ = model_pair("qwen3")
     spec = write_spec("capture: [{sites: [resid_post]}]\npolicy: {ring_bytes: 4KiB}\n")
     run = dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr")
-    with pytest.raises(dmi.PolicyError, match=r"policy.ring_bytes.*Fix"):
+    with pytest.raises(dmi.PolicyError, match=r"one capture of layers.0.resid_post .*policy.ring_bytes.*Fix: raise "
+                                              r"policy.ring_bytes to at least"):
         with torch.no_grad():
             run.model(**encoded)
     run.close()
+
+
+def test_a_wait_without_progress_is_an_error_naming_the_stage_and_its_figures():
+    """No silent hang: a full step waiting for ring room that the drain never frees raises a
+    CaptureError once policy.stall_timeout_s passes without progress."""
+    from dmi.errors import CaptureError
+    from dmi.tokens import StepTokens
+    ring = CpuRing(4096, 64)
+    ring.stall_timeout = 0.3
+    tokens = StepTokens.__new__(StepTokens)
+    layout = StepLayout([(0, np.arange(4), np.arange(4), 3000, 0)])
+    ring.begin_step(0, tokens, np.zeros(1, np.int64), layout)
+    ring.end_step()                                         # ended, never drained: the ring stays full
+    with pytest.raises(CaptureError, match=r"step 1 waiting for ring space \(drain\): no progress for .* s "
+                                           r"\(needs 3,072 bytes .*ring 3,072 of 4,096 bytes used.*1 step\(s\) pending"):
+        ring.begin_step(1, tokens, np.zeros(1, np.int64), layout)
 
 
 def test_best_effort_drops_low_priority_first_and_accounts_every_row(encoded, write_spec, tmp_path):

@@ -46,6 +46,7 @@ from ..errors import CaptureError, PolicyError
 from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl, trace_mode
 from ..ringshare import ChildSide
+from ..stall import Stall
 from . import capture as K
 from .traced import TracedSite, register, scratch_at
 from .words import SCRATCH_BYTES
@@ -212,6 +213,115 @@ class KernelRing(Ring):
         self.side_counts = {"marked": 0, "forked": 0, "joined": 0}     # captures marked side=1; forked; joins waited
         self.device_bytes += (self.ctrl_words + self.max_rows + self.traced_table.numel()) * 8 + self.counters.numel() * 4
         self.pinned_bytes += CTRL_BUFFERS * self.ctrl_words * 8 + self._heads.numel() * 8
+
+    def _init_staging(self, staging: np.ndarray) -> None:
+        """Host staging: a byte ring over ``staging`` that the drain reserves in step order and the
+        exporter frees in order (:meth:`release_host`)."""
+        self._staging = staging
+        self._stage = ByteRing(len(staging))
+        self._stage_cond = threading.Condition()
+        self._stage_ends: dict[int, int] = {}
+        self._copy_lock = threading.Lock()     # who copies a step: the model's thread or the drain
+
+    def _use_device(self) -> None:
+        """The drain thread's device setup (CudaRing)."""
+
+    def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
+        """Payload ``[lo, lo + nbytes)`` to host address ``host`` (CudaRing: async, on the drain stream)."""
+        raise NotImplementedError
+
+    def _copies_done(self) -> None:
+        """Wait until every copy :meth:`_copy` queued has landed."""
+
+    # --- drain: the payload to host staging -----------------------------------------------------
+    def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """Copy several steps' records to host staging: one async copy (:meth:`_copy`) per run of steps
+        that are adjacent in the payload ring (up to a quarter of staging), one event wait for all
+        (which also covers steps the model's thread copied out already: same stream, queued earlier)."""
+        self._use_device()
+        bases: dict[int, tuple[np.ndarray, int]] = {}     # step index -> (buffer, buffer index of ring offset 0)
+        with self._copy_lock:                  # claim the steps not copied out yet, reserving in order
+            for i, ctrl in enumerate(ctrls):
+                if isinstance(ctrl.copied, tuple):
+                    bases[i] = ctrl.copied
+                else:
+                    ctrl.copied = "drain"
+            # each step's reserved block (its records lie in it): no per-step reductions over records
+            spans = [(c.base, c.base + c.nbytes) if c.nbytes and len(r) and i not in bases else None
+                     for i, (c, r) in enumerate(zip(ctrls, recs))]
+            groups: list[list[int]] = []           # indices of steps copied together
+            lo = hi = 0
+            for i, span in enumerate(spans):
+                if span is None:
+                    continue
+                if (groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4
+                        and not ctrls[groups[-1][-1]].partial):
+                    groups[-1].append(i)
+                    hi = span[1]
+                else:
+                    groups.append([i])
+                    lo, hi = span
+            copies, upto = [], len(ctrls)
+            for k, group in enumerate(groups):
+                lo, hi = spans[group[0]][0], spans[group[-1]][1]
+                # only the batch's first copy may wait for staging: the exporter frees it, and it gets
+                # this batch's steps only once they are all copied (waiting for a later one: deadlock)
+                got = self._stage_for(ctrls[group[-1]], hi - lo, wait=not k)
+                if got is None:
+                    upto = group[0]                # the rest stays pending for the next batch
+                    for i in range(upto, len(ctrls)):
+                        if ctrls[i].copied == "drain":
+                            ctrls[i].copied = None
+                    break
+                buf, dst = got
+                copies.append((buf.ctypes.data + dst, lo, hi - lo, buf is self._staging))
+                for i in group:
+                    bases[i] = (buf, dst - lo)
+        for host, lo, nbytes, pinned in copies:    # outside the lock: the model's thread may copy its next step meanwhile
+            self._copy(host, lo, nbytes, pinned)
+        if bases:
+            self._copies_done()
+        out = []
+        for i, r in enumerate(recs[:upto]):
+            if i not in bases:
+                out.append([])
+                continue
+            buf, shift = bases[i]
+            self.stats.bytes_captured += int(r["nbytes"].sum())
+            out.append([buf[a:a + n] for a, n in zip((r["offset"] + shift).tolist(), r["nbytes"].tolist())])
+        return out
+
+    def _stage_for(self, ctrl: StepControl, span: int, wait: bool = True) -> tuple[np.ndarray, int] | None:
+        """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
+        with ``ctrl`` (the last step of the copy), or pageable memory for a span larger than it and
+        for a part of a streamed step (the run holds it until the step's last part: staging it
+        could leave nothing for the parts still to come). ``wait``: else None when staging is full."""
+        if span > self._stage.capacity or ctrl.partial:
+            return np.empty(span, np.uint8), 0
+        with self._stage_cond:
+            stall = None
+            while (got := self._stage.try_reserve(span)) is None:
+                if self.error is not None:
+                    raise CaptureError("drain stopped") from self.error
+                if not wait:
+                    return None
+                if stall is None:
+                    stall = Stall(f"the drain waiting for host staging (step {ctrl.step})", self.stall_timeout,
+                                  lambda: f"needs {span:,} bytes; staging {self._stage.used:,} of "
+                                          f"{self._stage.capacity:,} bytes held by steps the store has not "
+                                          f"written yet")
+                self._stage_cond.wait(0.05)
+                stall.check(self._stage.tail)
+        base, end = got
+        self._stage_ends[id(ctrl)] = end
+        return self._staging, base
+
+    def release_host(self, ctrl: StepControl) -> None:
+        end = self._stage_ends.pop(id(ctrl), None)
+        if end is not None:
+            with self._stage_cond:
+                self._stage.release(end)
+                self._stage_cond.notify_all()
 
     @contextlib.contextmanager
     def launching_without_step(self, batch: int = 1):
@@ -486,6 +596,10 @@ class KernelRing(Ring):
         cur.wait_stream(side)
         return graph
 
+    def end_part_marker(self, ctrl: StepControl) -> None:
+        """A part ended inside an eager forward: the end kernel, behind its captures on the stream."""
+        self.device_end()
+
     def launch_end(self) -> None:
         """The end-marker kernel through Triton's launcher (what the graph replays)."""
         K.launch_end(self.ctrl, self.meta_dev, self.counters, meta_records=self.meta_records, fence_idx=self.fence_idx,
@@ -512,6 +626,13 @@ class KernelRing(Ring):
         cur = self.current if self.current is not None and not self.current.ended else None
         stream_capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
         capturing = self.graph_mode or stream_capturing
+        if cur is not None and cur.stream is not None:
+            if capturing:
+                raise PolicyError(f"step {cur.step} is larger than the ring ({self.describe_room()}) and runs inside "
+                                  f"a CUDA graph, where it cannot stream through the ring in parts",
+                                  key="policy.ring_bytes", fix="raise policy.ring_bytes to hold the graph's whole step")
+            self.stream_slot(site.index)
+            cur = self.current
         if not capturing and (cur is None or site.index not in cur.slots):
             return                             # no step (null mode), nothing selected or dropped: no launch
         eager = cur if not capturing and cur is not None else None
@@ -672,7 +793,6 @@ class CudaRing(KernelRing):
         # copy each step out from the model's thread when the next one begins (module doc)
         self.copy_at_step = os.environ.get("DMI_COPY_AT_STEP", "0") == "1"
         self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
-        self._copy_lock = threading.Lock()     # who copies a step: the model's thread or the drain
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
         self.steps_copied_at_step = 0
@@ -683,10 +803,7 @@ class CudaRing(KernelRing):
         rt = self._rt
         self.staging_bytes = max(int(host_bytes), 1 << 20)
         self._staging_ptr = _ok(rt.cudaHostAlloc(self.staging_bytes, rt.cudaHostAllocPortable))
-        self._staging = _host_array(self._staging_ptr, self.staging_bytes)
-        self._stage = ByteRing(self.staging_bytes)
-        self._stage_cond = threading.Condition()
-        self._stage_ends: dict[int, int] = {}
+        self._init_staging(_host_array(self._staging_ptr, self.staging_bytes))
         self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
         self._event = _ok(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventBlockingSync))
         self._calls = _Async(rt)
@@ -807,55 +924,9 @@ class CudaRing(KernelRing):
         finally:
             self._copy_lock.release()
 
-    # --- drain ----------------------------------------------------------------------------------
-    def fetch_steps(self, ctrls: list[StepControl], recs: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """Copy several steps' records to host staging: one ``cudaMemcpyAsync`` per run of steps
-        that are adjacent in the payload ring (up to a quarter of staging), one event wait for all
-        (which also covers steps the model's thread copied out already: same stream, queued earlier)."""
-        self._use_device()
-        bases: dict[int, tuple[np.ndarray, int]] = {}     # step index -> (buffer, buffer index of ring offset 0)
-        rt = self._rt
-        with self._copy_lock:                  # claim the steps not copied out yet, reserving in order
-            for i, ctrl in enumerate(ctrls):
-                if isinstance(ctrl.copied, tuple):
-                    bases[i] = ctrl.copied
-                else:
-                    ctrl.copied = "drain"
-            # each step's reserved block (its records lie in it): no per-step reductions over records
-            spans = [(c.base, c.base + c.nbytes) if c.nbytes and len(r) and i not in bases else None
-                     for i, (c, r) in enumerate(zip(ctrls, recs))]
-            groups: list[list[int]] = []           # indices of steps copied together
-            lo = hi = 0
-            for i, span in enumerate(spans):
-                if span is None:
-                    continue
-                if groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4:
-                    groups[-1].append(i)
-                    hi = span[1]
-                else:
-                    groups.append([i])
-                    lo, hi = span
-            copies = []
-            for group in groups:
-                lo, hi = spans[group[0]][0], spans[group[-1]][1]
-                buf, dst = self._stage_for(ctrls[group[-1]], hi - lo)
-                copies.append((buf.ctypes.data + dst, lo, hi - lo, buf is self._staging))
-                for i in group:
-                    bases[i] = (buf, dst - lo)
-        for host, lo, nbytes, pinned in copies:    # outside the lock: the model's thread may copy its next step meanwhile
-            self._copy(host, lo, nbytes, pinned)
-        if bases:
-            self._calls.record(self._event, self._stream)
-            _ok(rt.cudaEventSynchronize(self._event))
-        out = []
-        for i, r in enumerate(recs):
-            if i not in bases:
-                out.append([])
-                continue
-            buf, shift = bases[i]
-            self.stats.bytes_captured += int(r["nbytes"].sum())
-            out.append([buf[a:a + n] for a, n in zip((r["offset"] + shift).tolist(), r["nbytes"].tolist())])
-        return out
+    def _copies_done(self) -> None:
+        self._calls.record(self._event, self._stream)
+        _ok(self._rt.cudaEventSynchronize(self._event))
 
     def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
         """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream, in pieces of
@@ -870,27 +941,6 @@ class CudaRing(KernelRing):
                 calls.record(self._event, self._stream)
                 _ok(rt.cudaEventSynchronize(self._event))    # (the one call a piece that lets the GIL go)
             calls.d2h(host + at, self._payload_ptr + lo + at, min(piece, nbytes - at), self._stream, pinned)
-
-    def _stage_for(self, ctrl: StepControl, span: int) -> tuple[np.ndarray, int]:
-        """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
-        with ``ctrl`` (the last step of the copy), or pageable memory for a span larger than it."""
-        if span > self._stage.capacity:
-            return np.empty(span, np.uint8), 0
-        with self._stage_cond:
-            while (got := self._stage.try_reserve(span)) is None:
-                if self.error is not None:
-                    raise CaptureError("drain stopped") from self.error
-                self._stage_cond.wait(0.05)
-        base, end = got
-        self._stage_ends[id(ctrl)] = end
-        return self._staging, base
-
-    def release_host(self, ctrl: StepControl) -> None:
-        end = self._stage_ends.pop(id(ctrl), None)
-        if end is not None:
-            with self._stage_cond:
-                self._stage.release(end)
-                self._stage_cond.notify_all()
 
     def close(self) -> None:
         if self._closed:
@@ -1166,23 +1216,20 @@ class InterpretRing(KernelRing):
     """The kernels' ring with every buffer in host memory: with ``TRITON_INTERPRET=1`` the Triton
     kernels run on the CPU, so CI exercises the CUDA path's control words, kernels and records."""
 
-    def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
-                 device=None, traced: str | None = None, **_):
+    def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, host_bytes: int = 256 << 20,
+                 max_step_tokens: int | None = None, device=None, traced: str | None = None, **_):
         super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device="cpu", traced=traced)
         self.scratch_t = torch.zeros(with_scratch(capacity, self.scratch_bytes), dtype=torch.uint8)
         self.payload = self.payload_t = self.scratch_t[:capacity]
         self.meta = np.zeros(meta_records, META_DTYPE)
         self.meta_dev = torch.from_numpy(self.meta.view(np.int64))
+        self._init_staging(np.empty(host_bytes, np.uint8))   # the drain stages as the CUDA ring's does
 
     def meta_view(self) -> np.ndarray:
         return self.meta
 
-    def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.payload[offset:offset + nbytes].numpy().copy()
-
-    def fetch(self, ctrl, recs: np.ndarray) -> list[np.ndarray]:
-        self.stats.bytes_captured += int(recs["nbytes"].sum())     # the kernels wrote these
-        return super().fetch(ctrl, recs)
+    def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
+        ctypes.memmove(host, self.payload.data_ptr() + lo, nbytes)
 
 
 class _Async:
