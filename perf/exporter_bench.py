@@ -7,23 +7,32 @@ and ``store.writer`` (thread: the exporter in this process; process:
 in its own), from the first step to the store closed (every chunk on disk and committed), and the
 CPU time per step of the thread that hands the steps over: what the model's process pays (the
 run's exporter thread, holding the GIL the model's thread needs), and how late a thread that
-wakes every 200 us gets the GIL back meanwhile (:class:`GilProbe`). The exporter writes chunk files from a pool of one thread per core: run it on the
-machine that captures. Run: python perf/exporter_bench.py [--steps 64] [--tokens 256] [--dir /dev/shm/eb]
+wakes every 200 us gets the GIL back meanwhile (:class:`GilProbe`). The payload is bf16
+activations (``--payload random``: uniform random bits, which blosc stores through its
+incompressible fast path and so flatter lz4). The exporter writes chunk files from a pool of
+``store.threads`` threads (``--threads``): run it on the machine that captures. ``--dir`` picks the
+file system (``/dev/shm/eb``, or a directory on a local disk); the table's "of raw write" column
+divides by that directory's raw sequential write speed (one file, 16 MiB writes, fsync), printed
+above it. Run: python perf/exporter_bench.py [--steps 24] [--tokens 64] [--dir /dev/shm/eb]
 
-16-core GPU host, --steps 24 --tokens 256, stored float32: none 2.3, lz4 1.9, zstd 0.6 GB/s
-(zarr-python writes before: 0.31, 0.30, 0.18).
+2-core CPU (shared), --steps 24 --tokens 64 --repeats 3 --dir /dev/shm/eb, bf16 stored, thread writer:
+lz4 0.48 GB/s (byte-shuffle lz4, one store thread, before: 0.34), none 0.77 (before: 0.80).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
 
 
 class GilProbe:
@@ -54,11 +63,47 @@ class GilProbe:
         return statistics.fmean(self.waits) * 1e6 if self.waits else float("nan")
 
 
+def payload(kind: str, n_bytes: int, seed: int) -> np.ndarray:
+    """A record's bytes: bf16 activations (normal values, a log-normal scale per hidden channel, as
+    residual streams have), or uniform random 16-bit words (incompressible; NaN and inf bit patterns
+    included), as uint8."""
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, 2**16, n_bytes // 2, dtype=np.uint16).view(np.uint8)
+    import ml_dtypes
+    hidden = 4096
+    scale = np.exp(rng.standard_normal(hidden, dtype=np.float32))
+    x = rng.standard_normal((n_bytes // 2 // hidden, hidden), dtype=np.float32) * scale
+    return x.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(-1)
+
+
+def raw_write_gbs(directory: Path, n_bytes: int, block: int = 16 << 20) -> float:
+    """The directory's file system's raw sequential write speed: one file written in ``block``-byte
+    writes, then fsync'd (GB/s from open to fsync done); the file is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
+    path = directory / ".raw-write-probe"
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(max(1, n_bytes // block)):
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return max(1, n_bytes // block) * block / (time.perf_counter() - t0) / 1e9
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "thread",
-          dtype: str = "native") -> tuple[float, float]:
-    """(captured GB/s from the first step to the store closed, CPU ms per step of the calling thread)."""
+          dtype: str = "native", threads: int | None = None, chunk_bytes: int | None = None,
+          kind: str = "activations") -> dict:
+    """One run: captured GB/s from the first step to the store closed, CPU ms per step of the
+    calling thread, the store's bytes over the captured bytes, and the store threads used."""
     import transformers as tf
-    from dmi.exporter import ZarrExporter
+    from dmi.exporter import ZarrExporter, _du, default_threads
     from dmi.plan import build_plan
     from dmi.ring import META_DTYPE, SiteSlot, StepControl
     from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
@@ -67,14 +112,17 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
 
     cfg = tf.Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, intermediate_size=12288, vocab_size=151936)
+    store = {"compression": compression, "dtype": dtype}
+    if threads:
+        store["threads"] = threads
+    if chunk_bytes:
+        store["chunk_bytes"] = chunk_bytes
     hook = load_hook_spec({"capture": [{"sites": ["resid_post", "final_norm"]}],
-                           "store": {"compression": compression, "dtype": dtype}, "policy": {"ring_bytes": "4GiB"}})
+                           "store": store, "policy": {"ring_bytes": "4GiB"}})
     plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, cfg, model_dtype_itemsize=2)
     shutil.rmtree(out, ignore_errors=True)
     exp = (ZarrExporter if writer == "thread" else ProcessExporter)(out, plan, "bfloat16", {}, overwrite=True)
-    rng = np.random.default_rng(0)
-    payload = {s.index: rng.integers(0, 2**16, tokens * s.row_bytes(2) // 2, dtype=np.uint16).view(np.uint8)
-               for s in plan.sites}
+    payloads = {s.index: payload(kind, tokens * s.row_bytes(2), s.index) for s in plan.sites}
     st = StepTokens(0, 1, tokens, np.arange(tokens), np.zeros(tokens, np.int64), np.arange(tokens),
                     np.zeros(tokens, np.int8), np.arange(tokens))
     sel = np.arange(tokens)
@@ -86,43 +134,70 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
         records = []
         for s in plan.sites:
             rec = np.zeros((), META_DTYPE)
-            rec["rows"], rec["src_seq"], rec["nbytes"] = tokens, tokens, len(payload[s.index])
-            records.append((slots[s.index], rec, payload[s.index]))
-            captured += len(payload[s.index])
+            rec["rows"], rec["src_seq"], rec["nbytes"] = tokens, tokens, len(payloads[s.index])
+            records.append((slots[s.index], rec, payloads[s.index]))
+            captured += len(payloads[s.index])
         exp.write_step(ctrl, records, ["r0"])
     exp.close({})
-    return captured / (time.perf_counter() - t0) / 1e9, (time.thread_time() - c0) / steps * 1e3
+    wall = time.perf_counter() - t0
+    return {"gbs": captured / wall / 1e9, "cpu_ms": (time.thread_time() - c0) / steps * 1e3,
+            "ratio": _du(out) / captured, "threads": threads or default_threads()}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="rows per step (batch x seq)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir); e.g. /dev/shm/eb or a "
+                                                "directory on a local disk")
     ap.add_argument("--writers", default="thread,process", help="store.writer settings to time")
     ap.add_argument("--compressions", default="lz4,none,zstd")
     ap.add_argument("--dtypes", default="native", help="store.dtype settings to time (native: bf16 as bf16)")
+    ap.add_argument("--threads", default="", help="store.threads settings to time, comma-separated "
+                                                  "(default: the exporter's default)")
+    ap.add_argument("--chunk-bytes", type=int, default=None, help="store.chunk_bytes (default: the hook spec's)")
+    ap.add_argument("--payload", choices=("activations", "random"), default="activations",
+                    help="captured bytes: bf16 activations (compress like real ones) or random 16-bit words")
+    ap.add_argument("--raw-bytes", type=int, default=1 << 30,
+                    help="size of the raw sequential write probe of --dir (0: skip it)")
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="dmi-exporter-bench-"))
+    raw = raw_write_gbs(base, args.raw_bytes) if args.raw_bytes else None
     with GilProbe() as idle:
         time.sleep(1.0)
+    step_mb = 37 * args.tokens * 4096 * 2 / 1e6
+    print(f"{os.cpu_count()} CPUs; store in {base}; {args.steps} steps x {args.tokens} rows "
+          f"({step_mb:.1f} MB captured a step, {args.payload} payload)")
+    if raw is not None:
+        print(f"raw sequential write of {base}: {raw:.2f} GB/s ({args.raw_bytes / 2**30:g} GiB in 16 MiB writes "
+              f"+ fsync)")
     print(f"GIL probe, idle: {idle.mean_us():.0f} us late per wake-up (sleep granularity)")
-    print("| writer | compression | stored | captured GB/s (median) | caller CPU ms/step (median) | "
-          "probe us late (median) | runs (GB/s) |")
-    print("| --- | --- | --- | ---: | ---: | ---: | --- |")
+    print()
+    print("| writer | compression | stored | threads | captured GB/s (median) | of raw write | store bytes / captured | "
+          "caller CPU ms/step | probe us late | runs (GB/s) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for writer in args.writers.split(","):
         for dtype in args.dtypes.split(","):
             for comp in args.compressions.split(","):
-                runs, late = [], []
-                for _ in range(args.repeats):
-                    with GilProbe() as probe:
-                        runs.append(bench(comp, args.steps, args.tokens, base / f"{comp}.zarr", writer, dtype))
-                    late.append(probe.mean_us())
-                gbs, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-                print(f"| {writer} | {comp} | {dtype} | {gbs:.2f} | {cpu:.2f} | {statistics.median(late):.0f} | "
-                      f"{[round(r[0], 2) for r in runs]} |", flush=True)
-    shutil.rmtree(base, ignore_errors=True)
+                for threads in [int(t) if t else None for t in args.threads.split(",")]:
+                    runs, late = [], []
+                    for _ in range(args.repeats):
+                        with GilProbe() as probe:
+                            runs.append(bench(comp, args.steps, args.tokens, base / f"{comp}.zarr", writer, dtype,
+                                              threads, args.chunk_bytes, args.payload))
+                        late.append(probe.mean_us())
+                    gbs = statistics.median(r["gbs"] for r in runs)
+                    cpu = statistics.median(r["cpu_ms"] for r in runs)
+                    of_raw = f"{gbs / raw:.2f}" if raw else ""
+                    each = ", ".join(f"{r['gbs']:.2f}" for r in runs)
+                    print(f"| {writer} | {comp} | {dtype} | {runs[0]['threads']} | {gbs:.2f} | {of_raw} | "
+                          f"{runs[0]['ratio']:.3f} | {cpu:.2f} | {statistics.median(late):.0f} | "
+                          f"{each} |", flush=True)
+    for comp in args.compressions.split(","):
+        shutil.rmtree(base / f"{comp}.zarr", ignore_errors=True)
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from zarr.codecs import BloscCodec
 
 import dmi
 from dmi.cli import main
-from dmi.exporter import TMP_SUFFIX, ArrayFile
+from dmi.exporter import LZ4, TMP_SUFFIX, ArrayFile, ZarrExporter
+from dmi.zdtype import BF16
 from dmi.inspect_store import writer_alive
 from dmi.models import build_tiny_model
 from storecheck import expected_rows
@@ -42,6 +43,7 @@ store: {chunk_bytes: 16KiB}
 # --- chunk files ----------------------------------------------------------------------------------
 
 CODECS = {"none": None, "zstd": "auto", "blosc-lz4": BloscCodec(cname="lz4", clevel=1, shuffle="shuffle"),
+          "blosc-lz4-bitshuffle": BloscCodec(**LZ4),         # store.compression: lz4
           "blosc-zstd": BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle")}
 
 
@@ -79,6 +81,70 @@ def test_chunk_files_are_what_zarr_python_writes(tmp_path, codec, dtype, keys):
     f.set_rows(13)
     back = zarr.open_array(str(tmp_path / "s.zarr" / "ours"), mode="r")[:]
     np.testing.assert_array_equal(np.asarray(back).astype(object) if dtype == "str" else back, data)
+
+
+def _synthetic_steps(exporter_cls, store: Path, compression: str, steps: int = 5, tokens: int = 24):
+    """Feed an exporter (thread or process writer) synthetic drained steps of a small Qwen3-shaped
+    plan (resid_post of 3 layers + final_norm, bf16 captured, stored as bf16), as
+    perf/exporter_bench.py does; returns each site's captured rows as uint16 bits, [rows, hidden]."""
+    import transformers as tf
+    from dmi.plan import build_plan
+    from dmi.ring import META_DTYPE, SiteSlot, StepControl
+    from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
+    from dmi.tokens import StepTokens
+
+    cfg = tf.Qwen3Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=128)
+    hook = load_hook_spec({"capture": [{"sites": ["resid_post", "final_norm"]}],
+                           "store": {"compression": compression, "chunk_bytes": "16KiB"}})
+    plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, cfg, model_dtype_itemsize=2)
+    exp = exporter_cls(store, plan, "bfloat16", {}, overwrite=True)
+    rng = np.random.default_rng(0)
+    scale = np.exp(rng.standard_normal(64, dtype=np.float32))
+    st = StepTokens(0, 1, tokens, np.arange(tokens), np.zeros(tokens, np.int64), np.arange(tokens),
+                    np.zeros(tokens, np.int8), np.arange(tokens))
+    sel = np.arange(tokens)
+    fed = {s.name: [] for s in plan.sites}
+    for step in range(steps):
+        slots = {s.index: SiteSlot(s.index, 0, 0, sel, sel, 1) for s in plan.sites}
+        ctrl = StepControl(step, st, np.zeros(1, np.int64), slots, 0, 0, 0)
+        records = []
+        for s in plan.sites:
+            x = rng.standard_normal((tokens, 64), dtype=np.float32) * scale
+            bits = x.astype(BF16).view(np.uint16)
+            fed[s.name].append(bits)
+            rec = np.zeros((), META_DTYPE)
+            rec["rows"], rec["src_seq"], rec["nbytes"] = tokens, tokens, bits.nbytes
+            records.append((slots[s.index], rec, bits.view(np.uint8).reshape(-1).copy()))
+        exp.write_step(ctrl, records, ["r0"])
+    exp.close({})
+    return {k: np.concatenate(v) for k, v in fed.items()}
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("compression", ["lz4", "none"])
+def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(tmp_path, writer, compression):
+    """The write path's store (lz4: bitshuffled blosc-lz4) is a plain Zarr v3 store: xarray and
+    dmi.open read back exactly the captured bf16 bits, rows in step order, every chunk whole."""
+    from dmi.writer import ProcessExporter
+    store = tmp_path / "s.zarr"
+    fed = _synthetic_steps(ZarrExporter if writer == "thread" else ProcessExporter, store, compression)
+    meta = json.loads((store / "layers/resid_post/resid_post/zarr.json").read_text())
+    blosc = [c["configuration"] for c in meta["codecs"] if c["name"] == "blosc"]
+    if compression == "lz4":
+        assert blosc == [{"typesize": 2, "cname": "lz4", "clevel": 1, "shuffle": "bitshuffle", "blocksize": 0}]
+    else:
+        assert blosc == [] and [c["name"] for c in meta["codecs"]] == ["bytes"]
+    assert meta["data_type"] == "bfloat16" and _assert_no_torn_chunk(store) > 0
+    want_resid = np.stack([fed[f"layers.{i}.resid_post"] for i in range(3)], axis=1)
+    plain = xr.open_datatree(str(store), engine="zarr")          # dmi.zdtype is imported: bf16 reads
+    ds = plain["layers/resid_post"].dataset
+    np.testing.assert_array_equal(ds.resid_post.values.view(np.uint16), want_resid)
+    np.testing.assert_array_equal(ds.step.values, np.repeat(np.arange(5), 24))
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed"
+    np.testing.assert_array_equal(tree["layers/resid_post"].dataset.resid_post.values.view(np.uint16), want_resid)
+    np.testing.assert_array_equal(tree["final_norm"].dataset.final_norm.values.view(np.uint16), fed["final_norm"])
 
 
 # --- kill -9, recovery, --resume ------------------------------------------------------------------
