@@ -560,71 +560,85 @@ def table(rows: list[dict]) -> str:
 
 
 HEADLINE_SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]}
+# the headline's configurations: (hook spec, environment at load); "default" is what a new user runs
+HEADLINE_CONFIGS = {"default": (HEADLINE_SPEC, {}),
+                    "writer-process": (HEADLINE_SPEC | {"store": {"writer": "process"}}, {}),
+                    "traced": (HEADLINE_SPEC, {"DMI_TRACED": "1"})}
 
 
-def end_to_end(name: str, batch: int, mode: str, args, log) -> dict:
+def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
     """The headline figure: what a user's run costs, store included. Default policy and store
     settings (the hook spec names only its sites), the store on local disk (``--store-dir``).
-    ``--rounds`` rounds, each: vanilla's K generate() calls in a row, then the dmi twin's K calls
-    followed by ``run.flush()`` (every row drained, written and committed: the backlog a run
-    leaves is paid here); the last dmi round also pays ``run.close()``. Ratio: vanilla's total time
-    over dmi's, and each round's own pair (low / median / high). The store is then opened and
-    every group's rows counted against the tokens generated: 0 drops, no row missing."""
+    ``--rounds`` rounds, each: vanilla's K generate() calls in a row, then each configuration's
+    twin's K calls followed by ``run.flush()`` (every row drained, written and committed: the
+    backlog a run leaves is paid here); the last round also pays ``run.close()``. Ratio: vanilla's
+    total time over the configuration's, and each round's own pair (low / median / high). Each
+    store is then opened and every group's rows counted against the tokens generated: 0 drops,
+    no row missing."""
     import transformers
     model = build(name)
     enc, lengths = prompts(batch, args.prompt_min, args.prompt_max, model.config.vocab_size)
     new = args.new_tokens if mode == "compiled" else args.eager_new_tokens
     kw = gen_kwargs(mode, new)
     K = args.generates
-    dmodel = twin(model)
     root = Path(tempfile.mkdtemp(prefix="dmi-e2e-", dir=args.store_dir))
-    store = root / f"{name}-{mode}.zarr"
+    configs = args.configs.split(",")
+    van, runs = [], {}
     with torch.no_grad():
         model.generate(**enc, **kw)                       # vanilla's warm-up (its compile)
-        run = dmi.load(dmodel, hook_spec=HEADLINE_SPEC, store=store)
-        dmodel.generate(**enc, **kw)                      # dmi's warm-up (its compile), flushed untimed
-        run.flush()
-        van, ours, closed = [], [], 0.0
+        for c in configs:
+            spec, env = HEADLINE_CONFIGS[c]
+            dmodel = twin(model)
+            with mock.patch.dict(os.environ, env):
+                run = dmi.load(dmodel, hook_spec=spec, store=root / f"{len(runs)}.zarr")
+            dmodel.generate(**enc, **kw)                  # its warm-up (its compile), flushed untimed
+            run.flush()
+            runs[c] = (dmodel, run, [])
         for r in range(args.rounds):
             van.append(timed(lambda: [model.generate(**enc, **kw) for _ in range(K)]))
-
-            def dmi_round():
-                for _ in range(K):
-                    dmodel.generate(**enc, **kw)
-                run.flush()
-            ours.append(timed(dmi_round))
-            log(f"  round {r}: vanilla {van[-1]:.2f} s, dmi + store {ours[-1]:.2f} s")
-        closed = timed(run.close)
-    ours[-1] += closed
-    st = run.stats()
-    tree = dmi.open(store)
+            for c, (dmodel, run, times) in runs.items():
+                def dmi_round():
+                    for _ in range(K):
+                        dmodel.generate(**enc, **kw)
+                    run.flush()
+                times.append(timed(dmi_round))
+            log(f"  round {r}: vanilla {van[-1]:.2f} s, " + ", ".join(f"{c} {t[-1]:.2f} s" for c, (_, _, t) in runs.items()))
+    rows = []
     generates = K * args.rounds + 1
     tokens = generates * (int(lengths.sum()) + (new - 1) * batch)     # prefill rows + decode rows per generate
-    rows = {g: tree[g].dataset.sizes["token"] for g in ("layers/resid_post", "final_norm")}
-    last_rows = tree["logits"].dataset.sizes["token"]
-    complete = all(v == tokens for v in rows.values()) and last_rows == generates * new * batch
-    pairs = sorted(v / o for v, o in zip(van, ours))
-    row = {"model": name, "batch": batch, "mode": mode, "K": K, "rounds": args.rounds,
-           "ratio": sum(van) / sum(ours), "pairs": (pairs[0], statistics.median(pairs), pairs[-1]),
-           "close_s": closed, "store_gb": st["store_bytes"] / 1e9, "captured_gb": st["bytes_captured"] / 1e9,
-           "drops": st["dropped_captures"], "stall_s": st["stall_seconds"], "rows_complete": complete,
-           "vanilla_s": statistics.median(van) / K, "store": str(args.store_dir or tempfile.gettempdir()),
-           "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"}
-    log(f"  {name} {mode}: {row['ratio']:.3f} of vanilla (pairs {row['pairs'][0]:.3f} / {row['pairs'][1]:.3f} / "
-        f"{row['pairs'][2]:.3f}), close {closed:.2f} s, store {row['store_gb']:.2f} GB, drops {row['drops']}, "
-        f"rows complete {complete}")
+    for c, (dmodel, run, times) in runs.items():
+        closed = timed(run.close)
+        times[-1] += closed
+        st = run.stats()
+        tree = dmi.open(run.store)
+        got = [tree[g].dataset.sizes["token"] for g in ("layers/resid_post", "final_norm")]
+        complete = all(v == tokens for v in got) and tree["logits"].dataset.sizes["token"] == generates * new * batch
+        pairs = sorted(v / o for v, o in zip(van, times))
+        rows.append({"model": name, "batch": batch, "mode": mode, "config": c, "K": K, "rounds": args.rounds,
+                     "ratio": sum(van) / sum(times), "pairs": (pairs[0], statistics.median(pairs), pairs[-1]),
+                     "close_s": closed, "store_gb": st["store_bytes"] / 1e9, "captured_gb": st["bytes_captured"] / 1e9,
+                     "drops": st["dropped_captures"], "stall_s": st["stall_seconds"], "rows_complete": complete,
+                     "streamed": st["streamed_steps"], "vanilla_s": statistics.median(van) / K,
+                     "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"})
+        r = rows[-1]
+        log(f"  {name} {mode} {c}: {r['ratio']:.3f} of vanilla (pairs {r['pairs'][0]:.3f} / {r['pairs'][1]:.3f} / "
+            f"{r['pairs'][2]:.3f}), close {closed:.2f} s, store {r['store_gb']:.2f} GB, drops {r['drops']}, "
+            f"rows complete {complete}")
+        del tree
+        shutil.rmtree(run.store, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
-    return row
+    return rows
 
 
 def headline_table(rows: list[dict]) -> str:
-    lines = ["| model | batch | mode | K x rounds | dmi + store / vanilla | pairs (low / median / high) | close s | "
-             "store GB | drops | rows complete | vanilla s / generate |",
-             "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
+    lines = ["| model | batch | mode | configuration | K x rounds | dmi + store / vanilla | pairs (low / median / high) | "
+             "close s | store GB | streamed steps | drops | rows complete | vanilla s / generate |",
+             "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['K']} x {r['rounds']} | **{r['ratio']:.3f}** | "
-                     f"{r['pairs'][0]:.3f} / {r['pairs'][1]:.3f} / {r['pairs'][2]:.3f} | {r['close_s']:.2f} | "
-                     f"{r['store_gb']:.2f} | {r['drops']} | {r['rows_complete']} | {r['vanilla_s']:.2f} |")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['config']} | {r['K']} x {r['rounds']} | "
+                     f"**{r['ratio']:.3f}** | {r['pairs'][0]:.3f} / {r['pairs'][1]:.3f} / {r['pairs'][2]:.3f} | "
+                     f"{r['close_s']:.2f} | {r['store_gb']:.2f} | {r['streamed']} | {r['drops']} | {r['rows_complete']} | "
+                     f"{r['vanilla_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -635,6 +649,8 @@ def main(argv=None):
                          "--generates calls in a row + flush per round, close counted (end_to_end)")
     ap.add_argument("--generates", type=int, default=4, help="--headline: generate() calls in a row per round (K)")
     ap.add_argument("--store-dir", default=None, help="--headline: where the store goes (default: the temp dir)")
+    ap.add_argument("--configs", default="default",
+                    help=f"--headline: configurations, comma-separated, of {', '.join(HEADLINE_CONFIGS)}")
     ap.add_argument("--models", default="qwen3-8b")
     ap.add_argument("--batches", default="32")
     ap.add_argument("--modes", default="eager,compiled")
@@ -701,7 +717,7 @@ def main(argv=None):
             for batch in (int(b) for b in args.batches.split(",")):
                 for mode in args.modes.split(","):
                     log(f"{name} batch {batch} {mode}: {args.generates} generates x {args.rounds} rounds + close")
-                    out.append(end_to_end(name, batch, mode, args, log))
+                    out.extend(end_to_end(name, batch, mode, args, log))
                     if args.json:
                         Path(args.json).write_text(json.dumps(out, indent=1))
         text = headline_table(out)

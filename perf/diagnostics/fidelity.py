@@ -49,7 +49,6 @@ def main(argv=None) -> None:
         rows["A/A twin"] = decode_logits(aa, enc, kw)
         del aa
         configs = {"dmi null": ({}, False), "dmi capture (op)": ({}, True),
-                   "dmi capture, DMI_SIDE=0": ({"DMI_SIDE": "0"}, True),
                    "dmi capture, DMI_TRACED=1": ({"DMI_TRACED": "1"}, True)}
         for name, (env, on) in configs.items():
             t = twin(model)
