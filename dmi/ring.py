@@ -114,6 +114,7 @@ class StepControl:
     copied: object = None     # backends that copy a step out early mark it here (CudaRing)
     dev_rows: dict = field(default_factory=dict)   # kernel rings: rows start -> its device view (eager captures)
     ranges: dict = field(default_factory=dict)     # kernel rings: what a rows array is as a row range (copied_as_range)
+    keys: int = 0             # the step's key columns (past + seq, padding included; dmi.gather.key_shift)
 
 
 class StepLayout:
@@ -500,9 +501,10 @@ class Ring:
     # --- host: steps ----------------------------------------------------------------------------
     def begin_step(self, step: int, tokens, pad: np.ndarray,
                    wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout",
-                   ahead: bool = False) -> StepControl | None:
+                   ahead: bool = False, keys: int = 0) -> StepControl | None:
         """wanted: (site, sel, rows, bytes, priority) for every site with rows this step, or a
         :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it).
+        ``pad``, ``keys``: the step's key columns for key sites (:attr:`StepControl.pad`, ``keys``).
 
         ahead: the step is begun before its forward is known to come (the HF adapter's next decode
         step, while the GPU runs the current one). Only a layout that fits now is begun (else None:
@@ -511,7 +513,7 @@ class Ring:
         count once the forward takes the step (:meth:`take_ahead`) and vanish with a retracted one."""
         self._before_step()
         if isinstance(wanted, StepLayout):
-            ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead)
+            ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead, keys)
             if ctrl is not None or ahead:
                 return ctrl
             wanted, sizes = wanted.wanted, wanted.sizes.tolist()
@@ -572,7 +574,7 @@ class Ring:
                 off += sizes[i]
                 self.next_seq += 1
             ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep),
-                               base=base, nbytes=need)
+                               base=base, nbytes=need, keys=keys)
             self.next_seq += 1
             self._open(ctrl)
         self.publish_control(ctrl)
@@ -592,7 +594,7 @@ class Ring:
             self.urgent.set()
 
     def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout,
-                        ahead: bool = False) -> StepControl | None:
+                        ahead: bool = False, keys: int = 0) -> StepControl | None:
         """begin_step for a reused layout; None where the general path must decide (the bandwidth
         cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
         per site), and for a step begun ahead that would wait. Under best_effort a bandwidth cap
@@ -636,7 +638,7 @@ class Ring:
             first = self.next_seq
             self.next_seq += n + 1
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
-                               layout=layout, base=base, nbytes=layout.total)
+                               layout=layout, base=base, nbytes=layout.total, keys=keys)
             if ahead:
                 self._ahead_undo = _AheadUndo(ctrl, head, self.current, self.bucket, layout.total, drops)
             self._open(ctrl)
@@ -888,7 +890,7 @@ class CpuRing(Ring):
             self.meta = share.meta
         self._payload_np = self.payload.numpy()
         self._rows: dict = {}
-        self._pad = None
+        self._pad, self._keys = None, 0
 
     def meta_view(self) -> np.ndarray:
         return self.meta
@@ -898,6 +900,7 @@ class CpuRing(Ring):
         device = getattr(self, "device", None) or "cpu"
         self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
         self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
+        self._keys = ctrl.keys
 
     def capture(self, site, x, addend=None, side: bool = False) -> None:
         ctrl = self.current
@@ -910,7 +913,7 @@ class CpuRing(Ring):
         slot = ctrl.slots[site.index]
         with torch.no_grad():
             outs, src_seq = gather(x.detach(), site, self._rows[site.index], ctrl.tokens.seq, ctrl.tokens.batch,
-                                   self._pad, self.dtype)
+                                   self._pad, self.dtype, self._keys)
         n = outs[0].shape[0]
         flat = torch.cat([o.contiguous().reshape(-1).view(torch.uint8).cpu() for o in outs])
         if flat.numel() > slot.capacity:
