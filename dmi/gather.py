@@ -34,25 +34,30 @@ def source_rows(rows: torch.Tensor, seq: int, src_seq: int) -> tuple[torch.Tenso
 
 
 def gather(x: torch.Tensor, site: SitePlan, rows: torch.Tensor, step_seq: int, batch: int,
-           pad: torch.Tensor | None, dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
-    """Outputs ([n, *output shape] each) for the selected ``rows`` and the seq' x held."""
+           pad: torch.Tensor | None, dtype: torch.dtype, keys: int = 0) -> tuple[list[torch.Tensor], int]:
+    """Outputs ([n, *output shape] each) for the selected ``rows`` and the seq' x held.
+    ``pad``, ``keys``: the step's key columns (:func:`select_rows`)."""
     layout = site.anchor["layout"]
     flat, src_seq = token_major(x, layout, batch)
     rows = rows.to(flat.device)
     idx, held = source_rows(rows, step_seq, src_seq)
     batch_of_row = (rows // step_seq)[held] if "key" in site.dims else None
-    return select_rows(x, flat, site, idx, batch_of_row, pad, dtype), src_seq
+    return select_rows(x, flat, site, idx, batch_of_row, pad, dtype, keys=keys), src_seq
 
 
 def select_rows(x: torch.Tensor, flat: torch.Tensor, site: SitePlan, idx: torch.Tensor,
                 batch_of_row: torch.Tensor | None, pad: torch.Tensor | None, dtype: torch.dtype, *,
-                heads: torch.Tensor | None = None, check_keys: bool = True) -> list[torch.Tensor]:
+                keys: int | torch.Tensor = 0, heads: torch.Tensor | None = None,
+                check_keys: bool = True) -> list[torch.Tensor]:
     """The outputs of rows ``idx`` of ``flat`` (x in token-major order), in payload order.
 
     Every backend runs this same sequence of torch ops for sites that need more than a row copy
-    (head selection, key alignment, dtype change, reductions), so their bytes match. ``heads``: the
-    site's head indices already on the device (graph capture forbids creating them here);
-    ``check_keys=False``: the caller checked ``max_keys`` on the host (no device sync here)."""
+    (head selection, key alignment, dtype change, reductions), so their bytes match. Key sites:
+    ``pad`` (per batch row, padding columns before the request's first key) and ``keys`` (the
+    step's key columns, past and padding included; an int, or a 1-element tensor on the device)
+    place the key axis (:func:`_align_keys`). ``heads``: the site's head indices already on the
+    device (graph capture forbids creating them here); ``check_keys=False``: the caller checked
+    ``max_keys`` on the host (no device sync here)."""
     layout = site.anchor["layout"]
     feat = [x.shape[layout.index(d)] if d in layout and d == "key" else n for d, n in zip(site.dims, site.shape)]
     sel = flat.index_select(0, idx).reshape(idx.shape[0], *feat)
@@ -60,7 +65,7 @@ def select_rows(x: torch.Tensor, flat: torch.Tensor, site: SitePlan, idx: torch.
         axis = 1 + next(k for k, d in enumerate(site.dims) if d in ("head", "kv_head"))
         sel = sel.index_select(axis, heads if heads is not None else torch.tensor(site.heads, device=sel.device))
     if "key" in site.dims:
-        sel = _align_keys(sel, site, batch_of_row, pad, check=check_keys)
+        sel = _align_keys(sel, site, batch_of_row, pad, keys, check=check_keys)
     sel = sel.to(site_dtype(site, dtype))
     if site.reduce and "topk" in site.reduce:
         values, indices = torch.topk(sel, site.reduce["topk"], dim=-1)
@@ -75,27 +80,39 @@ def site_dtype(site: SitePlan, float_dtype: torch.dtype) -> torch.dtype:
     return {"int32": torch.int32, "float32": torch.float32}.get(site.outputs[0].kind, float_dtype)
 
 
-def check_max_keys(site: SitePlan, keys: int, min_pad: int) -> None:
+def key_shift(keys: int | torch.Tensor, width: int) -> int | torch.Tensor:
+    """Key columns of the step (``keys``: past and new, padding included) before the first one a
+    ``width``-column key tensor holds. A sliding-window cache layer hands attention only the step's
+    last keys, in order (transformers' ``DynamicSlidingWindowLayer``: the last ``window - 1`` and
+    the step's; ``StaticSlidingWindowLayer``: the last ``window`` once full); a layer with room for
+    every key hands them from column 0 (a static one with columns not yet written after them)."""
+    return (keys - width).clamp(min=0) if isinstance(keys, torch.Tensor) else max(keys - width, 0)
+
+
+def check_max_keys(site: SitePlan, keys: int, min_offset: int) -> None:
     """The host-side form of ``_align_keys``' check: ``keys`` key columns minus the smallest
-    padding of the selected rows must fit ``max_keys``."""
-    if keys - min_pad > site.shape[-1]:
-        raise CaptureError(f"{site.name}: {keys - min_pad} key positions exceed max_keys={site.shape[-1]}. "
+    offset of the selected rows' first key (padding less :func:`key_shift`) must fit ``max_keys``."""
+    if keys - min_offset > site.shape[-1]:
+        raise CaptureError(f"{site.name}: {keys - min_offset} key positions exceed max_keys={site.shape[-1]}. "
                            f"Fix: raise max_keys in the hook spec entry that captures {site.canonical}")
 
 
 def _align_keys(sel: torch.Tensor, site: SitePlan, batch_of_row: torch.Tensor, pad: torch.Tensor | None,
-                check: bool = True) -> torch.Tensor:
+                keys: int | torch.Tensor = 0, check: bool = True) -> torch.Tensor:
     """Re-index the key axis (last) from cache columns to key positions 0..max_keys-1.
 
-    Left-padded batches keep ``pad[b]`` padding columns before a request's first key."""
+    Left-padded batches keep ``pad[b]`` padding columns before a request's first key; a key tensor
+    narrower than the step's ``keys`` columns holds their last ones (:func:`key_shift`). Positions
+    it does not hold (outside a sliding window, past the last key) are 0."""
     width = site.shape[-1]
-    offset = pad.to(sel.device)[batch_of_row] if pad is not None else torch.zeros(len(sel), dtype=torch.long, device=sel.device)
     k = sel.shape[-1]
+    offset = pad.to(sel.device)[batch_of_row] if pad is not None else torch.zeros(len(sel), dtype=torch.long, device=sel.device)
+    offset = offset - key_shift(keys, k)         # cache column of each row's key position 0 (may be < 0)
     if check and len(sel):
         check_max_keys(site, k, int(offset.min()))
     cols = torch.arange(width, device=sel.device)[None, :] + offset[:, None]     # [rows, max_keys]
-    valid = cols < k
+    valid = (cols >= 0) & (cols < k)
     shape = [sel.shape[0]] + [1] * (sel.ndim - 2) + [width]
-    idx = cols.clamp(max=k - 1).reshape(shape).expand(*sel.shape[:-1], width)
+    idx = cols.clamp(0, k - 1).reshape(shape).expand(*sel.shape[:-1], width)
     out = torch.gather(sel, -1, idx)
     return torch.where(valid.reshape(shape), out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -118,6 +118,7 @@ class StepControl:
     stream: "_Stream | None" = None    # a step larger than the ring: this is one of its parts (Ring.stream_slot)
     block_start: int = 0      # a part's block: absolute ring position of its start
     partial: bool = False     # a part that is not the step's last: the run merges it with the rest before export
+    keys: int = 0             # the step's key columns (past + seq, padding included; dmi.gather.key_shift)
 
 
 class _Stream:
@@ -127,12 +128,13 @@ class _Stream:
     marker follows its captures on the device) and opens the next, waiting for the drain to free
     room. The drain copies each ended part out while the forward goes on; the run merges the parts
     into one step before the store sees it."""
-    __slots__ = ("wanted", "left", "parts")
+    __slots__ = ("wanted", "left", "parts", "keys")
 
-    def __init__(self, wanted: dict, left: int):
+    def __init__(self, wanted: dict, left: int, keys: int):
         self.wanted = wanted      # site -> (capture tuple, aligned bytes): not captured yet
         self.left = left          # their bytes
         self.parts = 0
+        self.keys = keys          # the step's key columns (StepControl.keys)
 
 
 class StepLayout:
@@ -523,9 +525,10 @@ class Ring:
     # --- host: steps ----------------------------------------------------------------------------
     def begin_step(self, step: int, tokens, pad: np.ndarray,
                    wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout",
-                   ahead: bool = False) -> StepControl | None:
+                   ahead: bool = False, keys: int = 0) -> StepControl | None:
         """wanted: (site, sel, rows, bytes, priority) for every site with rows this step, or a
         :class:`StepLayout` of them (the fast path, when it fits as a whole and nothing caps it).
+        ``pad``, ``keys``: the step's key columns for key sites (:attr:`StepControl.pad`, ``keys``).
 
         ahead: the step is begun before its forward is known to come (the HF adapter's next decode
         step, while the GPU runs the current one). Only a layout that fits now is begun (else None:
@@ -534,7 +537,7 @@ class Ring:
         count once the forward takes the step (:meth:`take_ahead`) and vanish with a retracted one."""
         self._before_step()
         if isinstance(wanted, StepLayout):
-            ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead)
+            ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead, keys)
             if ctrl is not None or ahead:
                 return ctrl
             wanted, sizes = wanted.wanted, wanted.sizes.tolist()
@@ -550,7 +553,7 @@ class Ring:
         if self.bucket is not None:              # policy.d2h_bytes_per_s: wait (full) or drop (best_effort)
             keep = self._within_bandwidth(step, tokens, wanted, sizes, keep)
         if self.mode == "full" and total > self.bytes.capacity:      # through the ring in parts
-            return self._begin_stream(step, tokens, pad, [wanted[i] for i in keep], [sizes[i] for i in keep])
+            return self._begin_stream(step, tokens, pad, [wanted[i] for i in keep], [sizes[i] for i in keep], keys)
         with self.cond:
             t0 = stall = None                        # set when the step first waits for space (full)
             while True:
@@ -590,7 +593,7 @@ class Ring:
                 off += sizes[i]
                 self.next_seq += 1
             ctrl = StepControl(step, tokens, pad, slots, self.next_seq, block_end, first_seq=self.next_seq - len(keep),
-                               base=base, nbytes=need)
+                               base=base, nbytes=need, keys=keys)
             self.next_seq += 1
             self._open(ctrl)
         self.publish_control(ctrl)
@@ -628,7 +631,8 @@ class Ring:
                 f"{self.pending[0].step if self.pending else None}")
 
     # --- steps larger than the ring (full mode): in parts ---------------------------------------
-    def _begin_stream(self, step: int, tokens, pad: np.ndarray, wanted: list, sizes: list[int]) -> StepControl:
+    def _begin_stream(self, step: int, tokens, pad: np.ndarray, wanted: list, sizes: list[int],
+                      keys: int = 0) -> StepControl:
         """begin_step of a step whose captures exceed the ring (:class:`_Stream`): its first part."""
         too_big = [(w, z) for w, z in zip(wanted, sizes) if z > self.bytes.capacity]
         if too_big:
@@ -646,7 +650,7 @@ class Ring:
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)
-        stream = _Stream({w[0]: (w, z) for w, z in zip(wanted, sizes)}, sum(sizes))
+        stream = _Stream({w[0]: (w, z) for w, z in zip(wanted, sizes)}, sum(sizes), keys)
         return self._open_part(step, tokens, pad, stream, 0)
 
     def _open_part(self, step: int, tokens, pad: np.ndarray, stream: _Stream, at_least: int) -> StepControl:
@@ -668,7 +672,7 @@ class Ring:
                 self.stats.stall_seconds += time.perf_counter() - t0
             base, block_end = block
             ctrl = StepControl(step, tokens, pad, {}, self.next_seq, block_end, self.next_seq, base=base, nbytes=0,
-                               stream=stream, block_start=block_end - align_up(want))
+                               stream=stream, block_start=block_end - align_up(want), keys=stream.keys)
             stream.parts += 1
             self.pending.append(ctrl)
             self.current = ctrl
@@ -723,7 +727,7 @@ class Ring:
         self.publish_end(ctrl)
 
     def _begin_laid_out(self, step: int, tokens, pad: np.ndarray, layout: StepLayout,
-                        ahead: bool = False) -> StepControl | None:
+                        ahead: bool = False, keys: int = 0) -> StepControl | None:
         """begin_step for a reused layout; None where the general path must decide (the bandwidth
         cap has no room for the whole step now, or best_effort has no ring room: it waits or drops
         per site), and for a step begun ahead that would wait. Under best_effort a bandwidth cap
@@ -766,7 +770,7 @@ class Ring:
             first = self.next_seq
             self.next_seq += n + 1
             ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
-                               layout=layout, base=base, nbytes=layout.total)
+                               layout=layout, base=base, nbytes=layout.total, keys=keys)
             if ahead:
                 self._ahead_undo = _AheadUndo(ctrl, head, self.current, self.bucket, layout.total, drops)
             self._open(ctrl)
@@ -1023,7 +1027,7 @@ class CpuRing(Ring):
             self.meta = share.meta
         self._payload_np = self.payload.numpy()
         self._rows: dict = {}
-        self._pad = None
+        self._pad, self._keys = None, 0
 
     def meta_view(self) -> np.ndarray:
         return self.meta
@@ -1033,6 +1037,7 @@ class CpuRing(Ring):
         device = getattr(self, "device", None) or "cpu"
         self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
         self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
+        self._keys = ctrl.keys
 
     def capture(self, site, x, addend=None, side: bool = False) -> None:
         ctrl = self.current
@@ -1048,7 +1053,7 @@ class CpuRing(Ring):
         slot = ctrl.slots[site.index]
         with torch.no_grad():
             outs, src_seq = gather(x.detach(), site, self._rows[site.index], ctrl.tokens.seq, ctrl.tokens.batch,
-                                   self._pad, self.dtype)
+                                   self._pad, self.dtype, self._keys)
         n = outs[0].shape[0]
         flat = torch.cat([o.contiguous().reshape(-1).view(torch.uint8).cpu() for o in outs])
         if flat.numel() > slot.capacity:

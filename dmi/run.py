@@ -311,7 +311,7 @@ class Run:
                 return
             m.last_pos = m.last_pos + 1
             # the batch's rows again: its first decode step's layout is reused
-            self._begin_tokens(self._decode_tokens(m, m.last_pos), m.pad)
+            self._begin_tokens(self._decode_tokens(m, m.last_pos), m.pad, keys=m.total)
             return
         mask = mask_t.detach().cpu().numpy() if mask_t is not None else None
         pos = position_ids.detach().cpu().numpy() if position_ids is not None and mask is None else None
@@ -327,7 +327,7 @@ class Run:
         keep = self.requests.batch_capture       # per batch row (None: every request captures)
         self._mirror = _Mirror(batch, total, np.array(last, np.int64), np.asarray(self.requests.current(batch), np.int64),
                                np.asarray(pad, np.int64), keep)
-        self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad)
+        self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad, keys=total)
 
     def begin_tokens(self, st: StepTokens, pad: np.ndarray, *, keep: dict | None = None,
                      held: dict | None = None) -> None:
@@ -376,7 +376,7 @@ class Run:
         st = self._decode_tokens(m, position)
         try:
             layout = self._layout_for(st, None, None)
-            ctrl = self.ring.begin_step(self._step, st, m.pad, layout, ahead=True)
+            ctrl = self.ring.begin_step(self._step, st, m.pad, layout, ahead=True, keys=m.total + 1)
         except Exception:              # the step's own begin meets (and raises) the same error
             self.ring.retract_ahead()
             return
@@ -390,11 +390,13 @@ class Run:
             self.steps_ahead[1] += self.ring.retract_ahead()
 
     def _begin_tokens(self, st: StepTokens, pad: np.ndarray, keep: dict | None = None,
-                      held: dict | None = None) -> None:
+                      held: dict | None = None, keys: int = 0) -> None:
+        """``keys``: the step's key columns, past and padding included (HF: the 2D mask's width),
+        which place a sliding-window layer's keys (dmi.gather.key_shift)."""
         self._retract_ahead()
         st.step = self._step
         layout = self._layout_for(st, keep, held)
-        self.ring.begin_step(self._step, st, pad, layout)
+        self.ring.begin_step(self._step, st, pad, layout, keys=keys)
         self._commit(layout)
 
     def _commit(self, layout: StepLayout) -> None:

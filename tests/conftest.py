@@ -57,6 +57,25 @@ def model_pair(family: str, attn: str = "eager", seed: int = 0):
     return model, copy.deepcopy(model)
 
 
+WINDOWED = {"qwen3": "layers 1, 2 of 3 sliding", "qwen3_moe": "every layer sliding", "mixtral": "every layer sliding"}
+
+
+def windowed_pair(family: str, window: int, attn: str = "eager", seed: int = 0):
+    """:func:`model_pair` of a family with a sliding attention window of ``window`` keys (the
+    families in ``WINDOWED``; Qwen3 mixes full and sliding layers, as ``max_window_layers`` does)."""
+    import transformers as tf
+    from dmi.models import tiny_config
+    config = tiny_config(family)
+    if family == "mixtral":
+        config.sliding_window = window
+    else:       # (Qwen3's config derives each layer's type from these when it is built)
+        extra = {"max_window_layers": 1, "layer_types": None} if family == "qwen3" else {}
+        config = type(config)(**{**config.to_dict(), "use_sliding_window": True, "sliding_window": window, **extra})
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    return model, copy.deepcopy(model)
+
+
 def patched_modules(model) -> list:
     """The modules dmi has patched: an observed one's class is a patched subclass (or, where the
     instance had a forward of its own, it has dmi's bound on top); the model gets its step wrapper."""

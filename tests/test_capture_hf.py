@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dmi
-from conftest import FAMILIES, MOE_FAMILIES, model_pair
+from conftest import FAMILIES, MOE_FAMILIES, WINDOWED, model_pair, windowed_pair
 from storecheck import expected_rows as _expected, generate_rows as _rows
 
 NEW_TOKENS = 4
@@ -71,6 +71,69 @@ def test_generate_captures_equal_reference(family, encoded, write_spec, tmp_path
     # logits of the last token of each step = generate's raw logits
     logits = tree["logits"].dataset.logits.values
     np.testing.assert_array_equal(logits, torch.cat(want.logits).numpy())
+
+
+WINDOW, MAX_KEYS = 4, 64
+
+
+def _at_positions(weights: np.ndarray, first: int) -> np.ndarray:
+    """[head, key columns] weights as [head, MAX_KEYS] over key positions, ``first`` the column of
+    position 0 (negative: the columns hold later positions only); 0 where no column is."""
+    out = np.zeros((weights.shape[0], MAX_KEYS), weights.dtype)
+    cols = np.arange(MAX_KEYS) + first
+    held = (cols >= 0) & (cols < weights.shape[-1])
+    out[:, held] = weights[:, cols[held]]
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_pattern_equals_reference(family, cache, encoded, write_spec, tmp_path):
+    """attn.pattern of sliding-window layers through decode steps well past the window, left-padded
+    prompts: a sliding cache layer hands attention only the step's last keys (transformers'
+    DynamicSlidingWindowLayer the last window - 1 and the new one, StaticSlidingWindowLayer the last
+    window), and each stored row (request, position) holds its weights at their key positions, 0
+    outside the window. Bit for bit against output_attentions of the unpatched model on the same
+    cache (its last columns placed at the step's last positions); to float rounding against a cache
+    that keeps every key, where a request's key position j is column padding + j (nothing to place)."""
+    from transformers import DynamicCache
+    model, ref = windowed_pair(family, WINDOW)
+    spec = write_spec(f"""
+        capture:
+          - sites: [attn.pattern]
+            max_keys: {MAX_KEYS}
+        policy: {{mode: full, ring_bytes: 8MiB}}
+    """)
+    new = 2 * WINDOW
+    gen = dict(max_new_tokens=new, do_sample=False)
+    out = dict(output_attentions=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(**encoded, **gen, **out, cache_implementation=cache)
+        whole = ref.generate(**encoded, **gen, **out, past_key_values=DynamicCache())
+        with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+            got = run.model.generate(**encoded, **gen, cache_implementation=cache)
+    assert torch.equal(got, want.sequences) and torch.equal(got, whole.sequences)
+    kinds = {type(layer).__name__ for layer in want.past_key_values.layers}
+    assert kinds >= {"dynamic": {"DynamicSlidingWindowLayer"}, "static": {"StaticSlidingWindowLayer"}}[cache], kinds
+
+    mask = encoded["attention_mask"].bool()
+    pad, total = (~mask).sum(1).tolist(), mask.shape[1]
+    pattern = dmi.open(tmp_path / "o.zarr")["layers/attn/pattern"].dataset.pattern
+    for layer in range(model.config.num_hidden_layers):
+        same, every = {}, {}           # (request, position) -> reference row
+        for t in range(new):
+            keys = total + t           # the step's key columns, padding included
+            for b, s in _rows(mask, t):
+                at = (f"r{b}", s - pad[b] if t == 0 else total - pad[b] + t - 1)
+                w = want.attentions[t][layer][b, :, s].numpy()
+                same[at] = _at_positions(w, pad[b] - max(keys - w.shape[-1], 0))
+                every[at] = _at_positions(whole.attentions[t][layer][b, :, s].numpy(), pad[b])
+        stored = pattern.sel(layer=layer)
+        at = list(zip(stored.request.values.tolist(), stored.position.values.tolist()))
+        assert sorted(at) == sorted(same), layer
+        np.testing.assert_array_equal(stored.values, np.stack([same[k] for k in at]), err_msg=f"layer {layer}")
+        np.testing.assert_allclose(stored.values, np.stack([every[k] for k in at]), rtol=0, atol=1e-6,
+                                   err_msg=f"layer {layer}, against every key")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

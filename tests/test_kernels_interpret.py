@@ -86,17 +86,17 @@ def section_kernel() -> None:
     seq_no = 5
     ranged = []                                    # sites a case copied as one row range (copied_as_range)
 
-    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None, addend=None):
+    def run_case(x, site, rows, batch, step_seq, dtype, *, enabled=1, armed=1, launcher=None, addend=None, keys=0):
         """``addend``: the site's value is ``x + addend`` (dmi::capture_sum): graph launches sum in
         the kernel, eager ones are handed the sum, and a row range is added into the ring (as
-        KernelRing.capture does)."""
+        KernelRing.capture does). ``keys``: the step's key columns (key sites)."""
         nonlocal seq_no
         seq_no += 3
         ctrl = torch.zeros(4096, dtype=torch.int64)
         hdr = K.G_WORDS + K.S_WORDS * site.index
         start, pad_start = 600, 500
         pad = torch.from_numpy(rng.integers(0, 3, batch).astype(np.int64))
-        ctrl[:K.G_WORDS] = torch.tensor([armed, 11, batch, step_seq, 99, pad_start, 0, 0, 0])
+        ctrl[:K.G_WORDS] = torch.tensor([armed, 11, batch, step_seq, 99, pad_start, 0, 0, 0, keys])
         ctrl[pad_start:pad_start + batch] = pad
         ctrl[start:start + len(rows)] = torch.from_numpy(rows)
         ctrl[hdr:hdr + K.S_WORDS] = torch.tensor([1024, seq_no, len(rows), start, enabled, 0])
@@ -104,7 +104,7 @@ def section_kernel() -> None:
         meta = np.zeros(META, META_DTYPE)
         meta_t = torch.from_numpy(meta.view(np.int64))
         summed = x + addend if addend is not None else x
-        outs, src_seq = gather(summed, site, torch.from_numpy(rows), step_seq, batch, pad, dtype)
+        outs, src_seq = gather(summed, site, torch.from_numpy(rows), step_seq, batch, pad, dtype, keys)
         want = torch.cat([o.contiguous().reshape(-1).view(torch.uint8) for o in outs])
 
         class R:                                   # the attributes _SiteLaunch reads from a ring
@@ -128,7 +128,7 @@ def section_kernel() -> None:
         st.slots = {site.index: Step()}
         st.slots[site.index].rows = rows
         st.slots[site.index].offset, st.slots[site.index].seq, st.step = 1024, seq_no, 11
-        st.dev_rows_start, st.dev_pad_start, st.pad = {site.index: start}, pad_start, pad.numpy()
+        st.dev_rows_start, st.dev_pad_start, st.pad, st.keys = {site.index: start}, pad_start, pad.numpy(), keys
         st.dev_rows = {}                           # (StepControl.dev_rows: the rows views of eager captures)
         st.ranges = {}                             # (StepControl.ranges: copied_as_range's analysis of rows arrays)
         # device flags off only matter to graph launches (eager ones are skipped on the host); an eager
@@ -255,9 +255,12 @@ def section_kernel() -> None:
     pat = torch.softmax(torch.randn(B, 4, S, 9), -1)           # 9 key columns, left padding up to 2
     run_case(pat, _site("pattern", ["batch", "head", "seq", "key"], ["head", "key"], [4, 12]), rows_of(B, S), B, S,
              torch.float32)
+    # a sliding-window layer's keys: the last 9 of the step's 14 key columns (key positions 3.. up to 13)
+    run_case(pat, _site("pattern", ["batch", "head", "seq", "key"], ["head", "key"], [4, 16]), rows_of(B, S), B, S,
+             torch.float32, keys=14)
     # the end-marker kernel publishes once and disarms
     ctrl = torch.zeros(64, dtype=torch.int64)
-    ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 21, 0, 0, 0, 0])
+    ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 21, 0, 0, 0, 0, 0])
     meta = np.zeros(META, META_DTYPE)
     counters = torch.zeros(4, dtype=torch.int32)
     K.launch_end(ctrl, torch.from_numpy(meta.view(np.int64)), counters, meta_records=META, fence_idx=3)
@@ -271,7 +274,7 @@ def section_kernel() -> None:
     traced = torch.tensor([[0, 0, 128], [1, 1, 64], [2, 2, 32]])     # site, site word, row bytes
     for flag in (0, 1):
         meta[:] = 0
-        ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 23, 0, 4096, 19, flag])
+        ctrl[:K.G_WORDS] = torch.tensor([1, 4, B, S, 23, 0, 4096, 19, flag, 0])
         for site, (off, rseq, rows, on) in enumerate([(0, 0, 3, 2), (512, 1, 5, 1), (1024, 2, 7, 0)]):
             h = K.G_WORDS + K.S_WORDS * site
             ctrl[h:h + K.S_WORDS] = torch.tensor([off, rseq, rows, 0, on, 0])
@@ -296,7 +299,7 @@ def section_generate() -> None:
     import torch
 
     import dmi
-    from conftest import PROMPTS, model_pair
+    from conftest import PROMPTS, model_pair, windowed_pair
     from dmi.models import tiny_tokenizer
     torch.set_num_threads(2)
     enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
@@ -308,12 +311,17 @@ def section_generate() -> None:
                               {"sites": ["logits"], "tokens": "all"}]},
         "qwen3_moe": {"capture": [{"sites": ["moe.router_logits", "moe.topk_ids", "resid_post"], "layers": [0]},
                                   {"sites": ["logits"], "tokens": "last", "reduce": {"topk": 5}}]},
+        # sliding-window layers (1, 2) beside a full one: decode steps' keys placed past the window
+        "qwen3-window": {"capture": [{"sites": ["attn.pattern"], "max_keys": 64}, {"sites": ["resid_post"]}]},
     }
     for family, spec in specs.items():
         outs = {}
         for kind in ("cpu", "eager", "eager-ops", "graph"):
             os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
-            model, _ = model_pair(family, attn="sdpa")
+            if family.endswith("-window"):
+                model, _ = windowed_pair(family.split("-")[0], 4, attn="sdpa")
+            else:
+                model, _ = model_pair(family, attn="sdpa")
             with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
                 if kind == "graph":
                     run.ring.graph_mode = True     # launches read everything from the device control tensor

@@ -577,7 +577,7 @@ def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
                    store=tmp_path / "o.zarr")
     used = []
     begin = run.ring.begin_step
-    run.ring.begin_step = lambda step, st, pad, layout: used.append(layout) or begin(step, st, pad, layout)
+    run.ring.begin_step = lambda step, st, pad, layout, **kw: used.append(layout) or begin(step, st, pad, layout, **kw)
 
     def step(req, pos, phase=1, held_n=None, keep=None):
         n = len(req)

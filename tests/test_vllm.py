@@ -62,11 +62,13 @@ def generate(run, prompts, params) -> dict[str, tuple[list[int], list[int]]]:
     return {o.request_id: (list(map(int, o.prompt_token_ids)), list(map(int, o.outputs[0].token_ids))) for o in outs}
 
 
-def hf_reference(family: str, seqs: dict, spec: dict, store: Path, *, device: str = "cpu", dtype=torch.float32):
+def hf_reference(family: str, seqs: dict, spec: dict, store: Path, *, device: str = "cpu", dtype=torch.float32,
+                 path: str | None = None):
     """dmi's HF capture of each request's full sequence (one unpadded forward each), the model on
-    ``device`` (tests/gpu: "cuda", captured through the CUDA ring)."""
+    ``device`` (tests/gpu: "cuda", captured through the CUDA ring); ``path``: a saved model other
+    than the family's built-in one."""
     import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(save_builtin(f"tiny-{family}"), dtype=dtype).to(device)
+    model = tf.AutoModelForCausalLM.from_pretrained(path or save_builtin(f"tiny-{family}"), dtype=dtype).to(device)
     keep = ("sites", "layers", "max_keys", "heads")
     hook = {"capture": [{k: v for k, v in e.items() if k in keep} for e in spec["capture"]],
             "policy": {"ring_bytes": "64MiB"}}
@@ -234,6 +236,33 @@ def test_attention_pattern_recomputed_from_q_and_k(tmp_path):
     tree = dmi.open(tmp_path / "v.zarr")
     assert assert_matches_hf(tree, hf_reference("llama3_1", seqs, spec, tmp_path / "hf.zarr"), atol=1e-6) == \
         sum(len(p) + len(o) - 1 for p, o in seqs.values())
+
+
+def test_attention_pattern_within_the_sliding_window(tmp_path):
+    """A model whose layers attend to a sliding window of 4 keys (Mixtral's sliding_window): past
+    the window, attn.pattern weighs only the window's keys (0 before it), as HF's eager attention
+    does; HF's reference runs each whole sequence in one forward (every key at its column)."""
+    from vllm import SamplingParams
+
+    from conftest import windowed_pair
+    from dmi.models import tiny_tokenizer
+    model, _ = windowed_pair("mixtral", 4)
+    path = str(tmp_path / "model")
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    spec = {"capture": [{"sites": ["attn.pattern"], "layers": [0, 2], "max_keys": 64}]}
+    run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE, max_model_len=64,
+                   enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        seqs = generate(run, [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate([3, 20, 9])],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(tmp_path / "v.zarr")
+    ref = hf_reference("mixtral", seqs, spec, tmp_path / "hf.zarr", path=path)
+    assert assert_matches_hf(tree, ref, atol=1e-6) == sum(len(p) + len(o) - 1 for p, o in seqs.values())
+    weights = ref["layers/attn/pattern"].dataset.pattern.values      # [layer, row, head, key]
+    assert (np.count_nonzero(weights, axis=-1) <= 4).all() and weights.shape[-1] == 64   # (windowed, well past it)
 
 
 @pytest.mark.parametrize("writer", ["thread", "process", "drain process"])

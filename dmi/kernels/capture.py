@@ -14,7 +14,8 @@ these launches writes fresh slots on every replay, and copies exactly the step's
 
 ``ctrl`` layout (int64 words)::
 
-    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, base, first_seq, traced
+    [0, G_WORDS)                 armed, step, batch, seq, end_seq, pad_start, base, first_seq, traced,
+                                 keys (the step's key columns: dmi.gather.key_shift)
     [G_WORDS + S_WORDS*site, +6) offset (bytes from base), seq (from first_seq), rows, rows_start,
                                  enabled, inv_start   (one per site)
     [pad_start, +batch)          left-padding columns per batch row (key-aligned sites)
@@ -24,7 +25,7 @@ these launches writes fresh slots on every replay, and copies exactly the step's
 
 Site offsets and seqs are relative to the step's block (``base``) and first record
 (``first_seq``), so the site words and rows of a step that reuses the last step's layout are
-already on the device: the host then copies only the eight global words.
+already on the device: the host then copies only the global words.
 
 ``armed`` is set by the host at each step and cleared by the end-marker kernel, so a graph replayed
 without a new step captures nothing (and null mode never arms it). ``enabled`` is 0 for sites with
@@ -72,15 +73,15 @@ import os
 import triton
 import triton.language as tl
 
-from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_PAD_START,
-                    G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS, S_ROWS_START,
-                    S_SEQ, S_WORDS, TRACED_WORDS)
+from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_KEYS,
+                    G_PAD_START, G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS,
+                    S_ROWS_START, S_SEQ, S_WORDS, TRACED_WORDS)
 
 __all__ = ["capture_kernel", "end_kernel", "launch", "launch_end", "blocks", "word_dtype", "direct_geometry",
            "pdl_possible", "pdl_supported", "DIRECT", "IDENTITY", "END_SITE_WORD",
            # the control words (dmi.kernels.words), read by callers as this module's
-           "ENABLED", "ENABLED_ARANGE", "G_ARMED", "G_BASE", "G_BATCH", "G_END_SEQ", "G_FIRST_SEQ", "G_PAD_START",
-           "G_SEQ", "G_STEP", "G_TRACED", "G_WORDS", "OFF", "S_ENABLED", "S_INV", "S_OFFSET", "S_ROWS",
+           "ENABLED", "ENABLED_ARANGE", "G_ARMED", "G_BASE", "G_BATCH", "G_END_SEQ", "G_FIRST_SEQ", "G_KEYS",
+           "G_PAD_START", "G_SEQ", "G_STEP", "G_TRACED", "G_WORDS", "OFF", "S_ENABLED", "S_INV", "S_OFFSET", "S_ROWS",
            "S_ROWS_START", "S_SEQ", "S_WORDS", "TRACED_WORDS"]
 
 END_SITE_WORD = 0xFFFFFFFF   # site -1 (END_MARKER) as the low 32 bits, flags 0

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import CaptureError, PolicyError
-from ..gather import check_max_keys, select_rows, site_dtype, source_rows, token_major
+from ..gather import check_max_keys, key_shift, select_rows, site_dtype, source_rows, token_major
 from ..ring import META_DTYPE, ByteRing, Ring, StepControl, trace_mode
 from ..ringshare import ChildSide
 from ..stall import Stall
@@ -402,7 +402,7 @@ class KernelRing(Ring):
         # the end kernel publishes traced sites' records in steps that ran traced code (compiled)
         self._traced_word = traced = int(bool(self.traced) and (self.traced_steps or (
             self.traced_above is not None and batch * seq > self.traced_above)))
-        words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq, traced)
+        words = (1, ctrl.step, batch, seq, ctrl.end_seq, pad_start, ctrl.base, ctrl.first_seq, traced, ctrl.keys)
         steady = laid is not None and layout is self._on_device[0] and (
             pad is self._on_device[1] or np.array_equal(pad, self._on_device[1]))
         if steady:
@@ -430,7 +430,8 @@ class KernelRing(Ring):
             else:
                 f, rows_start, pos = self._site_words(ctrl, h, pos)
             if traced and (f[:, 1 + K.S_INV] < 0).any():
-                words = words[:K.G_TRACED] + (0,)     # a selection's inverse map did not fit: no traced records
+                # a selection's inverse map did not fit: no traced records
+                words = words[:K.G_TRACED] + (0,) + words[K.G_TRACED + 1:]
                 self._traced_word = 0
             hs = self._host_sites[k]
             hs[:, K.S_ENABLED] = K.OFF
@@ -1152,11 +1153,13 @@ class _SiteLaunch:
         s = cand % seq - (seq - src_seq)
         idx = (b_of_row * src_seq + s).clamp_(0, max(flat.shape[0] - 1, 0))
         b_of_row = b_of_row.clamp_(0, batch - 1)
-        pad = None
+        pad = keys = None
         if "key" in site.dims:
             pad_start = ring.ctrl.narrow(0, K.G_PAD_START, 1)
             pad = ring.ctrl.index_select(0, (pad_start + ring.arange[:batch]).clamp_(max=ring.ctrl_words - 1))
-        outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, heads=self.heads, check_keys=False)
+            keys = ring.ctrl.narrow(0, K.G_KEYS, 1)
+        outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, keys=keys, heads=self.heads,
+                           check_keys=False)
         drow = cnt = None
         if src_seq < seq:
             drow, cnt, _ = _device_compaction(ring, site, k_rows, seq, src_seq)
@@ -1194,8 +1197,10 @@ class _SiteLaunch:
             b_of_row = _upload(rows // seq, x.device) if src_seq < seq else idx // seq
             pad = ring.ctrl.narrow(0, st.dev_pad_start, batch)
             if n:
-                check_max_keys(site, x.shape[self.layout.index("key")], int(np.asarray(st.pad)[rows // seq].min()))
-        outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, heads=self.heads, check_keys=False)
+                k = x.shape[self.layout.index("key")]
+                check_max_keys(site, k, int(np.asarray(st.pad)[rows // seq].min()) - key_shift(st.keys, k))
+        outs = select_rows(x, flat, site, idx, b_of_row, pad, self.dtype, keys=st.keys, heads=self.heads,
+                           check_keys=False)
         offset = slot.offset
         for o in outs:                         # laid out one after the other, as the kernel does
             nb = o.numel() * o.element_size()

@@ -35,7 +35,7 @@ from ...siteop import SiteHandle, site, site_sum
 from ..hf.derived import DERIVED
 from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, rewrite_forward
 from . import compat
-from .pattern import vllm_attention_pattern
+from .pattern import sliding_window, vllm_attention_pattern
 
 DERIVED.setdefault("vllm_attention_pattern", vllm_attention_pattern)
 
@@ -211,7 +211,8 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
         if "assign" in a or "compute" in a:
             if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module
                 a = dict(a, compute=f"vllm_{a['compute']}", args=dict(a["args"], layer="self"))
-                obj._dmi_pattern = (s.shape[0], s.shape[-1])       # (heads, max_keys): constants for the op
+                # (heads, max_keys, sliding window): constants for the op
+                obj._dmi_pattern = (s.shape[0], s.shape[-1], sliding_window(obj))
             source_edits[obj].append(SourceEdit.of(s.canonical, a, _SOURCE_KEYS))
             handles[obj][s.canonical] = handle
             continue

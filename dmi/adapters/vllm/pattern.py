@@ -4,7 +4,8 @@ vLLM's attention kernels never materialize the weights, and the keys of earlier 
 paged KV cache, whose layout is backend-specific. dmi keeps its own copy of the keys of the
 *observed* layers instead (after RoPE, per request, grown as the request advances, dropped when it
 finishes) and recomputes ``softmax(q k^T * scaling)`` for the rows the site selected, exactly as
-HF's eager attention does (float32 softmax, causal, key columns = key positions 0..max_keys-1).
+HF's eager attention does (float32 softmax, causal and within the layer's sliding window if it has
+one, key columns = key positions 0..max_keys-1).
 
 The patched attention forward calls ``dmi_vllm::attention_pattern`` (an opaque custom op: no graph
 break under torch.compile) right after ``self.attn(q, k, v)``; it returns ``[num_tokens, head,
@@ -22,23 +23,29 @@ SESSIONS_BY_RUN: dict[int, object] = {}      # run id -> worker.Session
 
 @torch.library.custom_op("dmi_vllm::attention_pattern", mutates_args=())
 def attention_pattern_op(query: torch.Tensor, key: torch.Tensor, run: int, site: int, scaling: float,
-                         heads: int, max_keys: int) -> torch.Tensor:
+                         heads: int, max_keys: int, window: int) -> torch.Tensor:
     session = SESSIONS_BY_RUN.get(run)
     if session is None:
         return query.new_zeros(query.shape[0], heads, max_keys)
-    return session.keys.pattern(session.run, site, query, key, scaling, heads, max_keys)
+    return session.keys.pattern(session.run, site, query, key, scaling, heads, max_keys, window)
 
 
 @attention_pattern_op.register_fake
-def _fake(query, key, run, site, scaling, heads, max_keys):
+def _fake(query, key, run, site, scaling, heads, max_keys, window):
     return query.new_empty(query.shape[0], heads, max_keys)
+
+
+def sliding_window(layer) -> int:
+    """The attention window of a vLLM attention module (its ``attn``'s), 0 for none."""
+    return getattr(getattr(layer, "attn", None), "sliding_window", None) or 0
 
 
 def vllm_attention_pattern(query, key, scaling, layer):
     """Called by the patched forward (``__dmi_compute__``): the op, with this layer's constants."""
     handle = layer._dmi_sites["attn.pattern"]
-    heads, max_keys = layer._dmi_pattern
-    return torch.ops.dmi_vllm.attention_pattern(query, key, handle.run, handle.site, float(scaling), heads, max_keys)
+    heads, max_keys, window = layer._dmi_pattern
+    return torch.ops.dmi_vllm.attention_pattern(query, key, handle.run, handle.site, float(scaling), heads, max_keys,
+                                                window)
 
 
 class KeyStore:
@@ -66,7 +73,8 @@ class KeyStore:
         self.length[key] = max(self.length.get(key, 0), need)
 
     def pattern(self, run, site: int, query: torch.Tensor, key: torch.Tensor, scaling: float, heads: int,
-                max_keys: int) -> torch.Tensor:
+                max_keys: int, window: int = 0) -> torch.Tensor:
+        """``window``: the layer's sliding window (a query at position p sees keys p-window+1..p), 0 for none."""
         out = query.new_zeros(query.shape[0], heads, max_keys)
         ctrl = run.ring.current
         if ctrl is None or ctrl.ended:
@@ -92,8 +100,11 @@ class KeyStore:
             groups = heads // keys.shape[1]
             keys = keys.repeat_interleave(groups, dim=1)                         # [keys, head, head_dim]
             scores = torch.einsum("nhd,khd->nhk", q[rows], keys) * scaling       # [rows, head, keys]
-            causal = torch.arange(n_keys, device=q.device)[None, :] <= pos[:, None]
-            scores = scores.masked_fill(~causal[:, None, :], torch.finfo(scores.dtype).min)
+            j = torch.arange(n_keys, device=q.device)[None, :]
+            seen = j <= pos[:, None]
+            if window:
+                seen &= j > pos[:, None] - window
+            scores = scores.masked_fill(~seen[:, None, :], torch.finfo(scores.dtype).min)
             w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             out[rows, :, : min(n_keys, max_keys)] = w[..., :max_keys]
         return out
