@@ -102,7 +102,7 @@ class Plan:
     layers: int
     store_dtype: str = "native"
     chunk_bytes: int = 4 << 20
-    compression: str = "none"
+    compression: str = "lz4"
     max_bytes: int | None = None       # store.max_bytes: cap on chunk bytes on disk
     bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
     writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
@@ -293,7 +293,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
 
     policy = _policy(hook)
     plan = Plan(family=arch.data["family"], sites=sites, policy=policy, layers=n_layers, store_dtype=store_dtype,
-                chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "none"),
+                chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
