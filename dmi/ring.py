@@ -647,6 +647,7 @@ class Ring:
                               f"{self.bytes.capacity:,}, and policy.drain: process drains whole steps only",
                               key="policy.ring_bytes", fix="raise policy.ring_bytes, or use policy.drain: thread "
                                                            "(which streams a larger step through the ring)")
+        self.check_streamable(step, tokens)
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)
@@ -721,6 +722,10 @@ class Ring:
             end = ctrl.block_start + align_up(ctrl.nbytes) if ctrl.nbytes else ctrl.block_start
             if end < ctrl.block_end and self.bytes.head == ctrl.block_end:
                 self.bytes.head = ctrl.block_end = max(end, self.bytes.tail)
+
+    def check_streamable(self, step: int, tokens) -> None:
+        """Refuse a step larger than the ring whose captures would not call the host (kernel rings:
+        traced captures), rather than let them find no place and lose their rows."""
 
     def end_part_marker(self, ctrl: StepControl) -> None:
         """Publish the end marker of a part ended inside the forward (CPU: the host writes it)."""

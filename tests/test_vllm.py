@@ -265,18 +265,21 @@ def test_attention_pattern_within_the_sliding_window(tmp_path):
     assert (np.count_nonzero(weights, axis=-1) <= 4).all() and weights.shape[-1] == 64   # (windowed, well past it)
 
 
-@pytest.mark.parametrize("writer", ["thread", "process", "drain process"])
+@pytest.mark.parametrize("writer", ["thread", "process", "drain process", "streamed"])
 def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path, writer):
     """Many concurrent requests of different lengths, chunked prefill (64-token steps), prefix-cache
     hits: 100% of rows equal HF's row at their (request, position), each computed position once;
-    the same with the store written by its own process (store.writer), and with that process
-    draining the ring too (policy.drain: process, a ring small enough to wrap: no subscriber there)."""
+    the same with the store written by its own process (store.writer), with that process
+    draining the ring too (policy.drain: process, a ring small enough to wrap: no subscriber there),
+    and with a ring smaller than the largest steps, which then stream through it in parts."""
     from vllm import SamplingParams
     rng = np.random.default_rng(0)
     spec = {"capture": [{"sites": ["resid_post"], "layers": [0, 2]}, {"sites": ["final_norm", "logits"]}],
             "policy": {"ring_bytes": "32MiB"}, "store": {"writer": writer}}
     if writer == "drain process":
         spec |= {"policy": {"ring_bytes": "1MiB", "drain": "process"}, "store": {}}
+    if writer == "streamed":      # a 64-token step: ~64 KB, its largest capture 16 KiB
+        spec |= {"policy": {"ring_bytes": "32KiB"}, "store": {}}
     run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm",
                    **ENGINE, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
     live: list[dict] = []
@@ -290,9 +293,10 @@ def test_continuous_batching_rows_land_under_their_request_and_position(tmp_path
         params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
                   for m in rng.integers(1, 12, size=len(prompts))]
         seqs |= generate(run, [{"prompt_token_ids": p} for p in prompts], params)
-        steps = run.stats()["steps"]
+        steps, streamed = run.stats()["steps"], run.stats()["streamed_steps"]
     finally:
         run.shutdown()
+    assert (streamed > 0) == (writer == "streamed"), streamed
     tree = dmi.open(tmp_path / "v.zarr")
     assert steps > 20, "expected the requests to be spread over many continuous-batching steps"
     checked = assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr"))

@@ -597,6 +597,14 @@ class KernelRing(Ring):
         cur.wait_stream(side)
         return graph
 
+    def check_streamable(self, step: int, tokens) -> None:
+        if self.traced and (self.traced_steps or (self.traced_above is not None
+                                                  and tokens.batch * tokens.seq > self.traced_above)):
+            raise PolicyError(f"step {step} is larger than the ring ({self.describe_room()}) and its captures run "
+                              f"as traced ops in compiled code, which cannot stream through the ring in parts",
+                              key="policy.ring_bytes", fix="raise policy.ring_bytes to hold the engine's largest step, "
+                                                           "or set DMI_TRACED=0 (the site op streams)")
+
     def end_part_marker(self, ctrl: StepControl) -> None:
         """A part ended inside an eager forward: the end kernel, behind its captures on the stream."""
         self.device_end()

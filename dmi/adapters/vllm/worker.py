@@ -292,8 +292,38 @@ def prepare(worker) -> None:
 def engine_trace_mode(vllm_config) -> str:
     """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): ``DMI_TRACED`` where
     set, else ``range`` where the engine runs steps above its largest CUDA graph through its own
-    compile (:func:`compat.graph_top`), else ``0``."""
-    return os.environ.get("DMI_TRACED") or ("range" if compat.graph_top(vllm_config) is not None else "0")
+    compile (:func:`compat.graph_top`) and none of them can outgrow the ring, else ``0``: a step
+    larger than the ring streams through it in parts (``policy.mode: full``), which takes the site
+    op's host call at each capture, where a traced scatter would find no place for its rows."""
+    if os.environ.get("DMI_TRACED"):
+        return os.environ["DMI_TRACED"]
+    if compat.graph_top(vllm_config) is None:
+        return "0"
+    if _largest_step_streams(vllm_config):
+        log.info("dmi: steps above the largest CUDA graph capture through the site op (not traced): the largest "
+                 "engine step can exceed policy.ring_bytes and then streams through the ring")
+        return "0"
+    return "range"
+
+
+def _largest_step_streams(vllm_config) -> bool:
+    """Under ``policy.mode: full``, whether a step of ``max_num_batched_tokens`` tokens, every site
+    selecting every token (an upper bound), needs more than ``policy.ring_bytes``. False where the
+    hook spec does not resolve here (:func:`start` then says why)."""
+    import torch
+    from .plugin import read_config
+    try:
+        cfg = read_config(vllm_config)
+        hook = load_hook_spec(cfg["hook_spec"])
+        hf_config = vllm_config.model_config.hf_config
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf_config.model_type)
+        plan = build_plan(arch, hook, text)
+        itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+    except Exception:        # noqa: BLE001 - start() refuses the same spec with its own error
+        return False
+    step = vllm_config.scheduler_config.max_num_batched_tokens
+    return plan.policy.mode == "full" and plan.reserved_bytes(step, itemsize) > plan.policy.ring_bytes
 
 
 def start(worker) -> Session | None:
