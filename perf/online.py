@@ -44,11 +44,11 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   (``dmi-hidden`` with ``--base-src DIR``'s ``dmi/`` package, an earlier checkout: a change's A/B
   at the same minutes).
 
-dmi runs ``policy.mode: best_effort`` (a full ring drops whole captures, accounted, instead of
-stalling the engine; ``--policy-mode full``: lossless, a full ring stalls the step); ``--sink
-host`` (default) drains every capture to pinned host memory and skips the Zarr writes, like
-perf/offline.py's "-> host" rows (the exporter, ~0.1-0.5 GB/s, is measured separately); ``--sink
-zarr`` writes the store.
+dmi runs on default policy, the headline (``policy.mode: full``, lossless: a full ring stalls the
+step; the policy's own 256 MiB ring unless ``--ring-gib``; ``--policy-mode best_effort``: a full
+ring drops whole captures, accounted, instead of stalling the engine) and writes the Zarr store
+while serving (``--sink zarr``, the default); ``--sink host``, a diagnostic, drains every capture
+to pinned host memory and skips the store writes, like perf/offline.py's "-> host" rows.
 
 Load (``--rates``, one window each, ``--repeats`` rounds): a number is a rate, requests arriving as
 a Poisson process for ``--duration`` seconds (open loop: past the server's capacity a queue builds
@@ -397,15 +397,15 @@ def plugin_dir(root: Path) -> Path:
     return d
 
 
-def hook_spec(entries: list, args, ring: int, extra: dict | None = None, drain: str = "thread") -> str:
-    """The operator's hook spec, as JSON (valid YAML). best_effort (default): a full ring drops whole
-    captures (accounted in the store) instead of stalling the engine; full: the step waits. Pinned
-    host staging as large as the ring (a step larger than staging is copied through pageable
-    memory, much slower)."""
-    host = int(args.host_gib * GiB) if args.host_gib else ring
-    spec = {"capture": entries, "policy": {"mode": args.policy_mode, "ring_bytes": ring, "host_bytes": host,
-                                           "meta_records": 1 << 16, "drain": drain}, **(extra or {})}
-    return json.dumps(spec, indent=1)
+def hook_spec(entries: list, args, ring: int | None, extra: dict | None = None, drain: str = "thread") -> str:
+    """The operator's hook spec, as JSON (valid YAML). full (default): lossless, the step waits for
+    ring room; best_effort: a full ring drops whole captures (accounted in the store) instead of
+    stalling the engine. ``ring`` None (default): the policy's own ring and staging (a step larger
+    than the ring streams through it); else that ring, with pinned host staging as large."""
+    policy = {"mode": args.policy_mode, "meta_records": 1 << 16, "drain": drain}
+    if ring is not None:
+        policy |= {"ring_bytes": ring, "host_bytes": int(args.host_gib * GiB) if args.host_gib else ring}
+    return json.dumps({"capture": entries, "policy": policy, **(extra or {})}, indent=1)
 
 
 class Server:
@@ -537,7 +537,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
 
     def dmi(name, entries, ring_gib, extra=None, drain="thread"):
         path = specs / f"{name}.yaml"            # a fixed path: vLLM's compile cache key includes it
-        path.write_text(hook_spec(entries, args, int(ring_gib * GiB), extra, drain))
+        path.write_text(hook_spec(entries, args, None if ring_gib is None else int(ring_gib * GiB), extra, drain))
         store = stores / f"{name}.zarr"
         return {"DMI_HOOK_SPEC": str(path), "DMI_STORE": str(store), "DMI_OVERWRITE": "1", **sink}, [], False, store
 
@@ -580,7 +580,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)
         "dmi-hidden-base": _with(dmi("dmi-hidden-base", hidden, args.ring_gib), DMI_PERF_SRC=args.base_src or ""),
-        "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], 2 * args.ring_gib),
+        "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], args.ring_gib and 2 * args.ring_gib),
         "hooks": ({"DMI_PERF_HOOKS": "1"}, [], True, None),
         "vanilla-eager": ({}, [], True, None),
         "vanilla-v2": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, [], False, None),
@@ -610,8 +610,9 @@ def gpu_memory_total() -> int | None:
 
 def ring_bytes(cfg: tuple) -> int:
     """The GPU ring a configuration's hook spec asks for (0: no dmi)."""
+    from dmi.plan import DEFAULT_RING_BYTES
     spec = cfg[0].get("DMI_HOOK_SPEC")
-    return json.loads(Path(spec).read_text())["policy"]["ring_bytes"] if spec else 0
+    return json.loads(Path(spec).read_text())["policy"].get("ring_bytes", DEFAULT_RING_BYTES) if spec else 0
 
 
 def check_memory_share(args, ring: int, n_servers: int, total: int | None) -> None:
@@ -838,7 +839,9 @@ def main(argv=None) -> int:
                     help="vLLM's prefix cache off on every server (automatic when --interleave shares a server)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy", help="dummy: random weights, no weight files")
-    ap.add_argument("--sink", default="host", choices=["host", "zarr"])
+    ap.add_argument("--sink", default="zarr", choices=["host", "zarr"],
+                    help="zarr (default, the headline): every capture written to the store while serving; host: "
+                         "drained to pinned host memory, store writes skipped (a diagnostic)")
     ap.add_argument("--pyspy", type=float, default=0,
                     help="seconds: py-spy samples each server and its engine processes during --pyspy-rate, "
                          "and the per-thread growth against vanilla is printed (perf/pyspy.py; files in $OUT)")
@@ -857,9 +860,10 @@ def main(argv=None) -> int:
                          "work and its time is recorded (DMI_PERF_PROBE): is a server's host thread itself slower")
     ap.add_argument("--busy-us", type=float, default=600.0,
                     help="vanilla-busy: µs of host work before each mixed step's forward (dmi's changed-batch begin: ~600 served)")
-    ap.add_argument("--policy-mode", default="best_effort", choices=["best_effort", "full"],
+    ap.add_argument("--policy-mode", default="full", choices=["best_effort", "full"],
                     help="dmi's policy.mode (full: lossless, a full ring stalls the engine step; stall time in the store)")
-    ap.add_argument("--ring-gib", type=float, default=4.0, help="dmi GPU ring (internals: twice this)")
+    ap.add_argument("--ring-gib", type=float, default=None,
+                    help="dmi GPU ring (internals: twice this; default: the policy's own, 256 MiB)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("DMI_ONLINE_BUDGET_S", 0)) or None,
