@@ -953,7 +953,10 @@ class Ring:
         seqs = self.meta_view()["seq"]
         ready = []
         for ctrl in pending:
-            if int(seqs[ctrl.end_seq % self.meta_records]) != ctrl.end_seq:
+            if ctrl.stream is not None and not ctrl.ended:
+                break            # an open part's end seq is the next capture's until the part ends
+            end = ctrl.end_seq
+            if int(seqs[end % self.meta_records]) != end:
                 break
             ready.append(ctrl)
         return ready
