@@ -7,6 +7,7 @@ position, step number and phase (prefill/decode).
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 
@@ -16,6 +17,18 @@ from .errors import CaptureError, DmiError
 from .plan import TokenFilter
 
 PHASES = ("prefill", "decode")
+MAX_ID_CHARS = 128        # an engine-given request id (a client's X-Request-Id) as the store keeps it
+
+
+def bounded_id(rid: str) -> str:
+    """An engine-given request id as the store keeps it: printable ASCII of at most MAX_ID_CHARS
+    characters. A longer or unprintable one keeps its (cleaned) head and a digest of the whole, so
+    distinct ids stay distinct: a client cannot put an unbounded string into every row."""
+    clean = "".join(c if c.isascii() and c.isprintable() else "?" for c in rid)
+    if clean == rid and len(rid) <= MAX_ID_CHARS:
+        return rid
+    digest = hashlib.sha256(rid.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{clean[:MAX_ID_CHARS - 17]}~{digest}"
 
 
 @dataclass
@@ -67,7 +80,8 @@ class RequestTable:
         self._pending[threading.get_ident()] = (None if ids is None else list(ids), flags)
 
     def intern(self, ids: list[str]) -> list[int]:
-        """Indices of engine-given request ids (vLLM's), adding the ones not seen before."""
+        """Indices of engine-given request ids (vLLM's), adding the ones not seen before (stored as
+        :func:`bounded_id`: a client chooses them)."""
         got = list(map(self._index.get, ids))     # (an engine step's ids are mostly known ones)
         if None not in got:
             return got
@@ -75,7 +89,7 @@ class RequestTable:
             for rid in ids:
                 if rid not in self._index:
                     self._index[rid] = len(self.ids)
-                    self.ids.append(rid)
+                    self.ids.append(bounded_id(rid))
             return [self._index[r] for r in ids]
 
     def start_batch(self, batch: int) -> list[int]:

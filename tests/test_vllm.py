@@ -477,9 +477,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(port: int, body: dict) -> tuple[int, dict]:
+def _post(port: int, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -634,6 +634,10 @@ def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_pat
             status, body = _post(port, base | {"vllm_xargs": xargs})
             assert status == 400 and words in body["error"]["message"], body
             assert "choices" not in body
+            assert "resid_post" not in body["error"]["message"]       # refusals name no site the operator captures
+        # a client's request id goes into every row of its request: bounded and printable in the store
+        status, body = _post(port, base, headers={"X-Request-Id": "x" * 100_000})
+        assert status == 200, body
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -644,7 +648,11 @@ def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_pat
         log.close()
     tree = dmi.open(store)
     assert tree.attrs["dmi_status"] == "closed", (tmp_path / "server.log").read_text()[-3000:]
-    count = {g: collections.Counter(str(r) for r in tree[g].dataset.request.values)
+    ids = {str(r) for g in ("layers/resid_post", "logits") for r in tree[g].dataset.request.values}
+    assert all(len(r) <= 128 and r.isprintable() for r in ids), max(map(len, ids))
+    long_ids = {r for r in ids if "xxxxxxxx" in r}
+    assert len(long_ids) == 1, long_ids                     # the long id's request, stored once, bounded
+    count = {g: collections.Counter(str(r) for r in tree[g].dataset.request.values if "xxxxxxxx" not in str(r))
              for g in ("layers/resid_post", "logits", "layers/attn/q")}
     # the store's request ids start with the OpenAI response id (vLLM adds a suffix per prompt)
     who = {g: {next(k for k, v in ok.items() if r.startswith(v)) for r in c} for g, c in count.items()}

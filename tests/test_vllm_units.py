@@ -293,8 +293,23 @@ EXTRA = {"layers.1.attn.q"}
     ({"max_rows": -1}, ServePolicy(), "non-negative integer"),
 ])
 def test_each_refusal(args, policy, words):
-    with pytest.raises(RequestRefused, match=words.replace("(", r"\(")):
+    with pytest.raises(RequestRefused, match=words.replace("(", r"\(")) as info:
         check(args, policy, DEFAULT, EXTRA)
+    # a refusal says what is refused, never what the operator captures or offers
+    assert not any(name in str(info.value) for name in DEFAULT | EXTRA), info.value
+
+
+def test_engine_request_ids_are_stored_bounded_printable_and_distinct():
+    """A client picks its request id (X-Request-Id), which goes into every row of its request."""
+    from dmi.tokens import MAX_ID_CHARS, bounded_id
+    table = RequestTable()
+    long_a, long_b, odd = "a" * 100_000, "a" * 99_999 + "b", "cmpl-\x00\n\u00e9\ud800"
+    idx = table.intern(["cmpl-1-0", long_a, long_b, odd, long_a])
+    assert idx == [0, 1, 2, 3, 1]
+    assert table.ids[0] == "cmpl-1-0"                       # an ordinary id is stored as given
+    stored = table.ids[1:]
+    assert len(set(stored)) == 3 and all(len(r) <= MAX_ID_CHARS and r.isascii() and r.isprintable() for r in stored)
+    assert all(bounded_id(r) == r for r in table.ids)       # stored ids are their own bounded form (resume)
 
 
 @pytest.mark.parametrize("args", [
