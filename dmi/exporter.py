@@ -61,6 +61,10 @@ STORE_NICE = 10       # the store's threads' niceness: the model's threads (0) w
 TICK_S = 0.25          # the exporter thread looks at failures and the commit clock at least this often
 COMMIT_S = 1.0         # open chunks are written and steps committed at least this often
 TMP_SUFFIX = ".dmi-tmp"
+STAGE_SUFFIX = ".dmi-new"      # a store being created: built beside its path, then renamed into place
+OLD_SUFFIX = ".dmi-old"        # an overwritten store, renamed away before it is deleted
+RESERVE = ".dmi-reserve"       # .NAME.dmi-reserve beside an open store: space for its final metadata (a full disk)
+RESERVE_BYTES = 1 << 20
 # store.compression lz4: blosc-lz4 over each value's bits regrouped (bitshuffle). On bf16 activations
 # byte shuffle + lz4 encoded 0.7 GB/s a core and saved 6 % of the bytes; bitshuffle encodes 1.6-2.0
 # GB/s and saves 12-14 % (float32-widened bf16: 1.6 -> 1.8 GB/s, 51 -> 56 % saved); decoding is as fast
@@ -95,11 +99,13 @@ def check_writable(path: str | Path, overwrite: bool) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
+    attrs = _root_attrs(path) if path.is_dir() else {}
+    if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
+        # (overwrite too: deleting a store another run is writing loses its data and breaks that run)
+        raise StoreError(f"store {str(path)!r} is being written by process {attrs['dmi_writer']['pid']}"
+                         + (" (overwrite=True / --overwrite does not delete a store another run is writing)"
+                            if overwrite else "") + ". Fix: choose a new path, or wait until that run closes it")
     if path.exists() and not overwrite:
-        attrs = _root_attrs(path)
-        if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
-            raise StoreError(f"store {str(path)!r} is being written by process {attrs['dmi_writer']['pid']}. "
-                             f"Fix: choose a new path, or wait until that run closes it")
         crashed = attrs.get("dmi_status") == "open"
         raise StoreError(f"store {str(path)!r} already exists" + (" and did not close cleanly" if crashed else "")
                          + ". Fix: " + ("continue it with resume=True (CLI: --resume), " if crashed else "")
@@ -201,6 +207,71 @@ def _root_attrs(path: Path) -> dict:
         return {}
 
 
+def create_atomically(path: Path, overwrite: bool, build) -> None:
+    """Create a store at ``path`` as a whole: ``build(stage)`` lays it out in a hidden directory
+    beside it (``.NAME.PID.HOST.dmi-new``, same file system), which is then renamed into place. A
+    process killed while building leaves no half store at ``path`` (an existing one it was to
+    overwrite stays as it was); the staging directories of dead processes are removed by the next
+    creation of the same path. ``check_writable`` must have allowed ``path`` (and ``overwrite``)."""
+    path = Path(path)
+    tag = f"{os.getpid()}.{socket.gethostname()}"
+    stage = path.parent / f".{path.name}.{tag}{STAGE_SUFFIX}"
+    _remove_stale(path)
+    if stage.exists():
+        shutil.rmtree(stage)
+    try:
+        build(stage)
+        if path.exists():             # overwrite: the old store goes aside, the new one takes its name
+            old = path.parent / f".{path.name}.{tag}{OLD_SUFFIX}"
+            os.rename(path, old)
+            os.rename(stage, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(stage, path)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _remove_stale(path: Path) -> None:
+    """Staging (and overwritten) directories beside ``path`` that a dead process on this host left."""
+    prefix = f".{path.name}."
+    try:
+        entries = list(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:
+        return
+    for p in entries:
+        name = p.name
+        if not name.startswith(prefix) or not name.endswith((STAGE_SUFFIX, OLD_SUFFIX)):
+            continue
+        pid, _, host = name[len(prefix):].rsplit(".", 1)[0].partition(".")
+        if pid.isdigit() and host == socket.gethostname() and writer_alive({"pid": int(pid), "host": host}) is False:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _store_gone(path: Path) -> StoreError | None:
+    """The error of a store whose directory was removed (or replaced) while this run wrote it."""
+    if (Path(path) / "zarr.json").is_file():
+        return None
+    return StoreError(f"store {str(path)!r} was removed while this run was writing it (no {str(path)}/zarr.json): "
+                      f"its captures are lost and nothing is written there any more (a half store is not "
+                      f"recreated). Fix: leave the store in place until its run has closed it (another run's "
+                      f"--overwrite is refused while it is open), then capture again into a new store")
+
+
+def reserve_path(path: Path) -> Path:
+    """The file beside an open store that holds space for its final metadata (a hidden sidecar:
+    zarr-python warns about any file inside a group it does not know)."""
+    return Path(path).parent / f".{Path(path).name}{RESERVE}"
+
+
+def _reserve(path: Path) -> None:
+    """Hold ``RESERVE_BYTES`` beside the store for its final metadata: on a full disk ``close``
+    frees them first, so the status, the error and the drops table can still be written."""
+    with open(reserve_path(path), "wb") as f:
+        f.write(bytes(RESERVE_BYTES))
+
+
 # --- chunk files ----------------------------------------------------------------------------------
 
 class ArrayFile:
@@ -242,7 +313,13 @@ class ArrayFile:
         """Write an encoded chunk to a temp file beside its final name: (temp, final)."""
         path = self.path(chunk)
         if path.parent not in self._dirs:
-            os.makedirs(path.parent, exist_ok=True)
+            d = self.dir          # below the array's directory only: a removed store is not recreated
+            for part in path.parent.relative_to(self.dir).parts:
+                d = d / part
+                try:
+                    os.mkdir(d)
+                except FileExistsError:
+                    pass
             self._dirs.add(path.parent)
         tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         with open(tmp, "wb") as f:
@@ -442,27 +519,32 @@ class ZarrExporter:
     # --- layout ---------------------------------------------------------------------------------
     def _create(self, path, attrs: dict, overwrite: bool) -> None:
         self.path = check_writable(path, overwrite)
-        if self.path.exists():
-            shutil.rmtree(self.path)
         try:
-            self.root = zarr.open_group(str(self.path), mode="w", zarr_format=3)
-            self.root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "dmi_writer": _writer()})
-            # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
-            # near disk speed and shrinks the fill of partial tail chunks
-            compressors = {"none": None, "zstd": "auto", "lz4": BloscCodec(**LZ4)}[self.plan.compression]
-            for g in self.groups.values():
-                self._create_group(g, compressors)
-            grp = self.root.require_group("drops")
-            for name, dt in DROP_COLUMNS.items():
-                grp.create_array(name, shape=(0,), chunks=(DROP_CHUNK,), dtype=dt, dimension_names=["drop"])
-            grp.attrs["description"] = ("every dropped capture: (step, site, requests, rows, bytes, reason); requests: "
-                                        "the capture's request ids (as the request coordinate), space-separated; "
-                                        "reason: what the policy dropped (ring_full, bandwidth) or sink (the store failed)")
-            self._open_files(self.drops_group)
-            self.root.attrs["dmi_committed"] = self._marker()
+            create_atomically(self.path, overwrite, lambda stage: self._build(stage, attrs))
+            self.root = zarr.open_group(str(self.path), mode="r+", use_consolidated=False)
+            for g in self._all:
+                self._open_files(g)
+            _reserve(self.path)
         except OSError as e:
             raise StoreError(f"store {str(self.path)!r} cannot be created: {e}. Fix: choose a writable path") from e
         self.store_bytes = _du(self.path)
+
+    def _build(self, stage: Path, attrs: dict) -> None:
+        """The new store's layout, in its staging directory (see create_atomically)."""
+        self.root = zarr.open_group(str(stage), mode="w", zarr_format=3)
+        self.root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "dmi_writer": _writer()})
+        # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
+        # near disk speed and shrinks the fill of partial tail chunks
+        compressors = {"none": None, "zstd": "auto", "lz4": BloscCodec(**LZ4)}[self.plan.compression]
+        for g in self.groups.values():
+            self._create_group(g, compressors)
+        grp = self.root.require_group("drops")
+        for name, dt in DROP_COLUMNS.items():
+            grp.create_array(name, shape=(0,), chunks=(DROP_CHUNK,), dtype=dt, dimension_names=["drop"])
+        grp.attrs["description"] = ("every dropped capture: (step, site, requests, rows, bytes, reason); requests: "
+                                    "the capture's request ids (as the request coordinate), space-separated; "
+                                    "reason: what the policy dropped (ring_full, bandwidth) or sink (the store failed)")
+        self.root.attrs["dmi_committed"] = self._marker()
 
     def _create_group(self, g: GroupBuffer, compressors) -> None:
         grp = self.root.require_group(g.name)
@@ -489,7 +571,6 @@ class ZarrExporter:
             hd[:] = np.array(first.heads, np.int32)
         grp.attrs.update({"site": first.canonical, "sites": [s.name for s in g.sites],
                           "tokens": dataclasses.asdict(first.tokens), "reduce": first.reduce or {}})
-        self._open_files(g)
 
     def _open_files(self, g: GroupBuffer) -> None:
         names = [o.name for o in g.sites[0].outputs] + list(COORDS) if g.sites else list(DROP_COLUMNS)
@@ -517,6 +598,7 @@ class ZarrExporter:
                 {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
             self.root.attrs.update({"dmi_status": "open", "dmi_writer": _writer(), "resumed": resumed})
+            _reserve(path)
             for g in self._all:
                 self._open_files(g)
                 if g.sites:
@@ -774,7 +856,8 @@ class ZarrExporter:
         except StoreError:
             raise
         except OSError as e:
-            raise StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}") from e
+            raise (_store_gone(self.path) or
+                   StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")) from e
         finally:
             _unlink(tmps)
             if recycle:
@@ -849,16 +932,20 @@ class ZarrExporter:
             return
         self.committed_step = last.step
         try:
+            gone = _store_gone(self.path)
+            if gone is not None:
+                raise gone
             for g, n in zip(self._all, last.cum.tolist()):
                 if g.shape_rows != n:
                     for f in g.files.values():
                         f.set_rows(n)
                     g.shape_rows = n
             self.root.attrs["dmi_committed"] = self._marker()   # zarr writes a temp file and renames it
-        except OSError as e:
+        except (OSError, StoreError) as e:
             with self._lock:
                 if self.error is None:
-                    self.error = StoreError(f"{self.path}: committing step {last.step} failed: {e}. {_FIX_IO}")
+                    self.error = e if isinstance(e, StoreError) else (_store_gone(self.path) or StoreError(
+                        f"{self.path}: committing step {last.step} failed: {e}. {_FIX_IO}"))
             self._on_failure()
 
     def _marker(self, summary: dict | None = None) -> dict:
@@ -985,8 +1072,26 @@ class ZarrExporter:
             self.finish()
         except StoreError:
             clean = False
+        gone = _store_gone(self.path)
+        if gone is not None:      # removed under the run: nothing more is written (zarr would recreate a half store)
+            self._shutdown(wait=False)
+            _unlink([reserve_path(self.path)])
+            with self._lock:
+                if self.error is None:
+                    self.error = gone
+            raise gone
         try:
+            _unlink([reserve_path(self.path)])    # its space is for what follows, should the disk be full
+            attrs = _jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
+                                          "store_error": None if self.error is None else str(self.error)}
             if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
+                try:                          # the status and the error first, should the drops table fill the disk
+                    self.root.attrs.update(attrs | {"dmi_committed": self._marker(summary)})
+                except OSError as e:
+                    log.warning("dmi: %s: recording the store's failure failed: %s", self.path, e)
+                for g in self.groups.values():    # a commit that failed midway (a full disk) can have grown
+                    for f in g.files.values():    # some arrays of a group: all back to the last commit
+                        f.set_rows(g.shape_rows)
                 self._append_drops([d for d in self.drops if d.reason == "sink"])   # (writer drops are in it)
                 self._write_open(self.drops_group)
                 self._wait_all()
@@ -996,8 +1101,6 @@ class ZarrExporter:
                     f.set_rows(n)
                 self.drops_group.shape_rows = n
             self._shutdown(wait=True)
-            attrs = _jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
-                                          "store_error": None if self.error is None else str(self.error)}
             attrs["dmi_committed"] = self._marker(summary)
             self.root.attrs.update(attrs)
             with warnings.catch_warnings():

@@ -52,7 +52,7 @@ import numpy as np
 
 from .errors import DmiError, StoreError
 from .exporter import (DROP_CHUNK, DROP_COLUMNS, _PHASES, ArrayFile, ZarrExporter, _copy_rows,
-                       _jsonable, _write_atomic, _writer, check_writable, storage_dtype)
+                       _jsonable, _write_atomic, _writer, check_writable, create_atomically, storage_dtype)
 
 SPLIT_DIMS = ("head", "kv_head", "mlp")       # canonical dims vLLM's parallel linears split
 COORDS = ("request", "position", "step", "phase")
@@ -335,13 +335,17 @@ def create_store(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, 
     the unsharded ``plan``, split arrays chunked at shard boundaries, the ``tp`` layout in the root
     and array attributes, and one ``tp/rank<r>`` group per rank (its notes: only that rank writes
     them). Token extents start at 0 and only :func:`commit` grows them. Returns the root group."""
-    import shutil
-
     import zarr
     layout.check_plan(plan)
     path = check_writable(path, overwrite)
-    if path.exists():
-        shutil.rmtree(path)
+    # built beside the path and renamed into place: a rank 0 killed meanwhile leaves no half store
+    create_atomically(path, overwrite, lambda stage: _lay_out(stage, plan, layout, capture_dtype, attrs, chunk_rows))
+    return zarr.open_group(str(path), mode="r+", use_consolidated=False)
+
+
+def _lay_out(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, chunk_rows: int | None):
+    """create_store's layout, in its staging directory."""
+    import zarr
     root = zarr.open_group(str(path), mode="w", zarr_format=3)
     root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "tp": layout.describe()})
     float_dtype = storage_dtype(plan, capture_dtype)
