@@ -11,7 +11,7 @@ from .errors import DmiError, SpecError
 from .exporter import check_resumable, check_writable
 from .plan import build_plan
 from .run import Run
-from .spec import find_arch_spec, load_arch_spec, load_hook_spec
+from .spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
 
 
 def _resolve_model(model: Any, dtype=None, device=None, **hf_kwargs):
@@ -81,6 +81,7 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     hf.check_unpatched(m)
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
+    check_arch_matches(arch, getattr(m.config, "model_type", None))
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
     run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)

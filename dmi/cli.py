@@ -381,6 +381,9 @@ def _validate_hook(hook, arch, args) -> int:
         print(f"{hook.file}: ok: hook spec (schema only: no built-in tiny config for family "
               f"{arch.data['family']!r}; pass --model to check sites and layers against a model config)")
         return EXIT_OK
+    if args.model:
+        from .spec import check_arch_matches
+        check_arch_matches(arch, getattr(config, "model_type", None))
     try:
         plan = build_plan(arch, hook, config, model_dtype_itemsize=itemsize, available=_available(config, arch))
     except SpecError as e:

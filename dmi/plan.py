@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PolicyError
-from .spec import Document, parse_bytes
+from .spec import Document, format_path, parse_bytes
 from .stall import DEFAULT_STALL_TIMEOUT_S
 
 DEFAULT_RING_BYTES = 256 << 20
@@ -182,11 +182,13 @@ def _match(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[
 
 
 def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_itemsize: int = 4,
-               available: set[tuple[str, int | None]] | None = None, unavailable: dict[str, str] | None = None) -> Plan:
+               available: set[tuple[str, int | None]] | None = None, unavailable: dict[str, str] | None = None,
+               engine: str = "hf") -> Plan:
     """Semantic validation + resolution. ``available`` lists (canonical, layer) pairs that exist in
     the loaded model (e.g. MoE sites only on MoE layers); None means all. ``unavailable``: canonical
     sites the engine never computes, and why: named alone they are refused with the reason, matched
-    by a glob they are left out and listed in ``Plan.unavailable``."""
+    by a glob they are left out and listed in ``Plan.unavailable``. ``engine``: the anchors
+    (``hf`` or ``vllm``) ``available`` was found by, named when a site's module path matches nothing."""
     dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
     n_layers = dims["layer"]
     candidates = all_site_names(arch, n_layers)
@@ -194,6 +196,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     left_out = [c for c in candidates if c[1] in unavailable]
     if available is not None:
         candidates = [c for c in candidates if (c[1], c[2]) in available]
+    in_model = candidates
     candidates = [c for c in candidates if c[1] not in unavailable]
     skipped: dict[str, str] = {}
     canonical_names = sorted(arch.data["sites"])
@@ -210,6 +213,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
             matched = _match(pattern, candidates)
             skipped.update((c[1], unavailable[c[1]]) for c in _match(pattern, left_out))
             if not matched:
+                if _split_layer(pattern)[1] not in unavailable:
+                    _check_site_in_model(pattern, arch, hook, path + ("sites", j), n_layers, in_model, engine)
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
                 problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
@@ -325,6 +330,36 @@ def _split_layer(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
+def _check_site_in_model(pattern: str, arch: Document, hook: Document, hook_path: tuple, n_layers: int,
+                         candidates: list[tuple[str, str, int | None]], engine: str = "hf") -> None:
+    """A pattern that names a site of the architecture spec which this model does not have at all:
+    a model without layers (for a per-layer site), or a module path of the spec that matches no
+    module of the model. Either is the model's or the architecture spec's fault, not the hook spec's."""
+    from .errors import SpecError
+    layer, base = _split_layer(pattern)
+    site = arch.data["sites"].get(base)
+    if site is None:
+        return
+    asked = f"(asked for by {hook.file}"
+    line = hook.line_of(hook_path)
+    asked += f":{line}" if line is not None else ""
+    asked += f" {format_path(hook_path)})"
+    if site.get("per_layer") and n_layers < 1:
+        attr = arch.data["dims"].get("layer", "num_hidden_layers")
+        raise arch.error(("dims", "layer"), f"site {base!r} is per-layer but the model config has {attr}={n_layers}: "
+                         f"the model has no layer to capture {asked}",
+                         fix=f"load a model with at least one layer, or capture model-level sites only "
+                             f"({', '.join(sorted(n for n, s in arch.data['sites'].items() if not s.get('per_layer')))})")
+    module = (site.get(engine) or {}).get("module")
+    if module is None or any(c[1] == base for c in candidates):
+        return
+    raise SpecError(f"site {base!r} is in the spec but its module path {module!r} matches nothing in this model "
+                    f"{asked}", file=arch.file, key=format_path(("sites", base, engine, "module")),
+                    line=arch.line_of(("sites", base, engine)),
+                    fix=f"correct the module path of {base} in {arch.file} to this model's module names "
+                        f"(print(model) lists them), or pass the architecture spec of this model's family")
+
+
 def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],
               unavailable: dict[str, str]) -> tuple[str, str]:
     """(problem, fix) for a site pattern that matched nothing."""
@@ -344,7 +379,7 @@ def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int,
                 f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer")
     problem = (f"site pattern {pattern!r} matches no site of this model" if known
                else f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}")
-    close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)
+    close = [c for c in difflib.get_close_matches(base, canonical, n=4, cutoff=0.5) if c != base][:3]
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
     return problem, f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
 

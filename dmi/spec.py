@@ -275,6 +275,22 @@ def find_arch_spec(model_type: str, extra_dirs: list[Path] = ()) -> Document:
                     fix=f"pass arch_spec=<your spec.yaml> (see CONTRIBUTING in docs/sites.md); known: {known}")
 
 
+def check_arch_matches(arch: Document, model_type: str | None) -> None:
+    """Refuse an architecture spec written for another family than the model's: its
+    ``match.model_type`` must list the model's ``config.model_type``."""
+    types = arch.data["match"]["model_type"]
+    if model_type is None or model_type in types:
+        return
+    try:
+        right = find_arch_spec(model_type)
+        other = f"pass {right.file} (the spec for model_type {model_type!r}) or leave arch_spec out, "
+    except SpecError:
+        other = ""
+    raise arch.error(("match", "model_type"), f"this spec is for family {arch.data['family']!r} (model_type "
+                     f"{', '.join(map(repr, types))}) but the model's config.model_type is {model_type!r}",
+                     fix=f"{other}or, if this spec does fit the model, add {model_type!r} to match.model_type")
+
+
 def load_hook_spec(source: str | Path | dict) -> Document:
     doc = load_yaml(source, what="hook spec")
     validate(doc, "hook_spec.schema.json", "hook spec")

@@ -573,6 +573,46 @@ def test_anchor_error_names_the_site_whose_anchor_is_missing(tmp_path, store):
     assert not patched_modules(model)
 
 
+def test_arch_spec_of_another_family_is_refused(load):
+    llama = build_tiny_model("tiny-llama3_1")
+    msg = check(load(GOOD, SpecError, model=llama, arch_spec=QWEN3_SPEC), SpecError, file=QWEN3_SPEC,
+                line=line_of(QWEN3_SPEC, "model_type:"), key="match.model_type",
+                says=("family 'qwen3'", "config.model_type is 'llama'", "llama3_1.yaml", "add 'llama' to match.model_type"))
+    assert "did you mean" not in msg
+
+
+def test_arch_spec_listing_the_model_type_is_accepted(tmp_path, store):
+    arch = qwen3_copy(tmp_path, "model_type: [qwen3]", "model_type: [qwen3, llama]")
+    run = dmi.load(build_tiny_model("tiny-llama3_1"), hook_spec={"capture": [{"sites": ["resid_post"]}]},
+                   store=store, arch_spec=arch)
+    run.close()
+
+
+def test_arch_spec_module_path_that_matches_nothing_is_blamed_on_the_arch_spec(tmp_path, write_spec, load):
+    arch = qwen3_copy(tmp_path, '"model.layers.{i}", output: 0', '"model.blocks.{i}", output: 0')
+    hook = write_spec("capture:\n  - sites: [resid_post]\n")
+    msg = check(load(hook, SpecError, arch_spec=arch), SpecError, file=arch, line=line_of(arch, "model.blocks.{i}"),
+                key="sites.resid_post.hf.module",
+                says=("site 'resid_post' is in the spec but its module path 'model.blocks.{i}' matches nothing in this "
+                      "model", f"{hook}:2 capture[0].sites[0]"))
+    assert "did you mean" not in msg
+
+
+def test_model_without_layers_is_not_a_typo(load):
+    config = tiny_config("qwen3")
+    config.num_hidden_layers = 0
+    msg = check(load(GOOD, SpecError, model=config), SpecError, file=QWEN3_SPEC, key="dims.layer",
+                says=("num_hidden_layers=0", "no layer to capture", "final_norm"))
+    assert "did you mean" not in msg
+
+
+def test_a_close_match_never_suggests_the_name_asked_for():
+    from dmi.plan import _no_match
+    arch = load_arch_spec(QWEN3_SPEC)
+    _, fix = _no_match("resid_post", arch, sorted(arch.data["sites"]), 3, [], {})
+    assert "'resid_post'" not in fix.split("sites of this family")[0], fix
+
+
 # --- the model argument -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, says", [
