@@ -219,7 +219,16 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
             if layers is not None:
-                matched = [m for m in matched if m[2] is None or m[2] in layers]
+                model_level = sorted({m[1] for m in matched if m[2] is None})
+                if model_level:
+                    named = (f"site {model_level[0]!r} is" if model_level == [pattern]
+                             else f"site pattern {pattern!r} matches model-level site(s) {model_level}, which are")
+                    raise hook.error(path + ("layers",), f"{named} not per-layer: `layers` does not apply to "
+                                     f"{'it' if model_level == [pattern] else 'them'}",
+                                     fix=f"capture {', '.join(model_level)} in an entry without `layers`"
+                                         + ("" if model_level == [pattern] else ", or narrow the pattern to per-layer "
+                                            "sites"))
+                matched = [m for m in matched if m[2] in layers]
                 if not matched:
                     raise hook.error(path + ("layers",), f"site pattern {pattern!r} matches nothing in layers {layers}",
                                      fix="widen `layers` or pick a site that exists on those layers")

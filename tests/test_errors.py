@@ -166,6 +166,16 @@ def test_spec_not_utf8(tmp_path, load):
     check(load(spec, SpecError), SpecError, file=spec, line=3, says=("UTF-8",))
 
 
+def test_yaml_alias_bomb_is_refused_fast(write_spec, load):
+    import time
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdef", "bcdefg")]
+    spec = write_spec("\n".join(levels) + "\ncapture: [*g]\n")       # 9**7 = 4.8 million scalars
+    t0 = time.perf_counter()
+    check(load(spec, SpecError), SpecError, file=spec, says=("expands to more than 100,000 YAML nodes", "aliases"))
+    assert time.perf_counter() - t0 < 2
+
+
 def test_hook_spec_of_a_wrong_type(load):
     check(load(["resid_post"], SpecError), SpecError, says=("must be a path to a YAML file or a dict",))
 
@@ -291,6 +301,18 @@ SPEC_ERRORS = [
             heads: [0]
     """, 3, "capture[0].heads",
      ("'mlp.out' has no head dim", "remove `heads`")),
+    ("layers_on_a_model_level_site", """\
+        capture:
+          - sites: [final_norm]
+            layers: [0]
+    """, 3, "capture[0].layers",
+     ("site 'final_norm' is not per-layer", "`layers` does not apply", "in an entry without `layers`")),
+    ("layers_on_a_glob_with_model_level_sites", """\
+        capture:
+          - sites: ["*"]
+            layers: [0]
+    """, 3, "capture[0].layers",
+     ("matches model-level site(s) ['embed', 'final_norm', 'logits']", "narrow the pattern")),
 ]
 
 
@@ -619,9 +641,27 @@ def test_a_close_match_never_suggests_the_name_asked_for():
     (object(), "cannot load a model from a object"),
     (torch.nn.Linear(4, 4), "Linear is not a transformers model"),
     ("tiny-qwen4", "did you mean 'tiny-qwen3'"),
+    ("qwen3-tiny", "is not a built-in model, a local directory or a model in the hub cache"),
+    ("./no/such/model", "no such directory: 'no/such/model'"),
+    ("~/no-such-model-dir", "no such directory: "),
+    (Path("/no/such/model"), "no such directory: '/no/such/model'"),
 ])
 def test_load_with_something_that_is_not_a_model(load, bad, says):
     check(load(GOOD, DmiError, model=bad), DmiError, key="model", says=(says,))
+
+
+def test_a_model_name_is_checked_without_the_network(load, monkeypatch):
+    def offline(*args, **kwargs):
+        raise AssertionError("from_pretrained was called: the check should have refused the name first")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    msg = check(load(GOOD, DmiError, model="tiny-qwen4"), DmiError, key="model", says=("tiny-llama3_1", "tiny-mixtral"))
+    assert "hub cache" in msg
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, ["out.zarr"]])
+def test_store_of_a_wrong_type(load, bad):
+    check(load(GOOD, StoreError, store=bad), StoreError, key="store",
+          says=(f"a {type(bad).__name__}", "is not a store path", "str or a pathlib.Path"))
 
 
 def test_errors_name_the_schema_patterns_they_special_case():
