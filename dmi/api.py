@@ -9,7 +9,7 @@ from typing import Any
 
 from .errors import DmiError, SpecError, StoreError
 from .exporter import check_resumable, check_writable
-from .plan import build_plan
+from .plan import build_plan, check_memory
 from .run import Run
 from .spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
 
@@ -85,6 +85,7 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     check_arch_matches(arch, getattr(m.config, "model_type", None))
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
+    check_memory(plan, _device_of(m), hook)      # before the ring is allocated
     run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)
     try:
         run._detach = hf.attach(m, plan, arch, run)
@@ -94,6 +95,11 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
             shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
         raise
     return run
+
+
+def _device_of(model):
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else None
 
 
 def _check_version(arch) -> None:

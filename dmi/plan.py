@@ -425,7 +425,7 @@ def _policy_error(plan: Plan, hook: Document | None, key: str, problem: str, fix
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{math.ceil(n / scale)}{unit}"
     return f"{n}B"
@@ -439,6 +439,58 @@ def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, t
     _check_nonzero(plan, hook)
     _check_step_fits(plan, itemsize, hook, n, "ring_bytes", "ring")
     _check_meta(plan, hook)
+    _check_d2h(plan, itemsize, hook, n)
+
+
+def _check_d2h(plan: Plan, itemsize: int, hook: Document | None, n: int) -> None:
+    """Under ``full`` every step waits for the D2H cap's bucket to refill its bytes: a cap under
+    which one step of ``n`` tokens takes longer than ``policy.stall_timeout_s`` would hold the
+    model that long at every step (``best_effort`` drops instead of waiting)."""
+    rate = plan.policy.d2h_bytes_per_s
+    if plan.policy.mode != "full" or not rate or rate < 1:
+        return
+    need = plan.reserved_bytes(n, itemsize)
+    seconds = need / rate
+    bound = plan.policy.stall_timeout_s
+    if seconds > bound:
+        floor = math.ceil(need / bound)
+        raise _policy_error(plan, hook, "d2h_bytes_per_s",
+                            f"under full one step of {n} token(s) over {len(plan.sites)} site(s) reserves {need:,} bytes: "
+                            f"at policy.d2h_bytes_per_s {rate:,} bytes/s every step would wait {seconds:,.0f} s for "
+                            f"the cap, more than policy.stall_timeout_s ({bound:g} s)",
+                            f"raise policy.d2h_bytes_per_s to at least {floor:,} ({_size(floor)}), capture fewer sites, "
+                            f"or use policy.mode: best_effort (drops what the cap does not let through)")
+
+
+def physical_memory() -> int | None:
+    """Total RAM of this host in bytes (None where the OS does not say)."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(plan: Plan, device: Any, hook: Document | None = None) -> None:
+    """Refuse, before anything is allocated, a ring larger than the memory it lives in: the
+    device's free memory on a GPU (``torch.cuda.mem_get_info``), this host's RAM on the CPU; and
+    host staging (``policy.host_bytes``, host memory) larger than this host's RAM."""
+    import torch
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    ram = physical_memory()
+    budgets = [("host_bytes", plan.policy.host_bytes, ram, "this host's RAM")]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budgets.insert(0, ("ring_bytes", plan.policy.ring_bytes, free,
+                           f"free memory on {device} ({_size(total)} in all)"))
+    else:
+        budgets.insert(0, ("ring_bytes", plan.policy.ring_bytes, ram, "this host's RAM"))
+    for key, want, have, where in budgets:
+        if have is not None and want > have:
+            raise _policy_error(plan, hook, key, f"policy.{key} is {want:,} bytes ({_size(want)}) but {where} is "
+                                f"{have:,} bytes ({_size(have)})",
+                                f"lower policy.{key} below {_size(have)} (the default is "
+                                f"{_size(getattr(Policy(), key))})")
 
 
 def _check_nonzero(plan: Plan, hook: Document | None) -> None:
