@@ -662,3 +662,38 @@ def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
     finally:
         run.ring.begin_step = begin
         run.close()
+
+
+# --- max_keys ---------------------------------------------------------------------------------------
+
+MAX_KEYS_SPEC = """\
+capture:
+  - sites: [attn.pattern]
+    layers: [0]
+    max_keys: 8
+  - sites: [final_norm]
+policy: {{mode: {mode}}}
+"""
+
+
+def test_a_prompt_longer_than_max_keys_is_dropped_under_best_effort(encoded, write_spec, tmp_path):
+    """A step whose key positions exceed max_keys drops attn.pattern's capture under best_effort
+    (reason max_keys, in stats and in the store's drops table) and keeps the other sites."""
+    model = build_tiny_model("tiny-qwen3", attn_implementation="eager")
+    width = encoded["input_ids"].shape[1]
+    assert width > 8
+    spec = write_spec(MAX_KEYS_SPEC.format(mode="best_effort"))
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
+    stats = run.stats()
+    assert stats["drops_by_reason"].get("max_keys", 0) >= 2, stats     # the prefill and the decode step
+    tree = dmi.open(tmp_path / "o.zarr")
+    drops = tree["drops"].dataset
+    assert set(map(str, drops.reason.values)) == {"max_keys"}
+    assert tree["final_norm"].dataset.sizes["token"] > 0
+    check_accounting(tree)
+    spec = write_spec(MAX_KEYS_SPEC.format(mode="full"), "full.yaml")
+    with pytest.raises(Exception, match=rf"{width} key positions exceed max_keys=8.*Fix: raise max_keys"):
+        with torch.no_grad(), dmi.load(build_tiny_model("tiny-qwen3", attn_implementation="eager"), hook_spec=spec,
+                                       store=tmp_path / "full.zarr") as run:
+            run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
