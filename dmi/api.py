@@ -1,35 +1,32 @@
 """``dmi.load`` and ``dmi.open``."""
 from __future__ import annotations
 
-import difflib
+import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import DmiError, SpecError
+from .errors import DmiError, SpecError, StoreError
 from .exporter import check_resumable, check_writable
-from .plan import build_plan
+from .plan import build_plan, check_memory
 from .run import Run
-from .spec import find_arch_spec, load_arch_spec, load_hook_spec
+from .spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
 
 
 def _resolve_model(model: Any, dtype=None, device=None, **hf_kwargs):
     """A transformers causal-LM from a model object, a config, a built-in name or a path/hub id."""
     import torch
     import transformers as tf
-    from .models import BUILTIN, build_tiny_model
+    from .models import BUILTIN, build_tiny_model, model_arg_problem
     if isinstance(model, torch.nn.Module):
         out = model
     elif isinstance(model, tf.PretrainedConfig):
         out = tf.AutoModelForCausalLM.from_config(model, dtype=dtype or torch.float32, **hf_kwargs)
     elif isinstance(model, str) and model in BUILTIN:
         out = build_tiny_model(model, dtype=dtype, **hf_kwargs)
-    elif isinstance(model, str) and model.startswith("tiny-") and not Path(model).exists():
-        close = difflib.get_close_matches(model, sorted(BUILTIN), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise DmiError(f"dmi.load: model: {model!r} is not a built-in model. Fix: {hint}built-in models: "
-                       f"{sorted(BUILTIN)}")
+    elif isinstance(model, (str, Path)) and (problem := model_arg_problem(model)) is not None:
+        raise DmiError(f"dmi.load: model: {problem[0]}. Fix: {problem[1]}")
     elif isinstance(model, (str, Path)):
         try:
             out = tf.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto", **hf_kwargs)
@@ -59,6 +56,10 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     resume: append to an existing store (one whose run crashed, or a closed one) after its last
     committed step; the hook spec and the model must be the ones it was written with.
     """
+    if store is not None and not isinstance(store, (str, os.PathLike)):
+        raise StoreError(f"dmi.load: store: a {type(store).__name__} ({store!r:.40}) is not a store path. Fix: pass "
+                         f"the store's directory as a str or a pathlib.Path (e.g. store='out.zarr'), or leave it out "
+                         f"and set store.path in the hook spec")
     if backend == "vllm":     # engine keywords go to vllm.LLM; the run's .llm is that LLM
         from .adapters import vllm as vllm_adapter
         return vllm_adapter.load(model, hook_spec, store, arch_spec=arch_spec, overwrite=overwrite, dtype=dtype,
@@ -81,8 +82,10 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     hf.check_unpatched(m)
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
+    check_arch_matches(arch, getattr(m.config, "model_type", None))
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
+    check_memory(plan, _device_of(m), hook)      # before the ring is allocated
     run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)
     try:
         run._detach = hf.attach(m, plan, arch, run)
@@ -92,6 +95,11 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
             shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
         raise
     return run
+
+
+def _device_of(model):
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else None
 
 
 def _check_version(arch) -> None:

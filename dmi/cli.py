@@ -123,8 +123,17 @@ def _load_tokenizer(model: str):
     return tok
 
 
+def _check_model(model: str) -> None:
+    """The model argument, before anything loads (no tokenizer or config lookup on the hub for a typo)."""
+    from .models import model_arg_problem
+    problem = model_arg_problem(model)
+    if problem is not None:
+        raise UsageError(f"--model {model}: {problem[0]}. Fix: {problem[1]}")
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     from .spec import load_hook_spec
+    _check_model(args.model)
     spec = Path(args.spec) if args.spec else _example("hooks.yaml")
     prompts_path = args.prompts if args.prompts else _example("prompts.jsonl")
     prompts = read_prompts(prompts_path)         # cheap checks first: before loading a model
@@ -297,6 +306,7 @@ def _config_for(family: str, model: str | None):
         from .models import BUILTIN, tiny_config
         if model in BUILTIN:
             return tiny_config(BUILTIN[model]), model
+        _check_model(model)
         from transformers import AutoConfig
         try:
             return AutoConfig.from_pretrained(model), model
@@ -381,6 +391,9 @@ def _validate_hook(hook, arch, args) -> int:
         print(f"{hook.file}: ok: hook spec (schema only: no built-in tiny config for family "
               f"{arch.data['family']!r}; pass --model to check sites and layers against a model config)")
         return EXIT_OK
+    if args.model:
+        from .spec import check_arch_matches
+        check_arch_matches(arch, getattr(config, "model_type", None))
     try:
         plan = build_plan(arch, hook, config, model_dtype_itemsize=itemsize, available=_available(config, arch))
     except SpecError as e:

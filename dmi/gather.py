@@ -7,6 +7,7 @@ on-device reductions, and returns the outputs in the order they are laid out in 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import CaptureError
@@ -95,6 +96,31 @@ def check_max_keys(site: SitePlan, keys: int, min_offset: int) -> None:
     if keys - min_offset > site.shape[-1]:
         raise CaptureError(f"{site.name}: {keys - min_offset} key positions exceed max_keys={site.shape[-1]}. "
                            f"Fix: raise max_keys in the hook spec entry that captures {site.canonical}")
+
+
+def over_max_keys(plan, wanted, pad, keys: int, seq: int) -> tuple[list[int], list]:
+    """The key-site captures of a step whose rows span more than the site's ``max_keys`` key
+    positions, in a step of ``keys`` key columns (past and padding included) with ``pad`` padding
+    columns per batch row: what :func:`check_max_keys` would refuse at the forward (for a key
+    tensor as wide as the step's key columns). ``best_effort`` drops them before the step begins
+    (reason ``max_keys``). ``wanted``: (site, sel, rows, bytes, priority) per capture, or a
+    :class:`dmi.ring.StepLayout`. Returns (their indices into the capture list, that list); both
+    empty, the list not built, where no site can exceed (keys within the plan's smallest max_keys,
+    computed once per plan)."""
+    if plan is None:
+        return [], []
+    floor = plan.__dict__.get("_max_keys_floor")
+    if floor is None:
+        widths = {s.index: s.shape[-1] for s in plan.sites if "key" in s.dims}
+        floor = plan.__dict__["_max_keys_floor"] = (min(widths.values(), default=0), widths)
+    least, widths = floor
+    if not widths or keys <= least:
+        return [], []
+    listed = wanted.wanted if hasattr(wanted, "wanted") else wanted
+    pad = np.asarray(pad, np.int64)
+    over = [i for i, (site, _sel, rows, _n, _p) in enumerate(listed)
+            if site in widths and len(rows) and keys - int(pad[np.asarray(rows) // seq].min()) > widths[site]]
+    return over, listed
 
 
 def _align_keys(sel: torch.Tensor, site: SitePlan, batch_of_row: torch.Tensor, pad: torch.Tensor | None,

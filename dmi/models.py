@@ -42,6 +42,46 @@ def tiny_config(family: str):
 BUILTIN = {f"tiny-{f}": f for f in ("qwen3", "llama3_1", "qwen3_moe", "mixtral")}
 
 
+def model_arg_problem(model) -> tuple[str, str] | None:
+    """(problem, fix) for a model argument that cannot name a model, found without the network;
+    None when it may (a built-in name, an existing directory, a hub id ``org/name``, a bare name
+    in the local hub cache). A path-like argument (``/``, ``.`` or ``~`` first, or more than one
+    ``/``) must exist; a bare name that is no built-in must be in the hub cache (a hub id without
+    an organization is looked up offline: it never waits for the network)."""
+    import difflib
+    from pathlib import Path
+    builtins = ", ".join(sorted(BUILTIN))
+    name = str(model)
+    if name in BUILTIN:
+        return None
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return None
+        return (f"{name!r} is a file, not a model directory",
+                "pass the directory that holds the model's config.json")
+    if not isinstance(model, str) or name.startswith((".", "~", "/")) or name.count("/") > 1 or name.endswith("/"):
+        return (f"no such directory: {str(path)!r}",
+                f"check the path, or pass a built-in model ({builtins}) or a hub id (org/name)")
+    if "/" in name:
+        return None            # org/name: a hub id, for from_pretrained
+    if _in_hub_cache(name):
+        return None
+    close = difflib.get_close_matches(name, sorted(BUILTIN), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"{name!r} is not a built-in model, a local directory or a model in the hub cache",
+            f"{hint}built-in models: {builtins}; give a hub model by its full id (org/name)")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """A model's config in the local hub cache (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:       # an id the hub would refuse, no huggingface_hub: not cached
+        return False
+
+
 def build_tiny_model(name: str, seed: int = 0, dtype=None, attn_implementation: str = "sdpa"):
     """A built-in tiny model (``tiny-qwen3`` ...) with random weights from ``seed``."""
     import torch

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PolicyError
-from .spec import Document, parse_bytes
+from .spec import Document, format_path, parse_bytes
 from .stall import DEFAULT_STALL_TIMEOUT_S
 
 DEFAULT_RING_BYTES = 256 << 20
@@ -182,11 +182,13 @@ def _match(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[
 
 
 def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_itemsize: int = 4,
-               available: set[tuple[str, int | None]] | None = None, unavailable: dict[str, str] | None = None) -> Plan:
+               available: set[tuple[str, int | None]] | None = None, unavailable: dict[str, str] | None = None,
+               engine: str = "hf") -> Plan:
     """Semantic validation + resolution. ``available`` lists (canonical, layer) pairs that exist in
     the loaded model (e.g. MoE sites only on MoE layers); None means all. ``unavailable``: canonical
     sites the engine never computes, and why: named alone they are refused with the reason, matched
-    by a glob they are left out and listed in ``Plan.unavailable``."""
+    by a glob they are left out and listed in ``Plan.unavailable``. ``engine``: the anchors
+    (``hf`` or ``vllm``) ``available`` was found by, named when a site's module path matches nothing."""
     dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
     n_layers = dims["layer"]
     candidates = all_site_names(arch, n_layers)
@@ -194,6 +196,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     left_out = [c for c in candidates if c[1] in unavailable]
     if available is not None:
         candidates = [c for c in candidates if (c[1], c[2]) in available]
+    in_model = candidates
     candidates = [c for c in candidates if c[1] not in unavailable]
     skipped: dict[str, str] = {}
     canonical_names = sorted(arch.data["sites"])
@@ -210,11 +213,22 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
             matched = _match(pattern, candidates)
             skipped.update((c[1], unavailable[c[1]]) for c in _match(pattern, left_out))
             if not matched:
+                if _split_layer(pattern)[1] not in unavailable:
+                    _check_site_in_model(pattern, arch, hook, path + ("sites", j), n_layers, in_model, engine)
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
                 problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
             if layers is not None:
-                matched = [m for m in matched if m[2] is None or m[2] in layers]
+                model_level = sorted({m[1] for m in matched if m[2] is None})
+                if model_level:
+                    named = (f"site {model_level[0]!r} is" if model_level == [pattern]
+                             else f"site pattern {pattern!r} matches model-level site(s) {model_level}, which are")
+                    raise hook.error(path + ("layers",), f"{named} not per-layer: `layers` does not apply to "
+                                     f"{'it' if model_level == [pattern] else 'them'}",
+                                     fix=f"capture {', '.join(model_level)} in an entry without `layers`"
+                                         + ("" if model_level == [pattern] else ", or narrow the pattern to per-layer "
+                                            "sites"))
+                matched = [m for m in matched if m[2] in layers]
                 if not matched:
                     raise hook.error(path + ("layers",), f"site pattern {pattern!r} matches nothing in layers {layers}",
                                      fix="widen `layers` or pick a site that exists on those layers")
@@ -325,6 +339,36 @@ def _split_layer(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
+def _check_site_in_model(pattern: str, arch: Document, hook: Document, hook_path: tuple, n_layers: int,
+                         candidates: list[tuple[str, str, int | None]], engine: str = "hf") -> None:
+    """A pattern that names a site of the architecture spec which this model does not have at all:
+    a model without layers (for a per-layer site), or a module path of the spec that matches no
+    module of the model. Either is the model's or the architecture spec's fault, not the hook spec's."""
+    from .errors import SpecError
+    layer, base = _split_layer(pattern)
+    site = arch.data["sites"].get(base)
+    if site is None:
+        return
+    asked = f"(asked for by {hook.file}"
+    line = hook.line_of(hook_path)
+    asked += f":{line}" if line is not None else ""
+    asked += f" {format_path(hook_path)})"
+    if site.get("per_layer") and n_layers < 1:
+        attr = arch.data["dims"].get("layer", "num_hidden_layers")
+        raise arch.error(("dims", "layer"), f"site {base!r} is per-layer but the model config has {attr}={n_layers}: "
+                         f"the model has no layer to capture {asked}",
+                         fix=f"load a model with at least one layer, or capture model-level sites only "
+                             f"({', '.join(sorted(n for n, s in arch.data['sites'].items() if not s.get('per_layer')))})")
+    module = (site.get(engine) or {}).get("module")
+    if module is None or any(c[1] == base for c in candidates):
+        return
+    raise SpecError(f"site {base!r} is in the spec but its module path {module!r} matches nothing in this model "
+                    f"{asked}", file=arch.file, key=format_path(("sites", base, engine, "module")),
+                    line=arch.line_of(("sites", base, engine)),
+                    fix=f"correct the module path of {base} in {arch.file} to this model's module names "
+                        f"(print(model) lists them), or pass the architecture spec of this model's family")
+
+
 def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],
               unavailable: dict[str, str]) -> tuple[str, str]:
     """(problem, fix) for a site pattern that matched nothing."""
@@ -344,7 +388,7 @@ def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int,
                 f"use layers.<0..{n_layers - 1}>.{base}, or {base!r} for every layer")
     problem = (f"site pattern {pattern!r} matches no site of this model" if known
                else f"site pattern {pattern!r} matches no site of family {arch.data['family']!r}")
-    close = difflib.get_close_matches(base, canonical, n=3, cutoff=0.5)
+    close = [c for c in difflib.get_close_matches(base, canonical, n=4, cutoff=0.5) if c != base][:3]
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
     return problem, f"{hint}sites of this family ({arch.file}): {', '.join(canonical)}"
 
@@ -381,7 +425,7 @@ def _policy_error(plan: Plan, hook: Document | None, key: str, problem: str, fix
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{math.ceil(n / scale)}{unit}"
     return f"{n}B"
@@ -395,6 +439,58 @@ def check_policy_fits(plan: Plan, itemsize: int, hook: Document | None = None, t
     _check_nonzero(plan, hook)
     _check_step_fits(plan, itemsize, hook, n, "ring_bytes", "ring")
     _check_meta(plan, hook)
+    _check_d2h(plan, itemsize, hook, n)
+
+
+def _check_d2h(plan: Plan, itemsize: int, hook: Document | None, n: int) -> None:
+    """Under ``full`` every step waits for the D2H cap's bucket to refill its bytes: a cap under
+    which one step of ``n`` tokens takes longer than ``policy.stall_timeout_s`` would hold the
+    model that long at every step (``best_effort`` drops instead of waiting)."""
+    rate = plan.policy.d2h_bytes_per_s
+    if plan.policy.mode != "full" or not rate or rate < 1:
+        return
+    need = plan.reserved_bytes(n, itemsize)
+    seconds = need / rate
+    bound = plan.policy.stall_timeout_s
+    if seconds > bound:
+        floor = math.ceil(need / bound)
+        raise _policy_error(plan, hook, "d2h_bytes_per_s",
+                            f"under full one step of {n} token(s) over {len(plan.sites)} site(s) reserves {need:,} bytes: "
+                            f"at policy.d2h_bytes_per_s {rate:,} bytes/s every step would wait {seconds:,.0f} s for "
+                            f"the cap, more than policy.stall_timeout_s ({bound:g} s)",
+                            f"raise policy.d2h_bytes_per_s to at least {floor:,} ({_size(floor)}), capture fewer sites, "
+                            f"or use policy.mode: best_effort (drops what the cap does not let through)")
+
+
+def physical_memory() -> int | None:
+    """Total RAM of this host in bytes (None where the OS does not say)."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(plan: Plan, device: Any, hook: Document | None = None) -> None:
+    """Refuse, before anything is allocated, a ring larger than the memory it lives in: the
+    device's free memory on a GPU (``torch.cuda.mem_get_info``), this host's RAM on the CPU; and
+    host staging (``policy.host_bytes``, host memory) larger than this host's RAM."""
+    import torch
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    ram = physical_memory()
+    budgets = [("host_bytes", plan.policy.host_bytes, ram, "this host's RAM")]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budgets.insert(0, ("ring_bytes", plan.policy.ring_bytes, free,
+                           f"free memory on {device} ({_size(total)} in all)"))
+    else:
+        budgets.insert(0, ("ring_bytes", plan.policy.ring_bytes, ram, "this host's RAM"))
+    for key, want, have, where in budgets:
+        if have is not None and want > have:
+            raise _policy_error(plan, hook, key, f"policy.{key} is {want:,} bytes ({_size(want)}) but {where} is "
+                                f"{have:,} bytes ({_size(have)})",
+                                f"lower policy.{key} below {_size(have)} (the default is "
+                                f"{_size(getattr(Policy(), key))})")
 
 
 def _check_nonzero(plan: Plan, hook: Document | None) -> None:

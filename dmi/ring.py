@@ -536,6 +536,14 @@ class Ring:
         drops here what it would drop at the forward, as the step's own begin would; those drops
         count once the forward takes the step (:meth:`take_ahead`) and vanish with a retracted one."""
         self._before_step()
+        if self.mode == "best_effort" and keys:        # a key site's rows wider than its max_keys: dropped
+            from .gather import over_max_keys
+            over, listed = over_max_keys(getattr(self, "plan", None), wanted, pad, keys, tokens.seq)
+            if over and ahead:
+                return None
+            for i in over:
+                self._record_drop(step, tokens, listed[i], "max_keys")
+            wanted = [w for i, w in enumerate(listed) if i not in over] if over else wanted
         if isinstance(wanted, StepLayout):
             ctrl = self._begin_laid_out(step, tokens, pad, wanted, ahead, keys)
             if ctrl is not None or ahead:

@@ -62,7 +62,20 @@ def format_path(path: tuple) -> str:
     return out or "<root>"
 
 
-def _to_python(node: yaml.Node, path: tuple, lines: dict) -> Any:
+MAX_YAML_NODES = 100_000    # a spec is a small tree (the built-in ones have < 1,000 nodes): more is an alias bomb
+
+
+class _TooLarge(Exception):
+    def __init__(self, line: int, path: tuple):
+        super().__init__(line)
+        self.line, self.path = line, path
+
+
+def _to_python(node: yaml.Node, path: tuple, lines: dict, count: list | None = None) -> Any:
+    count = count if count is not None else [0]
+    count[0] += 1
+    if count[0] > MAX_YAML_NODES:      # aliases (`*a`) of aliases expand exponentially: stop, not minutes later
+        raise _TooLarge(lines.get(path[:1]) or node.start_mark.line + 1, path[:1])
     lines.setdefault(path, node.start_mark.line + 1)   # a mapping value keeps its key's line
     if isinstance(node, yaml.MappingNode):
         out = {}
@@ -71,10 +84,10 @@ def _to_python(node: yaml.Node, path: tuple, lines: dict) -> Any:
             if key in out:
                 raise _DuplicateKey(path + (key,), k.start_mark.line + 1, lines.get(path + (key,)))
             lines[path + (key,)] = k.start_mark.line + 1
-            out[key] = _to_python(v, path + (key,), lines)
+            out[key] = _to_python(v, path + (key,), lines, count)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_to_python(v, path + (i,), lines) for i, v in enumerate(node.value)]
+        return [_to_python(v, path + (i,), lines, count) for i, v in enumerate(node.value)]
     # scalars: let the safe constructor resolve ints, bools, nulls, floats
     if node.tag == "tag:yaml.org,2002:str":
         return node.value
@@ -144,6 +157,11 @@ def load_yaml(source: str | Path | dict, *, what: str) -> Document:
     except RecursionError:
         raise SpecError("a YAML alias refers to itself", file=str(path),
                         fix="remove the recursive `*alias` (dmi specs are plain trees)") from None
+    except _TooLarge as t:
+        raise SpecError(f"the document expands to more than {MAX_YAML_NODES:,} YAML nodes (aliases `*name` repeat "
+                        f"their anchor's content, nested ones exponentially)", file=str(path), line=t.line,
+                        key=format_path(t.path) if t.path else None,
+                        fix="write the content out without nested aliases (dmi specs are small trees)") from None
     except _DuplicateKey as d:
         first = f" (first at line {d.first_line})" if d.first_line else ""
         raise SpecError(f"duplicate key{first}: YAML would silently keep only the last one", file=str(path),
@@ -273,6 +291,22 @@ def find_arch_spec(model_type: str, extra_dirs: list[Path] = ()) -> Document:
     searched = ", ".join(map(str, [builtin_spec_dir(), *extra_dirs]))
     raise SpecError(f"no architecture spec matches model_type {model_type!r}", file=searched, key="match.model_type",
                     fix=f"pass arch_spec=<your spec.yaml> (see CONTRIBUTING in docs/sites.md); known: {known}")
+
+
+def check_arch_matches(arch: Document, model_type: str | None) -> None:
+    """Refuse an architecture spec written for another family than the model's: its
+    ``match.model_type`` must list the model's ``config.model_type``."""
+    types = arch.data["match"]["model_type"]
+    if model_type is None or model_type in types:
+        return
+    try:
+        right = find_arch_spec(model_type)
+        other = f"pass {right.file} (the spec for model_type {model_type!r}) or leave arch_spec out, "
+    except SpecError:
+        other = ""
+    raise arch.error(("match", "model_type"), f"this spec is for family {arch.data['family']!r} (model_type "
+                     f"{', '.join(map(repr, types))}) but the model's config.model_type is {model_type!r}",
+                     fix=f"{other}or, if this spec does fit the model, add {model_type!r} to match.model_type")
 
 
 def load_hook_spec(source: str | Path | dict) -> Document:

@@ -239,6 +239,38 @@ def test_validate_layer_out_of_range_notes_tiny_config(tmp_path, capsys):
     assert "dmi: note:" in err and "--model" in err
 
 
+@pytest.mark.parametrize("model, says", [
+    ("tiny-qwen4", ("did you mean 'tiny-qwen3'", "tiny-llama3_1, tiny-mixtral, tiny-qwen3, tiny-qwen3_moe")),
+    ("./no/such/model", ("no such directory: 'no/such/model'",)),
+    ("/no/such/model", ("no such directory: '/no/such/model'",)),
+])
+def test_capture_bad_model_fails_before_any_lookup(tmp_path, capsys, monkeypatch, model, says):
+    import time
+
+    import transformers
+
+    def looked_up(*args, **kwargs):
+        raise AssertionError("a tokenizer or config was looked up for a model name that cannot load")
+    for cls in (transformers.AutoTokenizer, transformers.AutoConfig, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", looked_up)
+    t0 = time.perf_counter()
+    assert main(["capture", "--model", model, "--out", str(tmp_path / "o.zarr"), "-q"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--model {model}: " in line and "Fix: " in line and all(s in line for s in says), line
+    assert main(["specs", "validate", str(example_path("hooks.yaml")), "--model", model]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert all(s in line for s in says), line
+    assert time.perf_counter() - t0 < 5
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_validate_arch_of_another_family_than_the_model(capsys):
+    hooks = str(example_path("hooks.yaml"))
+    assert main(["specs", "validate", hooks, "--arch", "qwen3", "--model", "tiny-llama3_1"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "qwen3.yaml:" in line and "match.model_type" in line and "config.model_type is 'llama'" in line, line
+
+
 def test_validate_unknown_kind_and_arch(tmp_path, capsys):
     spec = _write(tmp_path / "x.yaml", "foo: 1\n")
     assert main(["specs", "validate", str(spec)]) == 2

@@ -166,6 +166,16 @@ def test_spec_not_utf8(tmp_path, load):
     check(load(spec, SpecError), SpecError, file=spec, line=3, says=("UTF-8",))
 
 
+def test_yaml_alias_bomb_is_refused_fast(write_spec, load):
+    import time
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdef", "bcdefg")]
+    spec = write_spec("\n".join(levels) + "\ncapture: [*g]\n")       # 9**7 = 4.8 million scalars
+    t0 = time.perf_counter()
+    check(load(spec, SpecError), SpecError, file=spec, says=("expands to more than 100,000 YAML nodes", "aliases"))
+    assert time.perf_counter() - t0 < 2
+
+
 def test_hook_spec_of_a_wrong_type(load):
     check(load(["resid_post"], SpecError), SpecError, says=("must be a path to a YAML file or a dict",))
 
@@ -291,6 +301,18 @@ SPEC_ERRORS = [
             heads: [0]
     """, 3, "capture[0].heads",
      ("'mlp.out' has no head dim", "remove `heads`")),
+    ("layers_on_a_model_level_site", """\
+        capture:
+          - sites: [final_norm]
+            layers: [0]
+    """, 3, "capture[0].layers",
+     ("site 'final_norm' is not per-layer", "`layers` does not apply", "in an entry without `layers`")),
+    ("layers_on_a_glob_with_model_level_sites", """\
+        capture:
+          - sites: ["*"]
+            layers: [0]
+    """, 3, "capture[0].layers",
+     ("matches model-level site(s) ['embed', 'final_norm', 'logits']", "narrow the pattern")),
 ]
 
 
@@ -573,15 +595,73 @@ def test_anchor_error_names_the_site_whose_anchor_is_missing(tmp_path, store):
     assert not patched_modules(model)
 
 
+def test_arch_spec_of_another_family_is_refused(load):
+    llama = build_tiny_model("tiny-llama3_1")
+    msg = check(load(GOOD, SpecError, model=llama, arch_spec=QWEN3_SPEC), SpecError, file=QWEN3_SPEC,
+                line=line_of(QWEN3_SPEC, "model_type:"), key="match.model_type",
+                says=("family 'qwen3'", "config.model_type is 'llama'", "llama3_1.yaml", "add 'llama' to match.model_type"))
+    assert "did you mean" not in msg
+
+
+def test_arch_spec_listing_the_model_type_is_accepted(tmp_path, store):
+    arch = qwen3_copy(tmp_path, "model_type: [qwen3]", "model_type: [qwen3, llama]")
+    run = dmi.load(build_tiny_model("tiny-llama3_1"), hook_spec={"capture": [{"sites": ["resid_post"]}]},
+                   store=store, arch_spec=arch)
+    run.close()
+
+
+def test_arch_spec_module_path_that_matches_nothing_is_blamed_on_the_arch_spec(tmp_path, write_spec, load):
+    arch = qwen3_copy(tmp_path, '"model.layers.{i}", output: 0', '"model.blocks.{i}", output: 0')
+    hook = write_spec("capture:\n  - sites: [resid_post]\n")
+    msg = check(load(hook, SpecError, arch_spec=arch), SpecError, file=arch, line=line_of(arch, "model.blocks.{i}"),
+                key="sites.resid_post.hf.module",
+                says=("site 'resid_post' is in the spec but its module path 'model.blocks.{i}' matches nothing in this "
+                      "model", f"{hook}:2 capture[0].sites[0]"))
+    assert "did you mean" not in msg
+
+
+def test_model_without_layers_is_not_a_typo(load):
+    config = tiny_config("qwen3")
+    config.num_hidden_layers = 0
+    msg = check(load(GOOD, SpecError, model=config), SpecError, file=QWEN3_SPEC, key="dims.layer",
+                says=("num_hidden_layers=0", "no layer to capture", "final_norm"))
+    assert "did you mean" not in msg
+
+
+def test_a_close_match_never_suggests_the_name_asked_for():
+    from dmi.plan import _no_match
+    arch = load_arch_spec(QWEN3_SPEC)
+    _, fix = _no_match("resid_post", arch, sorted(arch.data["sites"]), 3, [], {})
+    assert "'resid_post'" not in fix.split("sites of this family")[0], fix
+
+
 # --- the model argument -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, says", [
     (object(), "cannot load a model from a object"),
     (torch.nn.Linear(4, 4), "Linear is not a transformers model"),
     ("tiny-qwen4", "did you mean 'tiny-qwen3'"),
+    ("qwen3-tiny", "is not a built-in model, a local directory or a model in the hub cache"),
+    ("./no/such/model", "no such directory: 'no/such/model'"),
+    ("~/no-such-model-dir", "no such directory: "),
+    (Path("/no/such/model"), "no such directory: '/no/such/model'"),
 ])
 def test_load_with_something_that_is_not_a_model(load, bad, says):
     check(load(GOOD, DmiError, model=bad), DmiError, key="model", says=(says,))
+
+
+def test_a_model_name_is_checked_without_the_network(load, monkeypatch):
+    def offline(*args, **kwargs):
+        raise AssertionError("from_pretrained was called: the check should have refused the name first")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    msg = check(load(GOOD, DmiError, model="tiny-qwen4"), DmiError, key="model", says=("tiny-llama3_1", "tiny-mixtral"))
+    assert "hub cache" in msg
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, ["out.zarr"]])
+def test_store_of_a_wrong_type(load, bad):
+    check(load(GOOD, StoreError, store=bad), StoreError, key="store",
+          says=(f"a {type(bad).__name__}", "is not a store path", "str or a pathlib.Path"))
 
 
 def test_errors_name_the_schema_patterns_they_special_case():

@@ -155,6 +155,64 @@ def test_bandwidth_cap_not_a_size(write_spec, load):
           says=("'fast' is not a byte size", "64MiB"))
 
 
+def test_bandwidth_cap_under_which_one_step_outlasts_the_stall_timeout(write_spec, load):
+    spec = write_spec("""\
+        capture:
+          - sites: [resid_post]
+        policy:
+          d2h_bytes_per_s: 1
+    """)
+    # one token of resid_post on 3 layers of hidden 64, float32: 3 blocks of 256 bytes
+    check(load(spec, PolicyError), PolicyError, file=spec, line=4, key="policy.d2h_bytes_per_s",
+          says=("one step of 1 token(s) over 3 site(s) reserves 768 bytes", "wait 768 s",
+                "policy.stall_timeout_s (60 s)", "at least 13 (13B)", "best_effort"))
+
+
+def test_bandwidth_cap_within_the_stall_timeout_or_under_best_effort_is_accepted(model, tmp_path):
+    from dmi.plan import build_plan
+    from dmi.spec import Document, builtin_spec_dir, load_arch_spec
+    arch = load_arch_spec(builtin_spec_dir() / "qwen3.yaml")
+    for policy in ({"d2h_bytes_per_s": 13}, {"d2h_bytes_per_s": 1, "stall_timeout_s": 1000},
+                   {"d2h_bytes_per_s": 1, "mode": "best_effort"}):
+        hook = Document({"capture": [{"sites": ["resid_post"]}], "policy": policy}, "<test>")
+        build_plan(arch, hook, model.config)
+
+
+def test_ring_larger_than_memory_is_refused_before_it_is_allocated(write_spec, load, monkeypatch):
+    spec = write_spec("""\
+        capture:
+          - sites: [resid_post]
+        policy:
+          ring_bytes: 999TiB
+    """)
+    def no_alloc(*args, **kwargs):
+        raise AssertionError("the ring was allocated")
+    monkeypatch.setattr(CpuRing, "__init__", no_alloc)
+    check(load(spec, PolicyError), PolicyError, file=spec, line=4, key="policy.ring_bytes",
+          says=("policy.ring_bytes is 1,098,412,116,148,224 bytes (999TiB)", "this host's RAM", "lower policy.ring_bytes",
+                "the default is 256MiB"))
+
+
+def test_host_staging_larger_than_memory_is_refused(write_spec, load):
+    spec = write_spec("""\
+        capture:
+          - sites: [resid_post]
+        policy: {host_bytes: 999TiB}
+    """)
+    check(load(spec, PolicyError), PolicyError, file=spec, line=3, key="policy.host_bytes",
+          says=("policy.host_bytes is", "this host's RAM"))
+
+
+def test_ring_larger_than_free_gpu_memory_is_refused(monkeypatch):
+    from dmi.plan import Plan, check_memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    plan = Plan(family="qwen3", sites=[], policy=Policy(ring_bytes=2 << 30), layers=3, hook_file="hooks.yaml")
+    with pytest.raises(PolicyError, match=r"hooks.yaml: policy.ring_bytes: policy.ring_bytes is 2,147,483,648 bytes "
+                                          r"\(2GiB\) but free memory on cuda:0 \(80GiB in all\) is 1,073,741,824"):
+        check_memory(plan, "cuda:0")
+    check_memory(Plan(family="qwen3", sites=[], policy=Policy(), layers=3), "cuda:0")
+
+
 def test_ring_of_zero_bytes(write_spec, load):
     spec = write_spec("""\
         capture:
@@ -604,3 +662,38 @@ def test_engine_steps_reuse_a_layout_only_for_equal_rows(tmp_path):
     finally:
         run.ring.begin_step = begin
         run.close()
+
+
+# --- max_keys ---------------------------------------------------------------------------------------
+
+MAX_KEYS_SPEC = """\
+capture:
+  - sites: [attn.pattern]
+    layers: [0]
+    max_keys: 8
+  - sites: [final_norm]
+policy: {{mode: {mode}}}
+"""
+
+
+def test_a_prompt_longer_than_max_keys_is_dropped_under_best_effort(encoded, write_spec, tmp_path):
+    """A step whose key positions exceed max_keys drops attn.pattern's capture under best_effort
+    (reason max_keys, in stats and in the store's drops table) and keeps the other sites."""
+    model = build_tiny_model("tiny-qwen3", attn_implementation="eager")
+    width = encoded["input_ids"].shape[1]
+    assert width > 8
+    spec = write_spec(MAX_KEYS_SPEC.format(mode="best_effort"))
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
+    stats = run.stats()
+    assert stats["drops_by_reason"].get("max_keys", 0) >= 2, stats     # the prefill and the decode step
+    tree = dmi.open(tmp_path / "o.zarr")
+    drops = tree["drops"].dataset
+    assert set(map(str, drops.reason.values)) == {"max_keys"}
+    assert tree["final_norm"].dataset.sizes["token"] > 0
+    check_accounting(tree)
+    spec = write_spec(MAX_KEYS_SPEC.format(mode="full"), "full.yaml")
+    with pytest.raises(Exception, match=rf"{width} key positions exceed max_keys=8.*Fix: raise max_keys"):
+        with torch.no_grad(), dmi.load(build_tiny_model("tiny-qwen3", attn_implementation="eager"), hook_spec=spec,
+                                       store=tmp_path / "full.zarr") as run:
+            run.model.generate(**encoded, max_new_tokens=2, do_sample=False)

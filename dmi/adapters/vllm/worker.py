@@ -30,7 +30,7 @@ from ...errors import DmiError, PolicyError
 from ...plan import build_plan
 from ...kernels.side import side_mode
 from ...run import Run
-from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
+from ...spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
 from . import compat
 from .patch import attach, available_sites, layer_anchor, module_path, resolve
 from .pattern import SESSIONS_BY_RUN, KeyStore
@@ -344,9 +344,11 @@ def start(worker) -> Session | None:
         raise DmiError(f"{arch.file}: this architecture spec has no vllm anchors (no top-level `vllm:` section). "
                        f"Fix: add them (docs/vllm.md), or capture with backend='hf'")
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text_config, "model_type", None) not in arch.data["match"]["model_type"]:
+        check_arch_matches(arch, getattr(hf_config, "model_type", None))
     n_layers = text_config.num_hidden_layers
     available, never = available_sites(model, arch, n_layers)
-    plan = build_plan(arch, hook, text_config, available=available, unavailable=never)
+    plan = build_plan(arch, hook, text_config, available=available, unavailable=never, engine="vllm")
     for canonical, why in plan.unavailable.items():
         log.warning("dmi: %s is not captured: %s", canonical, why)
     plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, n_layers)) for s in plan.sites]
