@@ -366,7 +366,7 @@ def test_per_request_control(tmp_path):
     """SamplingParams.extra_args["dmi"]: opt out, pick sites, cap rows, ask for an on_request site;
     a request asking for more than the hook spec allows is refused before it runs."""
     from vllm import SamplingParams
-    spec = {"capture": [{"sites": ["resid_post", "final_norm"], "layers": [0]}, {"sites": ["logits"]},
+    spec = {"capture": [{"sites": ["resid_post"], "layers": [0]}, {"sites": ["final_norm", "logits"]},
                         {"sites": ["attn.q"], "layers": [1], "on_request": True}],
             "requests": {"max_rows": 50}}
     run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
