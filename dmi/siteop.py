@@ -71,7 +71,7 @@ def run_of(run_id: int):
 
 # Defined through torch.library.Library, not torch.library.custom_op: the dispatcher then calls the
 # Python kernel directly. custom_op's wrappers cost 6.9 µs a call under inference_mode (vLLM),
-# 16.7 under no_grad and 31.9 with grad on the dev box, against 3.0 / 3.1 / 3.8 here; traced code
+# 16.7 under no_grad and 31.9 with grad on a 2-core CPU machine, against 3.0 / 3.1 / 3.8 here; traced code
 # that runs outside a CUDA graph (vLLM's mixed prefill steps, torch.compile without cudagraphs)
 # pays it for every site of every step. ``Tensor(a!) ticket``: the mutation that orders the ops.
 _LIB = torch.library.Library("dmi", "DEF")
@@ -185,7 +185,7 @@ def constant_sites(fn):
     forward) with its sites traced as constants of the graph: ``site=i, site_id=None``. A site
     tensor is a graph input, and each input costs every call of the compiled code host time
     (Dynamo's guards on it, the prologue that fetches it, AOT's wrapper; ~1.2 µs a site a call on
-    the dev box with guards skipped: perf/callcost.py), in a graph that reuses nothing across
+    a 2-core CPU machine with guards skipped: perf/callcost.py), in a graph that reuses nothing across
     layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps the tensors,
     so that every layer reuses one graph (``int site`` -1 there, the same in every layer). Dynamo
     guards the flag: the graph traced under it runs only under it."""

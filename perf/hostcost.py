@@ -17,12 +17,12 @@ captures it has no room for are dropped, lowest priority first).
 
 ``--in-generate N``: the same calls timed inside a real ``generate()`` of N tokens (static
 cache): between two steps the model's forward runs, so dmi's host work meets cold caches, as it
-does in a real run (dev box: publish_control 28 µs there against 4 µs in the loop).
+does in a real run (2-core CPU machine: publish_control 28 µs there against 4 µs in the loop).
 
 ``--in-generate N --compiled``: generate()'s compiled forward (``Run.stepped``): the host calls
 before the forward (what generate()'s GPU waits for: it syncs on its stop check every step), after
 its launch (the next decode step begun ahead, ``Run._begin_ahead``) and at its end, with steps begun
-ahead and at their forward, alternating (dev box: 13 µs before the forward against 63-68).
+ahead and at their forward, alternating (2-core CPU machine: 13 µs before the forward against 63-68).
 
 ``--engine vllm``: the host work of one vLLM engine step instead (``Session.on_forward`` and
 ``on_step_end`` without the engine): a continuous batch of ``--batch`` requests, ``--prefill`` of

@@ -29,7 +29,7 @@ asked through the environment:
   lists; :func:`busy`), in a server without dmi. Whether such a step grows by N µs or by more
   tells dmi's own host time from what it does to the engine's code around it (caches, allocator).
 * ``DMI_PERF_PROBE=N`` (with ``DMI_PERF_STEPCLOCK``): before every N-th step the engine's thread
-  does a fixed amount of host work (:func:`probe`, the same every time, about 0.2 ms on a dev box)
+  does a fixed amount of host work (:func:`probe`, the same every time, about 0.2 ms on a 2-core CPU machine)
   and the step's row records its wall and CPU ms (``probe``, ``probe_cpu``): how fast this host runs
   this thread's code at that moment, apart from what the step does. vLLM's own host code ran about
   a third slower with dmi in the process (RESULTS.md, twenty-third session); if the probe slows as
@@ -52,9 +52,9 @@ from pathlib import Path
 
 log = logging.getLogger("dmi.perf")
 _done = False
-PROBE_ROUNDS = 10            # probe(): ~0.2 ms of host work on a dev box
+PROBE_ROUNDS = 10            # probe(): ~0.2 ms of host work on a 2-core CPU machine
 PROBE_LAUNCHES = 40          # probe_torch(): in-place ops a probe launches
-REPORT_EVERY = 8             # probes from one threads report to the next (reading /proc: ~1.5 ms on a dev box)
+REPORT_EVERY = 8             # probes from one threads report to the next (reading /proc: ~1.5 ms on a 2-core CPU machine)
 
 
 def register() -> None:
