@@ -512,9 +512,9 @@ def _check_step_fits(plan: Plan, itemsize: int, hook: Document | None, n: int, k
     whole step must."""
     have = getattr(plan.policy, key)
     if plan.policy.mode == "full":
-        need = max((plan.reserved_bytes(n, itemsize, [s]) for s in plan.sites), default=0)
+        site = max(plan.sites, key=lambda s: s.row_bytes(itemsize), default=None)
+        need = plan.reserved_bytes(n, itemsize, [site]) if site is not None else 0
         if need > have:
-            site = max(plan.sites, key=lambda s: s.row_bytes(itemsize))
             raise _policy_error(plan, hook, key, f"one capture of {n} token(s) of {site.name} needs {need:,} bytes "
                                 f"of {what} but policy.{key} is {have:,}",
                                 f"raise policy.{key} to at least {need:,} ({_size(need)}), or lower "

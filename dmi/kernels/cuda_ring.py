@@ -254,8 +254,7 @@ class KernelRing(Ring):
             for i, span in enumerate(spans):
                 if span is None:
                     continue
-                if (groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4
-                        and not ctrls[groups[-1][-1]].partial):
+                if groups and 0 <= span[0] - hi <= ALIGN_GAP and span[1] - lo <= self._stage.capacity // 4:
                     groups[-1].append(i)
                     hi = span[1]
                 else:
