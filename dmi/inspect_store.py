@@ -179,6 +179,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "stall_bandwidth_seconds": attrs.get("stall_bandwidth_seconds"),
         "streamed_steps": attrs.get("streamed_steps"),
         "stream_parts": attrs.get("stream_parts"),
+        "stream_buffer_bytes": attrs.get("stream_buffer_bytes"),
         "versions": attrs.get("versions", {}),
         "vllm": attrs.get("vllm"),
         "sites_unavailable": attrs.get("sites_unavailable") or {},
@@ -269,7 +270,8 @@ def format_summary(info: dict) -> str:
            + ")" if drops["by_reason"] else ""),
         _stall_line(stall, info.get("stall_bandwidth_seconds")),
         *([f"streamed  {info['streamed_steps']} step(s) larger than the ring went through it in "
-           f"{info['stream_parts']} parts"] if info.get("streamed_steps") else []),
+           f"{info['stream_parts']} parts, held in {human_bytes(info.get('stream_buffer_bytes') or 0)} of host "
+           f"buffers sized automatically to the largest"] if info.get("streamed_steps") else []),
         f"sites     {len(info['sites'])} groups",
     ]
     for site, why in info.get("sites_unavailable", {}).items():     # matched by the hook spec, never computed here

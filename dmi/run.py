@@ -719,11 +719,12 @@ class Run:
         whole = 0
         try:
             for drained, records, _ in steps:
-                ctrl = drained
+                ctrl, held = drained, [drained]
                 if ctrl.stream is not None:
                     self._parts.append((ctrl, records))
                     if ctrl.partial:
                         continue
+                    held = [c for c, _ in self._parts]       # each part's host buffer, freed in order
                     ctrl, records = _merged(self._parts)
                     self._parts = []
                 whole += 1
@@ -734,7 +735,8 @@ class Run:
                 except BaseException as e:     # surfaces in the caller's next step, flush or close
                     self._fail(e)
                 finally:
-                    self.ring.release_host(drained)
+                    for part in held:
+                        self.ring.release_host(part)
         finally:
             with self._queue_cond:
                 self._queued_bytes -= sum(n for *_, n in steps)
@@ -798,6 +800,7 @@ class Run:
                 "bytes_drained": st.bytes_drained, "stall_seconds": round(st.stall_seconds, 6),
                 "stall_bandwidth_seconds": round(st.stall_bandwidth_seconds, 6),
                 "not_run": st.not_run, "streamed_steps": st.streamed_steps, "stream_parts": st.stream_parts,
+                "stream_buffer_bytes": getattr(self.ring, "part_buffer_bytes", 0),
                 "dropped_captures": len(st.drops) + len(exp.drops),
                 "dropped_bytes": st.drops.bytes + sum(d.bytes for d in exp.drops), "drops_by_reason": by_reason,
                 "requests": len(self.requests.ids), "committed_step": exp.committed_step,

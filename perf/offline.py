@@ -563,6 +563,7 @@ HEADLINE_SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": 
 # the headline's configurations: (hook spec, environment at load); "default" is what a new user runs
 HEADLINE_CONFIGS = {"default": (HEADLINE_SPEC, {}),
                     "writer-process": (HEADLINE_SPEC | {"store": {"writer": "process"}}, {}),
+                    "chunks-16mib": (HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}}, {}),
                     "traced": (HEADLINE_SPEC, {"DMI_TRACED": "1"})}
 
 
@@ -595,13 +596,16 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
             run.flush()
             runs[c] = (dmodel, run, [])
         for r in range(args.rounds):
-            van.append(timed(lambda: [model.generate(**enc, **kw) for _ in range(K)]))
+            def vanilla_round():
+                for _ in range(K):
+                    model.generate(**enc, **kw)
+            van.append(timed(sampling(vanilla_round, args.pyspy, f"r{r}-vanilla", gil=args.pyspy_gil or r % 2 == 1)))
             for c, (dmodel, run, times) in runs.items():
                 def dmi_round():
                     for _ in range(K):
                         dmodel.generate(**enc, **kw)
                     run.flush()
-                times.append(timed(dmi_round))
+                times.append(timed(sampling(dmi_round, args.pyspy, f"r{r}-{c}", gil=args.pyspy_gil or r % 2 == 1)))
             log(f"  round {r}: vanilla {van[-1]:.2f} s, " + ", ".join(f"{c} {t[-1]:.2f} s" for c, (_, _, t) in runs.items()))
     rows = []
     generates = K * args.rounds + 1
@@ -630,6 +634,16 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
     return rows
 
 
+def sampling(fn, where: str | None, name: str, gil: bool):
+    """``fn``, or with ``--pyspy DIR`` a call of it that py-spy records into DIR/NAME[-gil].txt
+    (perf/pyspy.py summary/compare read them): odd rounds sample only the GIL's holder."""
+    if not where:
+        return fn
+    import pyspy
+    out = Path(where) / f"{name}{'-gil' if gil else ''}.txt"
+    return lambda: pyspy.sampled(fn, out, gil=gil)
+
+
 def headline_table(rows: list[dict]) -> str:
     lines = ["| model | batch | mode | configuration | K x rounds | dmi + store / vanilla | pairs (low / median / high) | "
              "close s | store GB | streamed steps | drops | rows complete | vanilla s / generate |",
@@ -649,6 +663,9 @@ def main(argv=None):
                          "--generates calls in a row + flush per round, close counted (end_to_end)")
     ap.add_argument("--generates", type=int, default=4, help="--headline: generate() calls in a row per round (K)")
     ap.add_argument("--store-dir", default=None, help="--headline: where the store goes (default: the temp dir)")
+    ap.add_argument("--pyspy", default=None, metavar="DIR",
+                    help="--headline: py-spy records each timed round into DIR (odd rounds: the GIL's holder only)")
+    ap.add_argument("--pyspy-gil", action="store_true", help="--pyspy: every round samples only the GIL's holder")
     ap.add_argument("--configs", default="default",
                     help=f"--headline: configurations, comma-separated, of {', '.join(HEADLINE_CONFIGS)}")
     ap.add_argument("--models", default="qwen3-8b")

@@ -72,6 +72,20 @@ def sample_while(fn, seconds: float, out: Path) -> bool:
     return True
 
 
+def sampled(fn, out: Path, gil: bool = False):
+    """Run ``fn()`` once while py-spy records this process into ``out`` (stopped with SIGINT when
+    ``fn`` returns, which makes py-spy write its file); ``fn``'s result."""
+    import os
+    import signal
+    proc = record(os.getpid(), 3600, out, gil=gil)
+    try:
+        return fn()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+
+
 def load(path: Path) -> dict[str, collections.Counter]:
     """thread group -> Counter of stacks (tuples of frames) -> samples. With several processes
     (``--subprocesses``) a group is 'process: thread', the process named by its command line with

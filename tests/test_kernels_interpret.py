@@ -693,6 +693,9 @@ def section_stream() -> None:
         if "error" in got:
             raise got["error"]
         assert got["stats"]["dropped_captures"] == 0, got["stats"]
+        if name == "streamed":      # parts sat in host buffers reused from step to step, not one per part
+            st = got["stats"]
+            assert st["streamed_steps"] >= 3 and 0 < st["stream_buffer_bytes"] < st["bytes_captured"], st
         outs[name] = got["out"]
         if name != "reference":
             assert all(torch.equal(a, b) for a, b in zip(outs["reference"], got["out"]))

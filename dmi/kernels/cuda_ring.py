@@ -60,6 +60,10 @@ SEEN_TO_CAPTURE = 3           # ... capturing one's graph once it came this many
 CAPTURE_GAP = 8               # ... and at most one every this many steps
 ALIGN_GAP = 64 << 10          # steps this close in the payload ring are copied as one span
 PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
+# a streamed step's parts are held until its last part: in recycled host buffers, pinned up to this
+# much in all (a D2H copy into fresh pageable memory ran at about 2 GB/s on an H100 host, and the
+# model waits for it to free the ring; perf/offline.py --headline), pageable past it
+PART_PINNED_BYTES = 4 << 30
 DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each span in one copy): ~0.3 ms of
                               # the copy engine, the longest an engine's own small D2H waits behind the drain
 
@@ -222,6 +226,11 @@ class KernelRing(Ring):
         self._stage_cond = threading.Condition()
         self._stage_ends: dict[int, int] = {}
         self._copy_lock = threading.Lock()     # who copies a step: the model's thread or the drain
+        self._part_free: list[np.ndarray] = []         # host buffers for streamed parts, free to reuse
+        self._part_held: dict[int, np.ndarray] = {}    # id(ctrl) -> the buffer its part (copy group) lies in
+        self._part_pinned: set[int] = set()            # ids of the pinned ones
+        self.part_buffer_bytes = 0                     # allocated for parts: grows to the largest streamed step
+        self.part_pinned_bytes = 0                     # of which pinned
 
     def _use_device(self) -> None:
         """The drain thread's device setup (CudaRing)."""
@@ -273,7 +282,8 @@ class KernelRing(Ring):
                             ctrls[i].copied = None
                     break
                 buf, dst = got
-                copies.append((buf.ctypes.data + dst, lo, hi - lo, buf is self._staging))
+                pinned = buf is self._staging or id(buf) in self._part_pinned
+                copies.append((buf.ctypes.data + dst, lo, hi - lo, pinned))
                 for i in group:
                     bases[i] = (buf, dst - lo)
         for host, lo, nbytes, pinned in copies:    # outside the lock: the model's thread may copy its next step meanwhile
@@ -292,10 +302,15 @@ class KernelRing(Ring):
 
     def _stage_for(self, ctrl: StepControl, span: int, wait: bool = True) -> tuple[np.ndarray, int] | None:
         """(buffer, byte index) for ``span`` bytes: host staging, freed when the exporter is done
-        with ``ctrl`` (the last step of the copy), or pageable memory for a span larger than it and
-        for a part of a streamed step (the run holds it until the step's last part: staging it
-        could leave nothing for the parts still to come). ``wait``: else None when staging is full."""
-        if span > self._stage.capacity or ctrl.partial:
+        with ``ctrl`` (the last step of the copy); for a part of a streamed step, a part buffer
+        (the run holds parts until the step's last: in staging they could leave nothing for the
+        parts still to come, and they never wait); pageable memory for a span larger than staging.
+        ``wait``: else None when staging is full."""
+        if ctrl.stream is not None:
+            buf = self._part_buffer(span)
+            self._part_held[id(ctrl)] = buf
+            return buf, 0
+        if span > self._stage.capacity:
             return np.empty(span, np.uint8), 0
         with self._stage_cond:
             stall = None
@@ -315,7 +330,32 @@ class KernelRing(Ring):
         self._stage_ends[id(ctrl)] = end
         return self._staging, base
 
+    def _part_buffer(self, span: int) -> np.ndarray:
+        """The smallest free part buffer of at least ``span`` bytes, else a new one of at least half
+        the ring (a part's most): pinned while those stay within ``PART_PINNED_BYTES``."""
+        with self._stage_cond:
+            fits = [i for i, b in enumerate(self._part_free) if len(b) >= span]
+            if fits:
+                return self._part_free.pop(min(fits, key=lambda i: len(self._part_free[i])))
+        size = max(span, self.bytes.capacity // 2)
+        buf = self._pinned_buffer(size) if self.part_pinned_bytes + size <= PART_PINNED_BYTES else None
+        if buf is None:
+            buf = np.empty(size, np.uint8)
+        else:
+            self._part_pinned.add(id(buf))
+            self.part_pinned_bytes += size
+        self.part_buffer_bytes += size
+        return buf
+
+    def _pinned_buffer(self, nbytes: int) -> np.ndarray | None:
+        """Pinned host memory for part buffers, freed at close (None: this ring has none)."""
+        return None
+
     def release_host(self, ctrl: StepControl) -> None:
+        buf = self._part_held.pop(id(ctrl), None)
+        if buf is not None:
+            with self._stage_cond:
+                self._part_free.append(buf)
         end = self._stage_ends.pop(id(ctrl), None)
         if end is not None:
             with self._stage_cond:
@@ -810,6 +850,7 @@ class CudaRing(KernelRing):
         its own stream and event, the libcuda calls (checked with 32 bytes at ``check_at``)."""
         rt = self._rt
         self.staging_bytes = max(int(host_bytes), 1 << 20)
+        self._part_ptrs: list[int] = []
         self._staging_ptr = _ok(rt.cudaHostAlloc(self.staging_bytes, rt.cudaHostAllocPortable))
         self._init_staging(_host_array(self._staging_ptr, self.staging_bytes))
         self._stream = _ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
@@ -821,7 +862,14 @@ class CudaRing(KernelRing):
         """What :meth:`_drain_side` made, as (free function, handle) pairs for ``close``."""
         rt = self._rt
         return ((rt.cudaEventDestroy, self._event), (rt.cudaStreamDestroy, self._stream),
-                (rt.cudaFreeHost, self._staging_ptr))
+                (rt.cudaFreeHost, self._staging_ptr), *((rt.cudaFreeHost, p) for p in self._part_ptrs))
+
+    def _pinned_buffer(self, nbytes: int) -> np.ndarray | None:
+        err, ptr = self._rt.cudaHostAlloc(nbytes, self._rt.cudaHostAllocPortable)
+        if int(err) != 0:
+            return None                     # (pinned memory is scarce here: pageable then)
+        self._part_ptrs.append(ptr)
+        return _host_array(ptr, nbytes)
 
     def setup(self, plan, dtype, device) -> None:
         super().setup(plan, dtype, device)
