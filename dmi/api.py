@@ -86,6 +86,8 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     _check_version(arch)
     plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
     check_memory(plan, _device_of(m), hook)      # before the ring is allocated
+    from .adapters.hf.probe import check_sites
+    check_sites(m, plan, arch)                   # spec mistakes at load, not at the first forward
     run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)
     try:
         run._detach = hf.attach(m, plan, arch, run)

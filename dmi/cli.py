@@ -5,7 +5,8 @@
     dmi capture --resume --out out.zarr --prompts more.jsonl   # append after the last committed step
     dmi inspect out.zarr [--json]
     dmi specs list
-    dmi specs validate hooks.yaml [--arch qwen3 | --model NAME]
+    dmi specs validate hooks.yaml [--arch qwen3 | --arch-spec FILE | --model NAME]
+    dmi capture --model <dir> --arch-spec my_family.yaml --out out.zarr
 
 Exit codes: 0 ok, 2 bad input (one clear line on stderr), 1 runtime failure, 130 interrupted.
 """
@@ -138,6 +139,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     prompts_path = args.prompts if args.prompts else _example("prompts.jsonl")
     prompts = read_prompts(prompts_path)         # cheap checks first: before loading a model
     hook = load_hook_spec(spec)
+    if args.arch_spec:
+        from .spec import load_arch_spec
+        load_arch_spec(args.arch_spec)           # its schema errors before the model loads
     out = args.out or hook.data.get("store", {}).get("path")
     if not out:
         raise UsageError("no output store. Fix: pass --out out.zarr (or set store.path in the hook spec)")
@@ -163,7 +167,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         run = load(args.model, hook_spec=spec, store=out, overwrite=args.overwrite, resume=args.resume, dtype=dtype,
-                   device=args.device, **kwargs)
+                   device=args.device, arch_spec=args.arch_spec, **kwargs)
     except OSError as e:
         from .errors import DmiError
         if isinstance(e, DmiError):
@@ -253,39 +257,50 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_specs_list(args: argparse.Namespace) -> int:
     from .errors import DmiError
-    from .spec import list_specs, load_arch_spec
-    rows, bad = [], 0
-    for path in list_specs():
+    from .spec import load_arch_spec, search_specs
+    rows, bad, first = [], 0, {}
+    for found in search_specs():
         try:
-            doc = load_arch_spec(path)
+            doc = load_arch_spec(found.path)
         except DmiError as e:
             bad += 1
-            rows.append({"family": path.stem, "model_types": [], "sites": None, "file": str(path),
-                         "error": str(e)})
+            rows.append({"family": found.path.stem, "model_types": [], "sites": None, "source": found.source,
+                         "file": str(found.path), "error": str(e)})
             continue
-        rows.append({"family": doc.data["family"], "model_types": list(doc.data["match"]["model_type"]),
-                     "sites": len(doc.data["sites"]), "file": str(path)})
+        family = doc.data["family"]
+        row = {"family": family, "model_types": list(doc.data["match"]["model_type"]),
+               "sites": len(doc.data["sites"]), "source": found.source, "file": str(found.path)}
+        if family in first:       # the search takes the first spec of a family
+            row["shadowed_by"] = first[family]
+        first.setdefault(family, str(found.path))
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        def source(r):
+            return r["source"] + (" (shadowed)" if "shadowed_by" in r else "")
         wf = max([len("family")] + [len(r["family"]) for r in rows])
         wt = max([len("model_types")] + [len(", ".join(r["model_types"])) for r in rows])
-        print(f"{'family':<{wf}}  {'model_types':<{wt}}  {'sites':>5}  file")
+        ws = max([len("source")] + [len(source(r)) for r in rows])
+        print(f"{'family':<{wf}}  {'model_types':<{wt}}  {'sites':>5}  {'source':<{ws}}  file")
         for r in rows:
             sites = "ERR" if r["sites"] is None else r["sites"]
-            print(f"{r['family']:<{wf}}  {', '.join(r['model_types']):<{wt}}  {sites:>5}  {r['file']}")
+            print(f"{r['family']:<{wf}}  {', '.join(r['model_types']):<{wt}}  {sites:>5}  {source(r):<{ws}}  {r['file']}")
         for r in rows:
             if "error" in r:
                 print(f"{PROG}: error: {r['error']}", file=sys.stderr)
+            if "shadowed_by" in r:
+                print(f"{PROG}: note: {r['file']} ({r['source']}) is not used: {r['shadowed_by']} comes first in the "
+                      f"search for family {r['family']!r}", file=sys.stderr)
     return EXIT_FAIL if bad else EXIT_OK
 
 
 def _arch_by_name(name: str):
     """An architecture spec by family name, by model_type, or by file path."""
-    from .spec import list_specs, load_arch_spec
+    from .spec import effective_specs, load_arch_spec
     if Path(name).suffix in (".yaml", ".yml") or Path(name).is_file():
         return load_arch_spec(name)
-    docs = [load_arch_spec(p) for p in list_specs()]
+    docs = [doc for _, doc in effective_specs()]
     for doc in docs:
         if doc.data["family"] == name:
             return doc
@@ -296,7 +311,8 @@ def _arch_by_name(name: str):
     families = sorted(d.data["family"] for d in docs)
     close = difflib.get_close_matches(name, families, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise UsageError(f"--arch {name}: no built-in architecture spec has this family. "
+    raise UsageError(f"--arch {name}: no architecture spec has this family (searched DMI_SPEC_PATH, the built-in "
+                     f"specs and installed packages'). "
                      f"Fix: {hint}use one of {', '.join(families)} (see `dmi specs list`) or a spec file path")
 
 
@@ -371,6 +387,9 @@ def _validate_arch(arch, args) -> int:
     print(f"  {len(d['sites'])} sites ({per_layer} per layer, {len(d['sites']) - per_layer} model-level); "
           f"dims: {', '.join(f'{k}={v}' for k, v in d['dims'].items())}")
     print(f"  sites: {', '.join(d['sites'])}")
+    from .spec import outside_vocabulary
+    for name, where, hint in outside_vocabulary(arch):
+        _warn(f"{where}: sites.{name}: {name!r} is not in the site vocabulary. Fix: {hint}")
     try:
         config = tiny_config(d["family"])
     except KeyError:
@@ -465,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in tiny model (tiny-qwen3, tiny-llama3_1, tiny-qwen3_moe, tiny-mixtral) or a "
                         "local path / hub id (default: tiny-qwen3)")
     c.add_argument("--spec", help="hook spec YAML (default: the packaged example dmi/examples/hooks.yaml)")
+    c.add_argument("--arch-spec", metavar="FILE",
+                   help="architecture spec YAML of the model's family (default: the spec whose match.model_type lists "
+                        "the model's, searched in DMI_SPEC_PATH, the built-in specs, then installed packages' "
+                        "dmi.specs entry points)")
     c.add_argument("--prompts", help='JSON lines, one {"prompt": ..., "id": ...} per line; "-" reads stdin '
                                      "(default: the packaged example dmi/examples/prompts.jsonl)")
     c.add_argument("--out", help="the Zarr store to write (default: store.path of the hook spec)")
@@ -490,8 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("specs", help="list built-in architecture specs, validate a spec file",
                        description="Architecture specs (one per model family) and hook specs (yours).")
     ssub = s.add_subparsers(dest="specs_command", metavar="SUBCOMMAND", parser_class=_Parser)
-    sl = ssub.add_parser("list", help="the built-in architecture specs", description="List the built-in "
-                         "architecture specs: family, model_types, number of sites, file.")
+    sl = ssub.add_parser("list", help="the architecture specs dmi finds", description="List the architecture specs "
+                         "in search order (DMI_SPEC_PATH, built-in, installed packages' dmi.specs entry points): "
+                         "family, model_types, number of sites, source, file.")
     sl.add_argument("--json", action="store_true", help="print as JSON")
     sl.set_defaults(func=cmd_specs_list)
     sv = ssub.add_parser("validate", help="validate an architecture spec or a hook spec",
@@ -500,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "against an architecture (default qwen3) and a model config (the family's tiny "
                                      "config, or --model's).")
     sv.add_argument("file", help="the YAML file")
-    sv.add_argument("--arch", help="architecture family, model_type or spec file to check a hook spec against "
+    sv.add_argument("--arch", "--arch-spec", dest="arch", help="architecture family, model_type or spec file to check a hook spec against "
                                    "(default: qwen3, or --model's)")
     sv.add_argument("--model", help="check against this model's config (built-in name, local path or hub id) "
                                     "instead of the family's tiny config")

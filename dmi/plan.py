@@ -192,7 +192,9 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
     n_layers = dims["layer"]
     candidates = all_site_names(arch, n_layers)
+    every_site = candidates
     unavailable = unavailable or {}
+    absent = _absent_sites(arch, available, unavailable, engine) if n_layers > 0 else set()
     left_out = [c for c in candidates if c[1] in unavailable]
     if available is not None:
         candidates = [c for c in candidates if (c[1], c[2]) in available]
@@ -212,9 +214,13 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
         for j, pattern in enumerate(entry["sites"]):
             matched = _match(pattern, candidates)
             skipped.update((c[1], unavailable[c[1]]) for c in _match(pattern, left_out))
+            dropped = sorted({c[1] for c in _match(pattern, every_site) if c[1] in absent},
+                             key=list(arch.data["sites"]).index)
             if not matched:
                 if _split_layer(pattern)[1] not in unavailable:
                     _check_site_in_model(pattern, arch, hook, path + ("sites", j), n_layers, in_model, engine)
+                if dropped:
+                    _check_site_in_model(dropped[0], arch, hook, path + ("sites", j), n_layers, in_model, engine)
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
                 problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
@@ -232,6 +238,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 if not matched:
                     raise hook.error(path + ("layers",), f"site pattern {pattern!r} matches nothing in layers {layers}",
                                      fix="widen `layers` or pick a site that exists on those layers")
+            for base in dropped:
+                _warn_absent(base, pattern, arch, hook, path + ("sites", j), engine)
             for full, canonical, layer in matched:
                 if full in chosen:
                     ci, cj = chosen_by[full]
@@ -367,6 +375,30 @@ def _check_site_in_model(pattern: str, arch: Document, hook: Document, hook_path
                     line=arch.line_of(("sites", base, engine)),
                     fix=f"correct the module path of {base} in {arch.file} to this model's module names "
                         f"(print(model) lists them), or pass the architecture spec of this model's family")
+
+
+def _absent_sites(arch: Document, available: set | None, unavailable: dict, engine: str) -> set[str]:
+    """Sites of the spec whose module path matches nothing on any layer of the model."""
+    if available is None:
+        return set()
+    present = {c for c, _ in available}
+    return {c for c, site in arch.data["sites"].items()
+            if c not in present and c not in unavailable and (site.get(engine) or {}).get("module")}
+
+
+def _warn_absent(base: str, pattern: str, arch: Document, hook: Document, hook_path: tuple, engine: str) -> None:
+    """A glob matched a site of the spec whose module path this model lacks on every layer: it is
+    left out, with a warning naming the path (a typo in it would otherwise drop the site unseen;
+    a family's sites that some models lack on every layer, such as mlp.act of an all-MoE model,
+    are left out the same way)."""
+    import warnings
+    module = arch.data["sites"][base][engine]["module"]
+    line = arch.line_of(("sites", base, engine))
+    asked = f"{hook.file}:{hook.line_of(hook_path)}" if hook.line_of(hook_path) is not None else hook.file
+    warnings.warn(f"{arch.file}:{line}: sites.{base}.{engine}.module: site {base!r} is in the spec but its module path "
+                  f"{module!r} matches nothing in this model, so {pattern!r} ({asked} {format_path(hook_path)}) "
+                  f"leaves it out. Fix: if the model should have it, correct the module path to this model's module "
+                  f"names (print(model) lists them)", stacklevel=3)
 
 
 def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -257,12 +258,116 @@ def _fix_for(err: jsonschema.ValidationError, what: str) -> str:
 
 # --- architecture specs --------------------------------------------------------------------------
 
+# The canonical site names (docs/sites.md, "Sites"): a spec may use others, which
+# `dmi specs validate` warns about (a name outside the vocabulary means nothing to other families).
+SITE_VOCABULARY = (
+    "embed", "resid_pre", "attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.pattern", "attn.z",
+    "attn.out", "resid_mid", "mlp.in", "mlp.act", "mlp.out", "moe.router_logits", "moe.topk_weights",
+    "moe.topk_ids", "moe.shared_out", "resid_post", "final_norm", "logits",
+)
+
+
+def outside_vocabulary(doc: Document) -> list[tuple[str, str, str]]:
+    """(site, where ``file:line``, hint) for each site name of an architecture spec outside
+    :data:`SITE_VOCABULARY`."""
+    out = []
+    for name in doc.data["sites"]:
+        if name not in SITE_VOCABULARY:
+            close = difflib.get_close_matches(name, SITE_VOCABULARY, n=1, cutoff=0.6)
+            hint = (f"did you mean {close[0]!r}? " if close else "") + \
+                "use a name of the site vocabulary (docs/sites.md), or propose a new one there"
+            line = doc.line_of(("sites", name))
+            out.append((name, f"{doc.file}:{line}" if line is not None else doc.file, hint))
+    return out
+
+
 def builtin_spec_dir() -> Path:
     return Path(str(resources.files("dmi.specs")))
 
 
 def list_specs() -> list[Path]:
+    """The built-in architecture specs (:func:`search_specs` lists every source)."""
     return sorted(builtin_spec_dir().glob("*.yaml"))
+
+
+SPEC_PATH_ENV = "DMI_SPEC_PATH"       # directories of specs searched before the built-in ones
+ENTRY_POINT_GROUP = "dmi.specs"       # entry points of installed packages that ship specs
+
+
+@dataclass(frozen=True)
+class SpecFile:
+    """An architecture spec file and where the search found it (``source``: ``DMI_SPEC_PATH``,
+    ``built-in`` or ``entry point <name> (<distribution> <version>)``)."""
+    path: Path
+    source: str
+
+
+def spec_path_dirs() -> list[Path]:
+    """The directories of ``DMI_SPEC_PATH`` (``os.pathsep``-separated), each checked to exist."""
+    out = []
+    for part in os.environ.get(SPEC_PATH_ENV, "").split(os.pathsep):
+        if not part.strip():
+            continue
+        path = Path(part).expanduser()
+        if not path.is_dir():
+            raise SpecError(f"{SPEC_PATH_ENV} names {part!r}, which is not a directory", file=part, key=SPEC_PATH_ENV,
+                            fix=f"list directories of architecture spec YAML files, separated by {os.pathsep!r}")
+        out.append(path)
+    return out
+
+
+def _yaml_files(obj, label: str) -> list[Path]:
+    """Spec files an entry point's object names: a package or module (the ``*.yaml`` beside it), a
+    directory or file path, a list of them, or a callable returning any of these."""
+    import types
+    if callable(obj) and not isinstance(obj, (types.ModuleType, type)):
+        obj = obj()
+    if isinstance(obj, (list, tuple)):
+        return [p for item in obj for p in _yaml_files(item, label)]
+    if isinstance(obj, types.ModuleType):
+        where = getattr(obj, "__path__", None)
+        obj = Path(list(where)[0]) if where else Path(obj.__file__).parent
+    if isinstance(obj, (str, os.PathLike)):
+        path = Path(obj)
+        return sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+    raise SpecError(f"{label} gives a {type(obj).__name__}, not specs", file=label, key=ENTRY_POINT_GROUP,
+                    fix="point the entry point at a package (its *.yaml files), a path, or a function returning paths")
+
+
+def entry_point_specs() -> list[SpecFile]:
+    """Specs that installed packages declare in the ``dmi.specs`` entry-point group, e.g. in their
+    pyproject.toml: ``[project.entry-points."dmi.specs"] my_family = "my_package.specs"``."""
+    from importlib.metadata import entry_points
+    out = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        label = f"entry point {ep.name}" + (f" ({dist.name} {dist.version})" if dist is not None else "")
+        try:
+            obj = ep.load()
+        except Exception as e:      # noqa: BLE001 - a package's broken entry point, named with the fix
+            raise SpecError(f"{label} = {ep.value!r} cannot be loaded: {type(e).__name__}: {e}", file=label,
+                            key=ENTRY_POINT_GROUP, fix="reinstall or fix the package that declares it") from None
+        out += [SpecFile(p, label) for p in _yaml_files(obj, label)]
+    return out
+
+
+def search_specs() -> list[SpecFile]:
+    """Every architecture spec in search order: ``DMI_SPEC_PATH``'s directories, the built-in
+    specs, then those of installed packages (entry-point group ``dmi.specs``)."""
+    return ([SpecFile(p, SPEC_PATH_ENV) for d in spec_path_dirs() for p in sorted(d.glob("*.yaml"))]
+            + [SpecFile(p, "built-in") for p in list_specs()] + entry_point_specs())
+
+
+def effective_specs() -> list[tuple[SpecFile, Document]]:
+    """The specs the search uses: the first of each family name in :func:`search_specs` order (a
+    spec on ``DMI_SPEC_PATH`` replaces the built-in one of its family)."""
+    out, families = [], set()
+    for found in search_specs():
+        doc = load_arch_spec(found.path)
+        if doc.data["family"] not in families:
+            families.add(doc.data["family"])
+            out.append((found, doc))
+    return out
 
 
 def load_arch_spec(source: str | Path | dict) -> Document:
@@ -274,6 +379,17 @@ def load_arch_spec(source: str | Path | dict) -> Document:
                 raise doc.error(("sites", name, "dims"), f"dim {dim!r} is not declared under dims",
                                 fix=f"add `{dim}: <config attribute>` under dims, or use one of "
                                     f"{sorted(doc.data['dims']) + ['token', 'key']}")
+        hf = site.get("hf") or {}
+        layout = [d for d in hf.get("layout", []) if d not in ("batch", "seq", "token")]
+        if hf and layout != site["dims"][1:]:
+            raise doc.error(("sites", name, "hf", "layout"), f"the layout's feature axes {layout} are not the site's "
+                            f"dims after token {site['dims'][1:]}",
+                            fix=f"name the tensor's axes batch and seq (or a leading token) and the site's dims in "
+                                f"their order, e.g. [batch, seq, {', '.join(site['dims'][1:])}]")
+        if hf and not (hf["layout"][0] == "token" or {"batch", "seq"} <= set(hf["layout"])):
+            raise doc.error(("sites", name, "hf", "layout"), "the layout names neither batch and seq nor a leading token",
+                            fix="name the tensor's batch and seq axes, or write token first for a [batch*seq, ...] "
+                                "tensor")
         vllm = site.get("vllm") or {}
         if "{i+1}" in vllm.get("module", "") and "last" not in vllm:
             raise doc.error(("sites", name, "vllm", "module"), "a path through the next layer ({i+1}) has no anchor "
@@ -282,15 +398,24 @@ def load_arch_spec(source: str | Path | dict) -> Document:
 
 
 def find_arch_spec(model_type: str, extra_dirs: list[Path] = ()) -> Document:
-    """The spec whose ``match.model_type`` lists ``model_type``."""
-    for path in [*list_specs(), *(p for d in extra_dirs for p in sorted(Path(d).glob("*.yaml")))]:
+    """The spec whose ``match.model_type`` lists ``model_type``, searched in :func:`effective_specs`
+    order (``DMI_SPEC_PATH``, built-in, installed packages), then in ``extra_dirs``."""
+    found = effective_specs()
+    for _, doc in found:
+        if model_type in doc.data["match"]["model_type"]:
+            return doc
+    for path in (p for d in extra_dirs for p in sorted(Path(d).glob("*.yaml"))):
         doc = load_arch_spec(path)
         if model_type in doc.data["match"]["model_type"]:
             return doc
-    known = sorted({t for p in list_specs() for t in load_arch_spec(p).data["match"]["model_type"]})
-    searched = ", ".join(map(str, [builtin_spec_dir(), *extra_dirs]))
-    raise SpecError(f"no architecture spec matches model_type {model_type!r}", file=searched, key="match.model_type",
-                    fix=f"pass arch_spec=<your spec.yaml> (see CONTRIBUTING in docs/sites.md); known: {known}")
+    known = sorted({t for _, doc in found for t in doc.data["match"]["model_type"]})
+    searched = ", ".join(map(str, [*spec_path_dirs(), builtin_spec_dir(), *extra_dirs]))
+    raise SpecError(f"no architecture spec matches model_type {model_type!r} (searched {SPEC_PATH_ENV}, the built-in "
+                    f"specs and installed packages' {ENTRY_POINT_GROUP!r} entry points)", file=searched,
+                    key="match.model_type",
+                    fix=f"write a spec for it (docs/sites.md, 'Contributing an architecture') and pass it: "
+                        f"`dmi capture --arch-spec FILE`, dmi.load(..., arch_spec=FILE), or put it in a directory "
+                        f"on {SPEC_PATH_ENV}; known model types: {known}")
 
 
 def check_arch_matches(arch: Document, model_type: str | None) -> None:

@@ -140,7 +140,8 @@ def test_sliding_window_pattern_equals_reference(family, cache, encoded, write_s
 def test_internal_sites_equal_reference(family, encoded, write_spec, tmp_path):
     """q/k/v/z, mlp sites and MoE routing against values recomputed from the unpatched modules."""
     model, ref = model_pair(family, attn="sdpa")
-    sites = ["attn.q", "attn.k", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid", "mlp.in", "mlp.out"]
+    sites = ["attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid", "mlp.in",
+             "mlp.out"]
     if family in MOE_FAMILIES:
         sites += ["moe.router_logits", "moe.topk_ids", "moe.topk_weights"]
     else:
@@ -206,8 +207,8 @@ def _reference_internals(ref, ids, mask, family):
         cos, sin = kw["position_embeddings"]
         import sys
         rope = sys.modules[type(m).__module__].apply_rotary_pos_emb
-        _, k_rot = rope(q, k, cos, sin)
-        for name, t in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.k_rot", k_rot)):
+        q_rot, k_rot = rope(q, k, cos, sin)
+        for name, t in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.q_rot", q_rot), ("attn.k_rot", k_rot)):
             out[name] = t.transpose(1, 2).reshape(b * s, -1).detach().numpy()
     hooks.append(attn.register_forward_hook(qkv, with_kwargs=True))
     with torch.no_grad():

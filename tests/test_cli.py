@@ -179,9 +179,9 @@ def test_read_prompts_default_ids_and_examples(tmp_path):
 def test_specs_list(capsys):
     assert main(["specs", "list"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["family", "model_types", "sites", "file"]
+    assert out.splitlines()[0].split() == ["family", "model_types", "sites", "source", "file"]
     row = next(ln for ln in out.splitlines() if ln.startswith("qwen3 "))
-    assert "qwen3.yaml" in row and int(row.split()[2]) > 5
+    assert "qwen3.yaml" in row and int(row.split()[2]) > 5 and " built-in " in row
     assert main(["specs", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert any(r["family"] == "qwen3" and r["model_types"] == ["qwen3"] for r in rows)

@@ -41,7 +41,7 @@ BLOCK = 128          # vLLM's CPU KV-cache block: prefix-cache hits come in mult
 
 
 def all_sites(family: str) -> list[str]:
-    sites = ["embed", "resid_pre", "attn.q", "attn.k", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid",
+    sites = ["embed", "resid_pre", "attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid",
              "mlp.in", "mlp.out", "resid_post", "final_norm", "logits"]
     if family in MOE:
         sites += ["moe.router_logits", "moe.topk_weights", "moe.topk_ids"]

@@ -64,8 +64,9 @@ def check_unpatched(model: torch.nn.Module) -> None:
                            f"(run.close(), or leave its with block) before loading another on the same model")
 
 
-def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
-    """Patch every planned site into ``model``; returns a function that undoes it."""
+def group_sites(model: torch.nn.Module, plan: Plan, arch: Document, handle_of) -> tuple[dict, dict, dict, dict]:
+    """(edits, inputs, outputs, handles) per module for the planned sites; ``handle_of(site index)``
+    gives each site's handle (a run's, or the load-time probe's: :mod:`.probe`)."""
     edits: dict[torch.nn.Module, list[SourceEdit]] = defaultdict(list)
     inputs: dict[torch.nn.Module, list] = defaultdict(list)
     outputs: dict[torch.nn.Module, list] = defaultdict(list)
@@ -75,7 +76,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
         module = _module(model, anchor["module"], s.layer)
         if module is None:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
-        handles[module][s.canonical] = SiteHandle.of(run, s.index)
+        handles[module][s.canonical] = handle_of(s.index)
         if "assign" in anchor or "compute" in anchor:
             edits[module].append(SourceEdit.of(s.canonical, anchor))
         elif "input" in anchor:
@@ -86,6 +87,29 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
             inputs[module].append((pos, name, s.canonical))
         else:
             outputs[module].append((anchor["output"], s.canonical))
+    return edits, inputs, outputs, handles
+
+
+def patch_sites(arch: Document, edits: dict, inputs: dict, outputs: dict, handles: dict) -> list:
+    """Patch every module of :func:`group_sites`; returns the undo functions (all undone on a failure)."""
+    undo: list = []
+    try:
+        for module, sites in handles.items():
+            mod_edits = tuple(sorted(edits[module], key=lambda e: e.canonical))
+            try:
+                undo.append(patch_module(module, sites, mod_edits, tuple(inputs[module]), tuple(outputs[module])))
+            except AnchorNotFound as e:
+                raise _anchor_error(arch, e.site or mod_edits[0].canonical, module, str(e)) from None
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+    return undo
+
+
+def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
+    """Patch every planned site into ``model``; returns a function that undoes it."""
+    edits, inputs, outputs, handles = group_sites(model, plan, arch, lambda index: SiteHandle.of(run, index))
 
     undo: list = []
     saved = {name: model.__dict__[name] for name in _STEP_ATTRS if name in model.__dict__}
@@ -99,12 +123,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
         model.__dict__.update(saved)
 
     try:
-        for module, sites in handles.items():
-            mod_edits = tuple(sorted(edits[module], key=lambda e: e.canonical))
-            try:
-                undo.append(patch_module(module, sites, mod_edits, tuple(inputs[module]), tuple(outputs[module])))
-            except AnchorNotFound as e:
-                raise _anchor_error(arch, e.site or mod_edits[0].canonical, module, str(e)) from None
+        undo += patch_sites(arch, edits, inputs, outputs, handles)
         _wrap_step(model, run, list(handles))
     except BaseException:
         detach()            # a half-patched model is never handed back
