@@ -7,6 +7,15 @@
 """
 from __future__ import annotations
 
+from pathlib import Path as _Path
+
+# In a checkout, specs/, schemas/, kernels/ and adapters/ sit beside this package (pyproject.toml
+# installs them as dmi.specs, dmi.schemas, ...). Imported from a checkout that was not installed
+# (a script that puts it on sys.path, `python -m pytest` from its root), find them there.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "specs").is_dir() and (_checkout / "specs" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
+
 from .errors import AnchorError, CaptureError, DmiError, PolicyError, SpecError, StoreError
 
 

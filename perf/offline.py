@@ -29,10 +29,10 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   launch (``Run.drain_window``): the drain runs on its 100 ms timer only, as before windows;
 * "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
   (the CUDA ring copies each step out from the model's thread as the next step begins, instead of
-  in batches from the drain thread; dmi/kernels/cuda_ring.py says why);
+  in batches from the drain thread; kernels/cuda_ring.py says why);
 * "-> host, traced" (``--traced-row``, compiled mode): the same with the compiled forward capturing
   the plain sites as traced torch ops fused into the kernels computing them (``DMI_TRACED=1``,
-  dmi/kernels/traced.py), where by default every capture goes through the site op and its kernel;
+  kernels/traced.py), where by default every capture goes through the site op and its kernel;
 * dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
   last-token logits to the CPU; ``output_hidden_states`` (+ ``output_logits``), kept on the GPU.

@@ -17,10 +17,10 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   by default, on Hopper and later, a programmatic dependent launch whose launch and control-word
   read overlap the kernel before it); ``dmi-hidden-traced``: compiled code captures the plain sites
   as traced torch ops that inductor fuses into the kernels computing them in every step
-  (``DMI_TRACED=1``, ``dmi/kernels/traced.py``; by default only the steps above the largest CUDA
+  (``DMI_TRACED=1``, ``kernels/traced.py``; by default only the steps above the largest CUDA
   graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
   kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``); ``dmi-hidden-side``: the
-  capture kernels of every CUDA graph on a side stream (``DMI_SIDE=1``, dmi/kernels/side.py; by
+  capture kernels of every CUDA graph on a side stream (``DMI_SIDE=1``, kernels/side.py; by
   default only in vLLM's full graphs, the decode steps); ``dmi-hidden-inline``: on the model's
   stream in every graph (``DMI_SIDE=0``);
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
@@ -554,7 +554,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # the same with policy.drain: process (dmi/ringshare.py: the writer's child copies the ring out through
         # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
         "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
-        # the same, each step copied out as the next begins (dmi/kernels/cuda_ring.py: the copy engine)
+        # the same, each step copied out as the next begins (kernels/cuda_ring.py: the copy engine)
         "dmi-hidden-step": _with(dmi("dmi-hidden-step", hidden, args.ring_gib), DMI_COPY_AT_STEP="1"),
         # the same without replaying the logits capture as a CUDA graph (same spec file: vLLM's compile cache hits)
         "dmi-hidden-noreplay": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_REPLAY_EAGER="0"),

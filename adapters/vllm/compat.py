@@ -53,7 +53,7 @@ def check_version() -> str | None:
     except Exception:   # local/dev version strings
         return None
     return (f"dmi's vLLM adapter was written for vllm {SUPPORTED}; installed {v}. The seams it uses are "
-            f"listed in dmi/adapters/vllm/compat.py; a missing one raises an error naming it")
+            f"listed in adapters/vllm/compat.py; a missing one raises an error naming it")
 
 
 def prefer_v1_runner() -> None:
