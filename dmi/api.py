@@ -84,7 +84,8 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
     check_arch_matches(arch, getattr(m.config, "model_type", None))
     _check_version(arch)
-    plan = build_plan(arch, hook, m.config, available=hf.available_sites(m, arch))
+    itemsize = m.dtype.itemsize if hasattr(getattr(m, "dtype", None), "itemsize") else 4
+    plan = build_plan(arch, hook, m.config, model_dtype_itemsize=itemsize, available=hf.available_sites(m, arch))
     check_memory(plan, _device_of(m), hook)      # before the ring is allocated
     from .adapters.hf.probe import check_sites
     check_sites(m, plan, arch)                   # spec mistakes at load, not at the first forward

@@ -45,7 +45,7 @@ from zarr.codecs import BloscCodec
 
 from .errors import StoreError
 from .inspect_store import writer_alive
-from .plan import Plan, SitePlan
+from .plan import Plan, SitePlan, chunk_rows
 from .ring import Drop
 from .tokens import PHASES
 from .zdtype import BF16
@@ -549,7 +549,7 @@ class ZarrExporter:
     def _create_group(self, g: GroupBuffer, compressors) -> None:
         grp = self.root.require_group(g.name)
         first = g.sites[0]
-        g.chunk_rows = _chunk_rows(self.plan, g.sites, self.float_dtype.itemsize)
+        g.chunk_rows = chunk_rows(self.plan, g.sites, self.float_dtype.itemsize)
         lead = ("token", "layer") if g.per_layer else ("token",)
         nl = (len(g.sites),) if g.per_layer else ()
         coords = list(COORDS) + (["layer"] if g.per_layer else []) + (["head"] if first.heads else [])
@@ -604,7 +604,7 @@ class ZarrExporter:
                 if g.sites:
                     floats = [g.files[o.name].dtype for o in g.sites[0].outputs if o.kind == "float"]
                     # the floats as the store holds them (a store from before bf16 was stored as bf16: float32)
-                    want = _chunk_rows(self.plan, g.sites, floats[0].itemsize if floats else 4)
+                    want = chunk_rows(self.plan, g.sites, floats[0].itemsize if floats else 4)
                     if want != g.chunk_rows:
                         raise StoreError(f"{path}/{g.name}: chunks: the store has {g.chunk_rows} rows per chunk, "
                                          f"this run would write {want}. Fix: resume with the store.chunk_bytes the "
@@ -1116,13 +1116,6 @@ class ZarrExporter:
         self._pool.shutdown(wait=wait)
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=wait)
-
-
-def _chunk_rows(plan: Plan, sites: list[SitePlan], float_itemsize: int) -> int:
-    """Rows per chunk of a group: about store.chunk_bytes (floats stored ``float_itemsize`` bytes
-    each), at least 16."""
-    row_bytes = sum(o.row_elems * o.itemsize(float_itemsize) for o in sites[0].outputs) * len(sites)
-    return int(max(16, min(65536, plan.chunk_bytes // max(row_bytes, 1))))
 
 
 def _writer() -> dict:

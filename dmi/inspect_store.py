@@ -157,6 +157,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "writer": attrs.get("dmi_writer"),
         "error": attrs.get("error"),
         "store_error": attrs.get("store_error"),
+        "capture_stopped": attrs.get("capture_stopped"),
         "resumed": attrs.get("resumed") or [],
         "writer_failover": attrs.get("writer_failover"),
         "format": attrs.get("dmi_format"),
@@ -253,6 +254,11 @@ def format_summary(info: dict) -> str:
     for key in ("error", "store_error"):
         if info.get(key):
             lines.append(f"error     {info[key]}")
+    stopped = info.get("capture_stopped")
+    if stopped:
+        lines.append(f"stopped   capture stopped at engine step {stopped.get('step')} (last committed step "
+                     f"{stopped.get('committed_step')}) and the engine served on without it: the store failed "
+                     f"(policy.on_store_error: drop)")
     if info.get("resumed"):
         lines.append("resumed   at step " + ", ".join(str(r.get("at_step")) for r in info["resumed"]))
     if info.get("writer_failover"):

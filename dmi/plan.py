@@ -327,7 +327,42 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                              fix="remove store.writer or set it to process")
         plan.writer = "process"
     check_policy_fits(plan, model_dtype_itemsize, hook)
+    _check_max_bytes(plan, model_dtype_itemsize, hook)
     return plan
+
+
+def chunk_rows(plan: Plan, sites: list[SitePlan], float_itemsize: int) -> int:
+    """Rows per chunk of a store group: about store.chunk_bytes (floats stored ``float_itemsize``
+    bytes each), at least 16."""
+    return int(max(16, min(65536, plan.chunk_bytes // max(_group_row_bytes(sites, float_itemsize), 1))))
+
+
+def _group_row_bytes(sites: list[SitePlan], float_itemsize: int) -> int:
+    return sum(o.row_elems * o.itemsize(float_itemsize) for o in sites[0].outputs) * len(sites)
+
+
+def _check_max_bytes(plan: Plan, model_itemsize: int, hook: Document) -> None:
+    """A store.max_bytes under one chunk of some group fills the store before that chunk is
+    written: refused at load, not as a store failure mid-run."""
+    cap = plan.max_bytes
+    if cap is None:
+        return
+    itemsize = model_itemsize if plan.store_dtype == "native" else {"bfloat16": 2, "float16": 2}.get(plan.store_dtype, 4)
+    groups: dict[str, list[SitePlan]] = {}
+    for s in plan.sites:
+        groups.setdefault(s.group, []).append(s)
+    sizes = {g: chunk_rows(plan, sites, itemsize) * _group_row_bytes(sites, itemsize) for g, sites in groups.items()}
+    if not sizes:
+        return
+    group, need = max(sizes.items(), key=lambda kv: kv[1])
+    if cap < need:
+        rows = chunk_rows(plan, groups[group], itemsize)
+        raise hook.error(("store", "max_bytes"),
+                         f"store.max_bytes {cap:,} bytes is smaller than one chunk of group {group} ({need:,} bytes: "
+                         f"{rows} rows of {need // rows:,} bytes, before compression): the store would be full "
+                         f"before that chunk is written",
+                         fix=f"raise store.max_bytes to at least {_size(need)}, or lower store.chunk_bytes (a chunk "
+                             f"holds about that many bytes, at least 16 rows)")
 
 
 def _order(full: str, arch: Document) -> tuple:

@@ -112,6 +112,7 @@ class Run:
         self._counting: list = [None, 0]     # (layout, steps begun with it not yet in the two arrays above)
         self.enabled = True          # False: null mode (sites stay patched, the device flag stays off)
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
+        self.close_attrs: dict = {}             # root attributes an engine adapter adds to the close summary
         self._external = False       # the open step was begun outside the forward (graphs, engines)
         self._gen_mask = None        # 2D attention mask generate() prepared for the next forward
         self._mirror: _Mirror | None = None
@@ -874,6 +875,7 @@ class Run:
                                   "rows_not_computed": dict(zip(names, (acc["not_computed"] + self._not_computed).tolist()))}
         if self.policy_changes:
             summary["policy_changes"] = self.policy_changes
+        summary |= self.close_attrs
         never = never_computed(summary)
         if never:
             summary["sites_never_computed"] = never

@@ -392,6 +392,21 @@ def _store_full_spec(write_spec, policy: str, writer: str = "thread") -> Path:
     """)
 
 
+def test_a_store_cap_under_one_chunk_is_refused_at_load(tmp_path, write_spec):
+    """store.max_bytes below one chunk of a group would fill the store before its first chunk: the
+    load says so (file, line, key, the chunk's size and the fix) and writes nothing."""
+    spec = write_spec("capture: [{sites: [resid_post]}]\nstore:\n  max_bytes: 64KiB\n")
+    with pytest.raises(dmi.SpecError) as info:
+        dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    msg = str(info.value)
+    assert f"{spec}:3" in msg and "store.max_bytes" in msg, msg
+    assert "smaller than one chunk of group layers/resid_post" in msg, msg
+    assert "Fix: raise store.max_bytes to at least 4MiB, or lower store.chunk_bytes" in msg, msg
+    assert not (tmp_path / "o.zarr").exists()
+    spec = write_spec("capture: [{sites: [resid_post]}]\nstore: {max_bytes: 64KiB, chunk_bytes: 8KiB}\n")
+    dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr").close()     # smaller chunks fit
+
+
 @pytest.mark.parametrize("writer", WRITERS)
 def test_store_full_stops_the_model_within_a_second(tmp_path, encoded, write_spec, writer):
     run = dmi.load("tiny-qwen3", hook_spec=_store_full_spec(write_spec, "{mode: full}", writer),

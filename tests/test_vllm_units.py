@@ -5,12 +5,13 @@ each rule on hand-made batches, and every refusal of the operator policy, in mil
 """
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from dmi.adapters.vllm.compat import Batch, repeats_last_step
+from dmi.adapters.vllm.compat import Batch, client_request_id, repeats_last_step
 from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, Want, check, options, resolve
 from dmi.adapters.vllm.steps import StepBuilder
 from dmi.tokens import RequestTable
@@ -116,7 +117,7 @@ def test_step_rows_match_a_per_request_reference(seed):
         for r in finished:
             del live[r]
         for _ in range(rng.integers(0, 4)):
-            rid = f"s{seed}-{step}-{len(live)}"
+            rid = f"s{seed}.{step}.{len(live)}"
             live[rid] = [int(rng.integers(0, 3)) * 8, int(rng.integers(1, 40))]   # a prefix-cache hit now and then
             wants[rid] = [ALL, Want(frozenset(), None), Want(frozenset({1}), None), Want(None, int(rng.integers(0, 9))),
                           Want(frozenset({0, 2}), 5)][rng.integers(0, 5)]
@@ -162,7 +163,7 @@ def test_steady_decode_steps_reuse_the_last_rows_and_match_the_reference(seed):
             del live[r]
         if churn or not live:
             for _ in range(rng.integers(1, 3)):
-                rid = f"t{seed}-{step}-{len(live)}"
+                rid = f"t{seed}.{step}.{len(live)}"
                 live[rid] = [0, int(rng.integers(1, 12))]
                 wants[rid] = [ALL, ALL, Want(frozenset({1}), None), Want(None, int(rng.integers(5, 40)))][rng.integers(0, 4)]
         if churn and live and rng.random() < 0.3:
@@ -210,7 +211,7 @@ def test_repeated_steps_match_the_reference(seed):
         for r in finished:
             del live[r]
         if churn or not live:
-            rid = f"r{seed}-{step}"
+            rid = f"r{seed}.{step}"
             live[rid] = [0, int(rng.integers(1, 10))]
             wants[rid] = [ALL, ALL, Want(None, int(rng.integers(5, 30)))][rng.integers(0, 3)]
         if churn and rng.random() < 0.3:
@@ -520,7 +521,7 @@ def test_a_fresh_layout_equals_the_per_site_path(tmp_path, seed):
     try:
         for k in range(12):
             n = int(rng.integers(1, 9))
-            ids = [f"s{seed}-{k}-{j}" for j in range(n)]
+            ids = [f"s{seed}.{k}.{j}" for j in range(n)]
             sched = rng.integers(1, 6, n) if k % 3 else np.ones(n, np.int64)    # every third step decodes only
             computed = rng.integers(0, 40, n)
             prompt = computed + (rng.integers(0, 8, n) if k % 2 else 0)          # odd steps: some rows prefill
@@ -716,3 +717,33 @@ def test_inspect_vllm_line_reports_step_kinds_captures_outside_graphs_and_thread
     assert "begin µs: repeated steps 96.2, others 574.3" in line, line
     assert "captures outside graphs: eager 40 x 48.5 µs, replay 9 x 6.1 µs;" in line and "capture 0" not in line, line
     assert "drain thread 0.763 s CPU, export thread 0.324 s CPU" in line, line
+
+
+def test_engine_requests_map_to_their_client_request():
+    """vLLM 0.32's engine request ids: the unique suffix, `{k}_` for sample k of `n`, `-{i}` for
+    prompt i of an OpenAI list request (a single prompt too): all map to the client request."""
+    from dmi.adapters.vllm.compat import client_request_id
+    assert client_request_id("cmpl-abc-0-1f2e3d4c") == "cmpl-abc"
+    assert client_request_id("15_cmpl-abc-0-1f2e3d4c") == "cmpl-abc"
+    assert client_request_id("cmpl-abc-12-1f2e3d4c") == "cmpl-abc"
+    assert client_request_id("3_chatcmpl-xyz-1f2e3d4c") == "chatcmpl-xyz"
+    assert client_request_id("7") == "7" and client_request_id("2_7-aaaaaaaa") == "7"    # LLM.generate's ids
+
+
+def test_a_row_cap_counts_every_engine_request_of_a_client_request():
+    """Sixteen samples of one request decoding side by side share its cap, on the general and the
+    steady path; another client request has its own; a finished client request's count is kept."""
+    table = RequestTable()
+    sb = StepBuilder(table)
+    cap = Want(None, 10)
+    ids = [f"{k}_cmpl-a-0-0000000{k % 10}" for k in range(4)] + ["cmpl-b-0-12345678"]
+    stored = collections.Counter()
+    computed = [3] * 5
+    for step in range(6):
+        st, _, _ = sb.build(batch(ids, [1] * 5, computed, [3] * 5), 5, lambda r: cap, 1)
+        stored.update(client_request_id(table.ids[r]) for r in st.request)
+        computed = [c + 1 for c in computed]
+    assert stored == {"cmpl-a": 10, "cmpl-b": 6}
+    sb.build(batch(["cmpl-c-0-00000000"], [1], [3], [3], finished=ids), 1, lambda r: cap, 1)
+    st, _, _ = sb.build(batch(["9_cmpl-a-0-00000009"], [4], [0], [4]), 4, lambda r: cap, 1)
+    assert len(st.request) == 0                      # cmpl-a's cap was reached before its samples finished

@@ -105,7 +105,7 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     spec_arg = hook.data if isinstance(hook_spec, dict) else str(Path(hook_spec).resolve())
     extra = dict(llm_kwargs.pop("additional_config", None) or {})
     extra["dmi"] = {"hook_spec": spec_arg, "store": str(Path(store).resolve()), "overwrite": bool(overwrite),
-                    "token": token, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
+                    "token": token, "serving": False, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
     if dtype is not None:
         llm_kwargs["dtype"] = dtype
     llm = LLM(model=_model_path(model), additional_config=extra, **llm_kwargs)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +190,20 @@ def external_request_id(req_id: str) -> str:
     0.32 makes unique by appending ``-`` and 8 random hex digits (0.25: the id itself)."""
     head, _, tail = req_id.rpartition("-")
     return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else req_id
+
+
+_SAMPLE_OF = re.compile(r"^\d+_")          # n > 1: ParentRequest.get_child_info names sample k of p "{k}_{p}"
+_PROMPT_OF = re.compile(r"-\d+$")          # the OpenAI server names prompt i of a list request "{id}-{i}"
+
+
+def client_request_id(req_id: str) -> str:
+    """The client request an engine request serves: its ``n`` samples (``{k}_{id}``) and the prompts
+    of a list request (``{id}-{i}``, ``-0`` for a single prompt) are engine requests of their own,
+    each with the engine's unique suffix (:func:`external_request_id`). (Two client requests whose
+    ids differ only there, which a client can arrange with its own X-Request-Id, share a count: a
+    cap counted per client request is then only stricter.)"""
+    rid = _SAMPLE_OF.sub("", external_request_id(req_id), count=1)
+    return _PROMPT_OF.sub("", rid, count=1)
 
 
 def request_extra_args(runner, req_id: str) -> dict | None:

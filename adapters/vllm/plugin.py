@@ -7,8 +7,13 @@ installs two wrappers; nothing is captured unless the engine's configuration ena
 * or ``DMI_HOOK_SPEC=hooks.yaml [DMI_STORE=out.zarr] vllm serve MODEL``
 
 ``additional_config.dmi`` keys: ``hook_spec`` (path, or the spec as an object), ``store`` (else the
-hook spec's ``store.path``), ``overwrite`` (bool), ``arch_spec`` (path; else found by model type).
+hook spec's ``store.path``), ``overwrite`` (bool), ``arch_spec`` (path; else found by model type),
+``serving`` (default true; ``dmi.load`` passes false): a serving engine outlives its store, so unless
+the hook spec sets ``policy.on_store_error``, a failed store stops capture and the engine serves on.
 Environment: ``DMI_HOOK_SPEC``, ``DMI_STORE``, ``DMI_OVERWRITE=1``, ``DMI_ARCH_SPEC``.
+
+In the API server process the plugin also puts the store's state on vLLM's ``/metrics``
+(:mod:`dmi.adapters.vllm.metrics`).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ def read_config(vllm_config) -> dict | None:
     cfg.setdefault("overwrite", os.environ.get("DMI_OVERWRITE", "") in ("1", "true", "yes"))
     cfg.setdefault("arch_spec", os.environ.get("DMI_ARCH_SPEC"))
     cfg.setdefault("token", "default")
+    cfg.setdefault("serving", True)
     return cfg
 
 
@@ -52,5 +58,11 @@ def register() -> None:
 
 
 def _validator(vllm_config):
+    """The front end's part (built where vLLM builds its request validation): dmi's request check,
+    and on a server the store's state on /metrics."""
+    from .metrics import expose
     from .policy import make_validator
+    cfg = read_config(vllm_config)
+    if cfg is not None and cfg.get("serving"):
+        expose(cfg)
     return make_validator(vllm_config)

@@ -15,12 +15,14 @@ never copied. The logits tensor holds one row per request (its last scheduled to
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import itertools
 
 import numpy as np
 
 from ...tokens import RequestTable, StepTokens
-from .compat import Batch
+from .compat import Batch, client_request_id
 
 PREFILL, DECODE = 0, 1
 
@@ -28,10 +30,10 @@ PREFILL, DECODE = 0, 1
 class StepBuilder:
     """Turns each step's :class:`Batch` into :class:`StepTokens` plus per-site row masks."""
 
-    def __init__(self, requests: RequestTable):
+    def __init__(self, requests: RequestTable, client_of=client_request_id):
         self.requests = requests
         self.captured_upto: dict[str, int] = {}     # request id -> first position not yet captured
-        self.rows_taken: dict[str, int] = {}        # request id -> token rows given to the run so far
+        self.rows = ClientRows(client_of)           # token rows given to the run so far, per client request
         self.capped: set[str] = set()               # requests that reached their row cap
         self.recomputed_rows = 0                    # rows vLLM recomputed after a preemption (not stored twice)
         self._last: tuple | None = None             # the last step, when a steady decode step may follow it
@@ -85,7 +87,7 @@ class StepBuilder:
         self._last = None
         for rid in batch.finished:
             self.captured_upto.pop(rid, None)
-            self.rows_taken.pop(rid, None)
+        self.rows.finished(batch.finished)
         n_req = len(batch.req_ids)
         n_sched = np.asarray(batch.num_scheduled, np.int64)
         computed = np.asarray(batch.num_computed, np.int64)
@@ -140,13 +142,13 @@ class StepBuilder:
         for j, cap in caps:                                  # row caps: later rows are not captured
             rid = batch.req_ids[j]
             mine = np.flatnonzero(j_of == j)
-            room = max(cap - self.rows_taken.get(rid, 0), 0)
+            room = max(cap - self.rows.taken_by(rid), 0)     # (what the client request's other engine requests took counts)
             f = fresh[mine]
             if int(f.sum()) > room:
                 f &= np.cumsum(f) <= room
                 fresh[mine] = f
                 self.capped.add(rid)
-            self.rows_taken[rid] = self.rows_taken.get(rid, 0) + int(f.sum())
+            self.rows.add(rid, int(f.sum()))
         j_of, pos = j_of[fresh], pos[fresh]
         seq = int(num_tokens_padded)
         # a held row's local index: its place in a tensor presented as the step's last n rows (Run.begin_tokens)
@@ -186,16 +188,66 @@ class StepBuilder:
         if (seq != int(num_tokens_padded) or len(now) != len(computed) or not np.array_equal(now, computed)
                 or not (np.asarray(batch.num_scheduled) == 1).all() or batch.req_ids != ids):
             return None
-        taken = self.rows_taken
-        if any(taken.get(rid, 0) >= cap for rid, cap in capped):
-            return None                            # a cap is reached: the general path drops that row
-        for rid, _ in capped:
-            taken[rid] = taken.get(rid, 0) + 1
+        if capped:
+            rows = self.rows
+            keys = [(rows.key(rid), cap) for rid, cap in capped]
+            step = collections.Counter(k for k, _ in keys)     # (a client request's samples decode side by side)
+            if any(rows.taken.get(k, 0) + step[k] > cap for k, cap in keys):
+                return None                        # a cap is reached: the general path drops that row
+            for k, _ in keys:
+                rows.taken[k] = rows.taken.get(k, 0) + 1
         st = StepTokens(step=0, batch=1, seq=seq, rows=prev.rows, request=prev.request, position=prev.position + 1,
                         phase=prev.phase, local=prev.local)
         self.captured_upto.update(zip(ids, (now + 1).tolist()))
         self._last = (ids, now + 1, seq, st, keep, held, capped)
         return st, keep, held
+
+
+class ClientRows:
+    """Token rows captured per client request. A client request's ``n`` samples and the prompts of a
+    list request are engine requests of their own; they share one count (``client_of``: engine
+    request id -> client request id), so a row cap holds per client request, not per engine request."""
+    KEEP = 16384           # counts of client requests whose engine requests all finished, newest kept:
+                           # an engine request of theirs scheduled later still counts against them
+    KEY_CHARS = 128        # longer client ids are counted under their digest
+
+    def __init__(self, client_of):
+        self.client_of = client_of
+        self.taken: dict[str, int] = {}                        # client key -> rows
+        self._key: dict[str, str] = {}                         # live engine request id -> client key
+        self._live: collections.Counter = collections.Counter()  # client key -> live engine requests
+        self._done: collections.OrderedDict = collections.OrderedDict()   # finished client keys, oldest first
+
+    def key(self, rid: str) -> str:
+        k = self._key.get(rid)
+        if k is None:
+            k = self.client_of(rid)
+            if len(k) > self.KEY_CHARS:
+                k = "#" + hashlib.blake2b(k.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+            self._key[rid] = k
+            self._live[k] += 1
+            self._done.pop(k, None)
+        return k
+
+    def taken_by(self, rid: str) -> int:
+        return self.taken.get(self.key(rid), 0)
+
+    def add(self, rid: str, n: int) -> None:
+        k = self.key(rid)
+        self.taken[k] = self.taken.get(k, 0) + n
+
+    def finished(self, rids) -> None:
+        for rid in rids:
+            k = self._key.pop(rid, None)
+            if k is None:
+                continue
+            self._live[k] -= 1
+            if self._live[k] > 0:
+                continue
+            del self._live[k]
+            self._done[k] = None
+            while len(self._done) > self.KEEP:
+                self.taken.pop(self._done.popitem(last=False)[0], None)
 
 
 def _site_masks(j_of: np.ndarray, want_of: list, n_sites: int) -> dict:

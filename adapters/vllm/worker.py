@@ -59,6 +59,7 @@ class Session:
         self.padding_rows = 0                   # those padding rows (never selected, never copied)
         self.steps_repeated = 0                 # steady decode steps begun as the last one again (StepBuilder.repeat)
         self.rank = 0                           # tensor parallel rank (0: no tensor parallelism)
+        self.stop_on_store_error = False        # policy.on_store_error drop: a failed store stops capture
         self.clock = HookClock()                # host time in the step hooks below
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
@@ -139,6 +140,9 @@ class Session:
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
         self.run.end_step()
+        if self.stop_on_store_error and self.run.exporter.error is not None:
+            self.stop_capture()
+            return
         if self.steps.last_ids is not None:
             # a decode step: its forward (one CUDA graph) keeps the GPU busy well past the host's
             # work for the next step, so the drain runs now rather than inside a host-bound step
@@ -146,6 +150,21 @@ class Session:
         self.clock.add("end", t0)
 
     # --- lifecycle --------------------------------------------------------------------------------
+    def stop_capture(self) -> None:
+        """The store failed (full, disk full, a write error) under ``policy.on_store_error: drop``:
+        capture stops here and the engine serves on without it. The store is closed with what it
+        committed, and its root attribute ``capture_stopped`` says at which step and why (the
+        server's /metrics reads it: ``dmi.adapters.vllm.metrics``)."""
+        import datetime
+        exp = self.run.exporter
+        reason = str(exp.error)
+        self.run.close_attrs["capture_stopped"] = {
+            "step": self.run._step, "committed_step": exp.committed_step, "reason": reason,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        log.error("dmi: capture stopped at step %d, the engine serves on without it (policy.on_store_error: "
+                  "drop): %s", self.run._step, reason)
+        self.close_quietly()
+
     def close(self) -> None:
         with _lock:
             if self.closed:
@@ -310,7 +329,6 @@ def _largest_step_streams(vllm_config) -> bool:
     """Under ``policy.mode: full``, whether a step of ``max_num_batched_tokens`` tokens, every site
     selecting every token (an upper bound), needs more than ``policy.ring_bytes``. False where the
     hook spec does not resolve here (:func:`start` then says why)."""
-    import torch
     from .plugin import read_config
     try:
         cfg = read_config(vllm_config)
@@ -318,8 +336,8 @@ def _largest_step_streams(vllm_config) -> bool:
         hf_config = vllm_config.model_config.hf_config
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf_config.model_type)
-        plan = build_plan(arch, hook, text)
-        itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        itemsize = _dtype_itemsize(vllm_config)
+        plan = build_plan(arch, hook, text, model_dtype_itemsize=itemsize)
     except Exception:        # noqa: BLE001 - start() refuses the same spec with its own error
         return False
     step = vllm_config.scheduler_config.max_num_batched_tokens
@@ -348,7 +366,11 @@ def start(worker) -> Session | None:
         check_arch_matches(arch, getattr(hf_config, "model_type", None))
     n_layers = text_config.num_hidden_layers
     available, never = available_sites(model, arch, n_layers)
-    plan = build_plan(arch, hook, text_config, available=available, unavailable=never, engine="vllm")
+    itemsize = _dtype_itemsize(vllm_config)
+    plan = build_plan(arch, hook, text_config, model_dtype_itemsize=itemsize, available=available, unavailable=never,
+                      engine="vllm")
+    if cfg.get("serving", True) and "on_store_error" not in (hook.data.get("policy") or {}):
+        plan.policy.on_store_error = "drop"     # a server outlives its store: capture stops, serving goes on
     for canonical, why in plan.unavailable.items():
         log.warning("dmi: %s is not captured: %s", canonical, why)
     plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, n_layers)) for s in plan.sites]
@@ -404,6 +426,8 @@ def start(worker) -> Session | None:
                         **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
     session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
     session.rank = session_rank
+    # (under tensor parallelism every rank would have to stop at the same step: there drop counts the captures)
+    session.stop_on_store_error = plan.policy.on_store_error == "drop" and tp is None
     session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,
                                          on_step_end=session.on_step_end, on_shutdown=session.close_quietly,
                                          dummy_run=session.on_dummy_run)
@@ -413,6 +437,11 @@ def start(worker) -> Session | None:
     _at_exit(session.close_quietly)
     log.info("dmi: capturing %d site(s) into %s", len(plan.sites), run.store)
     return session
+
+
+def _dtype_itemsize(vllm_config) -> int:
+    import torch
+    return torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
 
 
 def _check_engine(vllm_config) -> int:
