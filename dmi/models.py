@@ -159,3 +159,55 @@ def tiny_tokenizer():
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    padding_side="left")
+
+
+def check_on_tiny_model(arch, seed: int = 0) -> dict[str, int]:
+    """Capture every site of architecture spec ``arch`` (a :class:`dmi.spec.Document` read from a
+    file) from a real tiny model of its family, built from :func:`tiny_config`: a left-padded
+    prefill of two prompts and two decode steps, eager attention. Every anchor must be found, every
+    site's tensor must have the size its dims give, and every site must be computed; returns the
+    rows stored per store group. A failure is a :class:`SpecError` naming the (first) site that
+    fails alone, with the capture's error."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers as tf
+
+    from .api import load, open_store
+    from .errors import DmiError
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    enc = tiny_tokenizer()(["Hello world! How are you", "Paris"], return_tensors="pt", padding=True)
+
+    def capture(sites: list[str], store: Path):
+        hook = {"capture": [{"sites": sites}], "policy": {"ring_bytes": "64MiB"}}
+        with torch.no_grad(), load(model, hook_spec=hook, store=store, arch_spec=arch.file) as run:
+            run.model.generate(**enc, max_new_tokens=2, do_sample=False)
+        return open_store(store)
+
+    with tempfile.TemporaryDirectory(prefix="dmi-check-") as tmp:
+        try:
+            tree = capture(["*"], Path(tmp) / "all.zarr")
+        except Exception as e:      # noqa: BLE001 - find the site that fails, and say so
+            if isinstance(e, DmiError) and getattr(e, "file", None):
+                raise
+            for i, name in enumerate(arch.data["sites"]):
+                try:
+                    capture([name], Path(tmp) / f"{i}.zarr")
+                except Exception as alone:      # noqa: BLE001
+                    first = str(alone).strip().splitlines()[0] if str(alone).strip() else type(alone).__name__
+                    raise arch.error(("sites", name, "hf"), f"site {name!r} fails in a real tiny {type(model).__name__}: "
+                                     f"{type(alone).__name__}: {first}",
+                                     fix=f"check its anchor against {type(model).__name__}'s forward (which assignment "
+                                         f"of the variable, its axes in `layout`) and its dims against the config") from e
+            raise
+        never = list(tree.attrs.get("sites_never_computed", []))
+        if never:
+            raise arch.error(("sites", never[0]), f"site(s) {', '.join(never)} never computed in a tiny "
+                             f"{type(model).__name__}: their anchor's code did not run",
+                             fix="anchor them where this family's forward always passes (e.g. not inside a branch "
+                                 "the config turns off)")
+        return {node.path.strip("/"): node.dataset.sizes["token"] for node in tree.subtree
+                if node.dataset.data_vars and "token" in node.dataset.sizes}

@@ -174,6 +174,12 @@ def test_internal_sites_equal_reference(family, encoded, write_spec, tmp_path):
         np.testing.assert_array_equal(tree["layers/moe/router_logits"].dataset.router_logits.sel(layer=i).values, rl)
 
 
+def by_weight(x, weights):
+    """x's top-k axis by descending routing weight, ties in the router's order (DeepSeek-V3's
+    router returns its top-k unsorted, the others sorted already)."""
+    return torch.gather(x, -1, torch.from_numpy(np.argsort(-weights.float().numpy(), axis=-1, kind="stable")))
+
+
 def _reference_internals(ref, ids, mask, index):
     """Internals of layer ``index`` of the unpatched model, recorded with temporary forward hooks on
     a copy (test-only reference; dmi itself never uses hooks), as [batch*seq, ...] arrays: only the
@@ -203,8 +209,8 @@ def _reference_internals(ref, ids, mask, index):
         hook(layer.mlp, "mlp.out", lambda a, kw, o: o)
     if hasattr(layer.mlp, "gate"):
         hook(layer.mlp.gate, "moe.router_logits", lambda a, kw, o: o[0])
-        hook(layer.mlp.gate, "moe.topk_weights", lambda a, kw, o: o[1])
-        hook(layer.mlp.gate, "moe.topk_ids", lambda a, kw, o: o[2].to(torch.int32))
+        hook(layer.mlp.gate, "moe.topk_weights", lambda a, kw, o: by_weight(o[1], o[1]))
+        hook(layer.mlp.gate, "moe.topk_ids", lambda a, kw, o: by_weight(o[2], o[1]).to(torch.int32))
     if hasattr(layer.mlp, "shared_experts"):
         hook(layer.mlp.shared_experts, "moe.shared_out", lambda a, kw, o: o)
     if hasattr(layer.mlp, "down_proj"):
@@ -262,7 +268,8 @@ def test_layer_sites_follow_the_modules(family, encoded, write_spec, tmp_path):
             lambda m, a, o, i=i: seen.__setitem__(("act", i), a[0].reshape(-1, a[0].shape[-1]).numpy())))
     for i in sparse:
         hooks.append(ref.model.layers[i].mlp.gate.register_forward_hook(
-            lambda m, a, o, i=i: seen.update({("router_logits", i): o[0].numpy(), ("topk_ids", i): o[2].numpy()})))
+            lambda m, a, o, i=i: seen.update({("router_logits", i): o[0].numpy(),
+                                              ("topk_ids", i): by_weight(o[2], o[1]).numpy()})))
     with torch.no_grad():
         ref(input_ids=ids, attention_mask=mask)
         with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:

@@ -85,7 +85,7 @@ def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
                 raise _anchor_error(arch, s.canonical, module, str(e)) from None
             inputs[module].append((pos, name, s.canonical))
         else:
-            outputs[module].append((anchor["output"], s.canonical))
+            outputs[module].append((anchor["output"], s.canonical, anchor.get("order_by")))
 
     undo: list = []
     saved = {name: model.__dict__[name] for name in _STEP_ATTRS if name in model.__dict__}
