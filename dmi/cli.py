@@ -378,7 +378,7 @@ def cmd_specs_validate(args: argparse.Namespace) -> int:
 
 
 def _validate_arch(arch, args) -> int:
-    from .models import tiny_config
+    from .models import check_on_tiny_model, tiny_config
     from .plan import build_plan
     from .spec import Document
     d = arch.data
@@ -390,14 +390,12 @@ def _validate_arch(arch, args) -> int:
     from .spec import outside_vocabulary
     for name, where, hint in outside_vocabulary(arch):
         _warn(f"{where}: sites.{name}: {name!r} is not in the site vocabulary. Fix: {hint}")
-    try:
-        config = tiny_config(d["family"])
-    except KeyError:
-        print(f"  dims not checked: no built-in tiny config for family {d['family']!r}")
-        return EXIT_OK
+    config = tiny_config(arch)        # from the spec alone: its model_type's config class, dims, `tiny:` block
     probe = Document({"capture": [{"sites": ["*"]}], "policy": {"ring_bytes": "1GiB"}}, f"<all sites of {arch.file}>")
     plan = build_plan(arch, probe, config, available=_available(config, arch))
-    print(f"  resolves against tiny-{d['family']}: {len(plan.sites)} site instances over {plan.layers} layers")
+    rows = check_on_tiny_model(arch)
+    print(f"  captured from a real tiny {type(config).__name__} model ({plan.layers} layers, prefill and decode): "
+          f"{len(plan.sites)} site instances in {len(rows)} store groups, dims as the spec says")
     return EXIT_OK
 
 

@@ -5,6 +5,7 @@ Real models go through ``dmi.load("org/name")`` (``from_pretrained``) unchanged.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 
 _CORPUS = """The quick brown fox jumps over the lazy dog. A model's internals are a window into how it
@@ -19,27 +20,76 @@ TINY_VOCAB = 512
 TINY_TOKENIZER_VOCAB = 320
 
 
-def tiny_config(family: str):
-    """A small random-init config of ``family`` (qwen3, llama3_1, qwen3_moe, mixtral)."""
+# Sizes of the named dims (docs/sites.md) in a tiny model; a spec's `tiny:` block gives the others
+TINY_SIZES = {"layer": 3, "hidden": 64, "head": 4, "kv_head": 2, "head_dim": 32, "mlp": 128, "vocab": TINY_VOCAB,
+              "expert": 4, "k": 2}
+TINY_COMMON = dict(max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                   eos_token_id=2)
+
+
+@lru_cache(maxsize=1)
+def builtin_families() -> dict[str, str]:
+    """family -> file of every built-in architecture spec (``dmi/specs/*.yaml``)."""
+    from .spec import list_specs, load_arch_spec
+    return {load_arch_spec(p).data["family"]: str(p) for p in list_specs()}
+
+
+def tiny_config(family):
+    """A small random-init config of an architecture family: ``family`` names a built-in spec, or is
+    an architecture spec (a :class:`dmi.spec.Document`). Built from the spec alone: the config class
+    of its first ``match.model_type`` (transformers' ``AutoConfig``), each named dim of ``dims`` at
+    its tiny size (``TINY_SIZES``), then the spec's ``tiny:`` block (config attribute -> value)
+    for what the family needs besides (expert counts, MLA ranks, rope parameters)."""
     import transformers as tf
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=32)
-    if family == "llama3_1":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-        return tf.LlamaConfig(**common, head_dim=32, rope_parameters=rope)
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                                 decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
-    if family == "mixtral":
-        return tf.MixtralConfig(**common, head_dim=32, num_local_experts=4, num_experts_per_tok=2)
-    raise KeyError(family)
+    from .spec import Document, load_arch_spec
+    if isinstance(family, Document):
+        arch = family
+    else:
+        if family not in builtin_families():
+            raise KeyError(family)
+        arch = load_arch_spec(builtin_families()[family])
+    d = arch.data
+    tiny = d.get("tiny", {})
+    values = dict(TINY_COMMON)
+    for dim, attr in d["dims"].items():
+        if dim in TINY_SIZES and attr not in tiny:
+            values[attr] = TINY_SIZES[dim]      # (other dims: the tiny block's value, or the config class's)
+    values.update(tiny)
+    model_type = d["match"]["model_type"][0]
+    try:
+        config = tf.AutoConfig.for_model(model_type, **values)
+    except (ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise arch.error(("tiny",) if "tiny" in d else ("match", "model_type"),
+                         f"cannot build a tiny config of model_type {model_type!r} with transformers "
+                         f"{tf.__version__}: {first}",
+                         fix="list a model_type this transformers knows first under match.model_type, and give "
+                             "under `tiny:` the config values its class needs") from None
+    for dim, attr in d["dims"].items():
+        if dim != "head_dim" and not isinstance(getattr(config, attr, None), int):   # (head_dim may be derived)
+            raise arch.error(("dims", dim), f"the tiny {type(config).__name__} has no integer attribute {attr!r} "
+                             f"for dim {dim!r}", fix=f"point dim {dim!r} at the config attribute that holds its size, "
+                                                    f"or give {attr} a small value under `tiny:`")
+    return config
 
 
-BUILTIN = {f"tiny-{f}": f for f in ("qwen3", "llama3_1", "qwen3_moe", "mixtral")}
+class _Builtins(Mapping):
+    """``tiny-<family>`` -> family for every built-in architecture spec (read when first asked)."""
+
+    def _names(self) -> dict[str, str]:
+        return {f"tiny-{f}": f for f in builtin_families()}
+
+    def __getitem__(self, name):
+        return self._names()[name]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self):
+        return len(self._names())
+
+
+BUILTIN = _Builtins()
 
 
 def model_arg_problem(model) -> tuple[str, str] | None:
@@ -109,3 +159,55 @@ def tiny_tokenizer():
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    padding_side="left")
+
+
+def check_on_tiny_model(arch, seed: int = 0) -> dict[str, int]:
+    """Capture every site of architecture spec ``arch`` (a :class:`dmi.spec.Document` read from a
+    file) from a real tiny model of its family, built from :func:`tiny_config`: a left-padded
+    prefill of two prompts and two decode steps, eager attention. Every anchor must be found, every
+    site's tensor must have the size its dims give, and every site must be computed; returns the
+    rows stored per store group. A failure is a :class:`SpecError` naming the (first) site that
+    fails alone, with the capture's error."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers as tf
+
+    from .api import load, open_store
+    from .errors import DmiError
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    enc = tiny_tokenizer()(["Hello world! How are you", "Paris"], return_tensors="pt", padding=True)
+
+    def capture(sites: list[str], store: Path):
+        hook = {"capture": [{"sites": sites}], "policy": {"ring_bytes": "64MiB"}}
+        with torch.no_grad(), load(model, hook_spec=hook, store=store, arch_spec=arch.file) as run:
+            run.model.generate(**enc, max_new_tokens=2, do_sample=False)
+        return open_store(store)
+
+    with tempfile.TemporaryDirectory(prefix="dmi-check-") as tmp:
+        try:
+            tree = capture(["*"], Path(tmp) / "all.zarr")
+        except Exception as e:      # noqa: BLE001 - find the site that fails, and say so
+            if isinstance(e, DmiError) and getattr(e, "file", None):
+                raise
+            for i, name in enumerate(arch.data["sites"]):
+                try:
+                    capture([name], Path(tmp) / f"{i}.zarr")
+                except Exception as alone:      # noqa: BLE001
+                    first = str(alone).strip().splitlines()[0] if str(alone).strip() else type(alone).__name__
+                    raise arch.error(("sites", name, "hf"), f"site {name!r} fails in a real tiny {type(model).__name__}: "
+                                     f"{type(alone).__name__}: {first}",
+                                     fix=f"check its anchor against {type(model).__name__}'s forward (which assignment "
+                                         f"of the variable, its axes in `layout`) and its dims against the config") from e
+            raise
+        never = list(tree.attrs.get("sites_never_computed", []))
+        if never:
+            raise arch.error(("sites", never[0]), f"site(s) {', '.join(never)} never computed in a tiny "
+                             f"{type(model).__name__}: their anchor's code did not run",
+                             fix="anchor them where this family's forward always passes (e.g. not inside a branch "
+                                 "the config turns off)")
+        return {node.path.strip("/"): node.dataset.sizes["token"] for node in tree.subtree
+                if node.dataset.data_vars and "token" in node.dataset.sizes}

@@ -34,9 +34,19 @@ settle_mkl_vml()
 # each failure on disk as it happens, under DMI_TEST_FAILURES (device calls cut by their time limit)
 pytest_runtest_logreport = failure_log.pytest_runtest_logreport
 
-# One entry per architecture family: adding a family = one spec file + one entry here.
-FAMILIES = ["qwen3", "llama3_1", "qwen3_moe", "mixtral"]
-MOE_FAMILIES = {"qwen3_moe", "mixtral"}
+def _families() -> dict:
+    """family -> its built-in architecture spec's data: every file in dmi/specs/ is a family."""
+    from dmi.models import builtin_families
+    from dmi.spec import load_arch_spec
+    return {f: load_arch_spec(path).data for f, path in builtin_families().items()}
+
+
+SPECS = _families()
+FAMILIES = sorted(SPECS)
+MOE_FAMILIES = {f for f, d in SPECS.items() if any(s.startswith("moe.") for s in d["sites"])}
+# families whose attn.pattern knows a sliding window (a tiny model of each gets one: windowed_pair)
+WINDOWED = sorted(f for f, d in SPECS.items()
+                  if "sliding_window" in d["sites"].get("attn.pattern", {}).get("hf", {}).get("args", {}))
 
 PROMPTS = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog today", "Paris"]
 
@@ -57,22 +67,25 @@ def model_pair(family: str, attn: str = "eager", seed: int = 0):
     return model, copy.deepcopy(model)
 
 
-WINDOWED = {"qwen3": "layers 1, 2 of 3 sliding", "qwen3_moe": "every layer sliding", "mixtral": "every layer sliding"}
+def windowed_config(family: str, window: int):
+    """The tiny config of a family in ``WINDOWED`` with a sliding attention window of ``window``
+    keys. Families with ``use_sliding_window`` (Qwen2, Qwen3) slide from ``max_window_layers`` = 1
+    on, where their config derives layer types (layers 1, 2 of 3); Gemma 3 keeps its layer types
+    (sliding, global, sliding); the others slide on every layer."""
+    from dmi.models import tiny_config
+    config = tiny_config(family)
+    values = {**config.to_dict(), "sliding_window": window}
+    if "use_sliding_window" in values:
+        values["use_sliding_window"] = True
+        values.update({k: v for k, v in (("max_window_layers", 1), ("layer_types", None)) if k in values})
+    return type(config)(**values)
 
 
 def windowed_pair(family: str, window: int, attn: str = "eager", seed: int = 0):
-    """:func:`model_pair` of a family with a sliding attention window of ``window`` keys (the
-    families in ``WINDOWED``; Qwen3 mixes full and sliding layers, as ``max_window_layers`` does)."""
+    """:func:`model_pair` of a family in ``WINDOWED`` with a sliding window of ``window`` keys."""
     import transformers as tf
-    from dmi.models import tiny_config
-    config = tiny_config(family)
-    if family == "mixtral":
-        config.sliding_window = window
-    else:       # (Qwen3's config derives each layer's type from these when it is built)
-        extra = {"max_window_layers": 1, "layer_types": None} if family == "qwen3" else {}
-        config = type(config)(**{**config.to_dict(), "use_sliding_window": True, "sliding_window": window, **extra})
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    model = tf.AutoModelForCausalLM.from_config(windowed_config(family, window), attn_implementation=attn).eval()
     return model, copy.deepcopy(model)
 
 

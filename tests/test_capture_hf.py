@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dmi
-from conftest import FAMILIES, MOE_FAMILIES, WINDOWED, model_pair, windowed_pair
+from conftest import FAMILIES, SPECS, WINDOWED, model_pair, windowed_pair
 from storecheck import expected_rows as _expected, generate_rows as _rows
 
 NEW_TOKENS = 4
@@ -136,86 +136,118 @@ def test_sliding_window_pattern_equals_reference(family, cache, encoded, write_s
                                    err_msg=f"layer {layer}, against every key")
 
 
+# sites compared with the stream itself (hidden_states) or recomputed from q and k elsewhere
+_NOT_INTERNAL = {"embed", "resid_pre", "resid_post", "final_norm", "logits", "attn.pattern"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_internal_sites_equal_reference(family, encoded, write_spec, tmp_path):
-    """q/k/v/z, mlp sites and MoE routing against values recomputed from the unpatched modules."""
+    """Every other per-layer site of the family's spec (q/k/v or MLA's latents, z, mlp sites, MoE
+    routing, shared experts, sandwich norms) on every layer, against values recorded
+    from the unpatched modules: each (site, layer) the reference has is stored, and only those."""
     model, ref = model_pair(family, attn="sdpa")
-    sites = ["attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid", "mlp.in",
-             "mlp.out"]
-    if family in MOE_FAMILIES:
-        sites += ["moe.router_logits", "moe.topk_ids", "moe.topk_weights"]
-    else:
-        sites += ["mlp.act"]
-    spec = write_spec(f"capture:\n  - sites: {sites}\n    layers: [0]\n")
+    sites = [s for s in SPECS[family]["sites"] if s not in _NOT_INTERNAL]
+    layers = list(range(model.config.num_hidden_layers))
+    spec = write_spec(f"capture:\n  - sites: {sites}\n    layers: {layers}\n")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
-    refs = _reference_internals(ref, ids, mask, family)
+    refs = {(name, i): v for i in layers for name, v in _reference_internals(ref, ids, mask, i).items()}
+    assert {name for name, _ in refs} == set(sites), "the reference misses sites of the spec"
+    moe_layers = [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "gate")]
     with torch.no_grad():
         with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:
             out = run.model(input_ids=ids, attention_mask=mask)
-        want = ref(input_ids=ids, attention_mask=mask, output_router_logits=family in MOE_FAMILIES)
+        want = ref(input_ids=ids, attention_mask=mask, output_router_logits=bool(moe_layers))
     torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
     tree = dmi.open(tmp_path / "o.zarr")
     valid = mask.bool().reshape(-1).numpy()
-    for name, value in refs.items():
-        group = ("layers/" + name.replace(".", "/"))
-        ds = tree[group].dataset
-        leaf = name.split(".")[-1]
-        got = ds[leaf].sel(layer=0).values
-        np.testing.assert_array_equal(got, value.reshape(valid.shape[0], *got.shape[1:])[valid], err_msg=name)
-    if family in MOE_FAMILIES:   # the model's own router logits output
-        rl = want.router_logits[0].reshape(valid.shape[0], -1)[valid].numpy()
-        np.testing.assert_array_equal(tree["layers/moe/router_logits"].dataset.router_logits.sel(layer=0).values, rl)
+    stored = set()
+    for name in sites:
+        ds = tree["layers/" + name.replace(".", "/")].dataset
+        stored |= {(name, int(i)) for i in ds.layer.values}
+        for i in ds.layer.values.tolist():
+            got = ds[name.split(".")[-1]].sel(layer=i).values
+            np.testing.assert_array_equal(got, refs[(name, i)].reshape(valid.shape[0], *got.shape[1:])[valid],
+                                          err_msg=f"{name} layer {i}")
+    assert stored == set(refs)
+    for i in set(layers) & set(moe_layers):     # the model's own router logits output
+        rl = want.router_logits[moe_layers.index(i)].reshape(valid.shape[0], -1)[valid].numpy()
+        np.testing.assert_array_equal(tree["layers/moe/router_logits"].dataset.router_logits.sel(layer=i).values, rl)
 
 
-def _reference_internals(ref, ids, mask, family):
-    """Layer-0 internals of the unpatched model, recorded with temporary forward hooks on a copy
-    (test-only reference; dmi itself never uses hooks), as [batch*seq, ...] arrays."""
+def by_weight(x, weights):
+    """x's top-k axis by descending routing weight, ties in the router's order (DeepSeek-V3's
+    router returns its top-k unsorted, the others sorted already)."""
+    return torch.gather(x, -1, torch.from_numpy(np.argsort(-weights.float().numpy(), axis=-1, kind="stable")))
+
+
+def _reference_internals(ref, ids, mask, index):
+    """Internals of layer ``index`` of the unpatched model, recorded with temporary forward hooks on
+    a copy (test-only reference; dmi itself never uses hooks), as [batch*seq, ...] arrays: only the
+    sites this layer has (MoE routing on MoE layers, mlp.act on dense ones, MLA's latents...)."""
     out, hooks = {}, []
-    layer = ref.model.layers[0]
+    layer = ref.model.layers[index]
     attn = layer.self_attn
     b, s = ids.shape
-    hd = attn.head_dim
 
     def save(name, fn):
         return lambda m, a, kw, o: out.__setitem__(name, fn(a, kw, o).detach().reshape(b * s, -1).numpy())
 
-    def tok(x):  # [b, s, ...]
-        return x
-    hooks.append(layer.register_forward_hook(save("resid_post", lambda a, kw, o: o), with_kwargs=True))
-    hooks.append(attn.o_proj.register_forward_hook(save("attn.z", lambda a, kw, o: a[0]), with_kwargs=True))
-    hooks.append(attn.register_forward_hook(save("attn.out", lambda a, kw, o: o[0]), with_kwargs=True))
-    hooks.append(layer.post_attention_layernorm.register_forward_hook(save("resid_mid", lambda a, kw, o: a[0]), with_kwargs=True))
-    hooks.append(layer.mlp.register_forward_hook(save("mlp.in", lambda a, kw, o: a[0]), with_kwargs=True))
-    hooks.append(layer.mlp.register_forward_hook(save("mlp.out", lambda a, kw, o: o), with_kwargs=True))
-    if family in MOE_FAMILIES:
-        gate = layer.mlp.gate
-        hooks.append(gate.register_forward_hook(save("moe.router_logits", lambda a, kw, o: o[0]), with_kwargs=True))
-        hooks.append(gate.register_forward_hook(save("moe.topk_weights", lambda a, kw, o: o[1]), with_kwargs=True))
-        hooks.append(gate.register_forward_hook(save("moe.topk_ids", lambda a, kw, o: o[2].to(torch.int32)), with_kwargs=True))
+    def hook(module, name, fn):
+        hooks.append(module.register_forward_hook(save(name, fn), with_kwargs=True))
+
+    hook(attn.o_proj, "attn.z", lambda a, kw, o: a[0])
+    hook(layer.mlp, "mlp.in", lambda a, kw, o: a[0])
+    if hasattr(layer, "pre_feedforward_layernorm"):      # sandwich norms (Gemma 3): the blocks' outputs are normed
+        hook(attn, "attn.out_pre_norm", lambda a, kw, o: o[0])
+        hook(layer.post_attention_layernorm, "attn.out", lambda a, kw, o: o)
+        hook(layer.pre_feedforward_layernorm, "resid_mid", lambda a, kw, o: a[0])
+        hook(layer.mlp, "mlp.out_pre_norm", lambda a, kw, o: o)
+        hook(layer.post_feedforward_layernorm, "mlp.out", lambda a, kw, o: o)
     else:
-        hooks.append(layer.mlp.down_proj.register_forward_hook(save("mlp.act", lambda a, kw, o: a[0]), with_kwargs=True))
+        hook(attn, "attn.out", lambda a, kw, o: o[0])
+        hook(layer.post_attention_layernorm, "resid_mid", lambda a, kw, o: a[0])
+        hook(layer.mlp, "mlp.out", lambda a, kw, o: o)
+    if hasattr(layer.mlp, "gate"):
+        hook(layer.mlp.gate, "moe.router_logits", lambda a, kw, o: o[0])
+        hook(layer.mlp.gate, "moe.topk_weights", lambda a, kw, o: by_weight(o[1], o[1]))
+        hook(layer.mlp.gate, "moe.topk_ids", lambda a, kw, o: by_weight(o[2], o[1]).to(torch.int32))
+    if hasattr(layer.mlp, "shared_experts"):
+        hook(layer.mlp.shared_experts, "moe.shared_out", lambda a, kw, o: o)
+    if hasattr(layer.mlp, "down_proj"):
+        hook(layer.mlp.down_proj, "mlp.act", lambda a, kw, o: a[0])
+
+    def per_head(x, d):          # [b, s, n*d] -> [b, n, s, d], as the attention forward views it
+        return x.view(b, s, -1, d).transpose(1, 2)
 
     # q/k/v from the projections, as the attention forward computes them
     def qkv(m, a, kw, o):
         x = kw["hidden_states"] if "hidden_states" in kw else a[0]
-        q = m.q_proj(x).view(b, s, -1, hd)
-        k = m.k_proj(x).view(b, s, -1, hd)
-        if hasattr(m, "q_norm"):
-            q, k = m.q_norm(q), m.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = m.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
-        cos, sin = kw["position_embeddings"]
-        import sys
-        rope = sys.modules[type(m).__module__].apply_rotary_pos_emb
-        q_rot, k_rot = rope(q, k, cos, sin)
-        for name, t in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.q_rot", q_rot), ("attn.k_rot", k_rot)):
+        if hasattr(m, "kv_a_proj_with_mqa"):             # MLA: the query per head, the latent and the RoPE key
+            q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x))) if m.q_lora_rank else m.q_proj(x)
+            latent, k_rope = m.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+            found = {"attn.q": per_head(q, m.qk_head_dim), "attn.kv_latent": m.kv_a_layernorm(latent)[:, None],
+                     "attn.k_rope": k_rope[:, None]}
+        else:
+            hd = m.head_dim
+            if hasattr(m, "qkv_proj"):                   # fused (Phi-3): q, then k, then v
+                q, k, v = m.qkv_proj(x).split([m.config.num_attention_heads * hd] + 2 * [m.num_key_value_heads * hd], dim=-1)
+            else:
+                q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
+            q, k, v = per_head(q, hd), per_head(k, hd), per_head(v, hd)
+            if hasattr(m, "q_norm"):
+                q, k = m.q_norm(q), m.k_norm(k)
+            cos, sin = kw["position_embeddings"]
+            import sys
+            rope = sys.modules[type(m).__module__].apply_rotary_pos_emb
+            q_rot, k_rot = rope(q, k, cos, sin)
+            found = {"attn.q": q, "attn.k": k, "attn.v": v, "attn.q_rot": q_rot, "attn.k_rot": k_rot}
+        for name, t in found.items():
             out[name] = t.transpose(1, 2).reshape(b * s, -1).detach().numpy()
     hooks.append(attn.register_forward_hook(qkv, with_kwargs=True))
     with torch.no_grad():
         ref(input_ids=ids, attention_mask=mask)
     for h in hooks:
         h.remove()
-    out.pop("resid_post")
     return out
 
 
@@ -236,7 +268,8 @@ def test_layer_sites_follow_the_modules(family, encoded, write_spec, tmp_path):
             lambda m, a, o, i=i: seen.__setitem__(("act", i), a[0].reshape(-1, a[0].shape[-1]).numpy())))
     for i in sparse:
         hooks.append(ref.model.layers[i].mlp.gate.register_forward_hook(
-            lambda m, a, o, i=i: seen.update({("router_logits", i): o[0].numpy(), ("topk_ids", i): o[2].numpy()})))
+            lambda m, a, o, i=i: seen.update({("router_logits", i): o[0].numpy(),
+                                              ("topk_ids", i): by_weight(o[2], o[1]).numpy()})))
     with torch.no_grad():
         ref(input_ids=ids, attention_mask=mask)
         with dmi.load(model, hook_spec=spec, store=tmp_path / "o.zarr") as run:

@@ -291,11 +291,12 @@ def test_gemma2_pattern_with_softcap_equals_eager_attention_past_the_window(enco
 
 def test_gemma2_sandwich_norm_sites_chain_as_documented(encoded, tmp_path):
     """gemma2's residual sites equal output_hidden_states (embed scaled by sqrt(hidden)), and the
-    sandwich norms sit where docs/sites.md says: resid_mid = resid_pre + post_attention_layernorm(
-    attn.out), resid_post = resid_mid + post_feedforward_layernorm(mlp.out); q_rot is the rotary
-    embedding of q."""
+    sandwich norms sit where docs/sites.md says: attn.out = post_attention_layernorm(attn.out_pre_norm),
+    mlp.out = post_feedforward_layernorm(mlp.out_pre_norm), resid_mid = resid_pre + attn.out and
+    resid_post = resid_mid + mlp.out; q_rot is the rotary embedding of q."""
     model, ref = tiny(gemma2_config()), tiny(gemma2_config())
-    sites = ["embed", "resid_pre", "attn.q", "attn.q_rot", "attn.out", "resid_mid", "mlp.out", "resid_post"]
+    sites = ["embed", "resid_pre", "attn.q", "attn.q_rot", "attn.out_pre_norm", "attn.out", "resid_mid",
+             "mlp.out_pre_norm", "mlp.out", "resid_post"]
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -316,8 +317,12 @@ def test_gemma2_sandwich_norm_sites_chain_as_documented(encoded, tmp_path):
         layer = ref.model.layers[i]
         np.testing.assert_array_equal(site("resid_pre", i).numpy(), hidden(i).numpy())
         with torch.no_grad():
-            mid = site("resid_pre", i) + layer.post_attention_layernorm(site("attn.out", i))
-            post = site("resid_mid", i) + layer.post_feedforward_layernorm(site("mlp.out", i))
+            attn_out = layer.post_attention_layernorm(site("attn.out_pre_norm", i))
+            mlp_out = layer.post_feedforward_layernorm(site("mlp.out_pre_norm", i))
+        np.testing.assert_array_equal(site("attn.out", i).numpy(), attn_out.numpy())
+        np.testing.assert_array_equal(site("mlp.out", i).numpy(), mlp_out.numpy())
+        mid = site("resid_pre", i) + site("attn.out", i)
+        post = site("resid_mid", i) + site("mlp.out", i)
         torch.testing.assert_close(site("resid_mid", i), mid, rtol=0, atol=1e-6)
         torch.testing.assert_close(site("resid_post", i), post, rtol=0, atol=1e-6)
         if i < 2:     # (the last layer's output goes through the final norm in hidden_states)

@@ -86,7 +86,7 @@ def group_sites(model: torch.nn.Module, plan: Plan, arch: Document, handle_of) -
                 raise _anchor_error(arch, s.canonical, module, str(e)) from None
             inputs[module].append((pos, name, s.canonical))
         else:
-            outputs[module].append((anchor["output"], s.canonical))
+            outputs[module].append((anchor["output"], s.canonical, anchor.get("order_by")))
     return edits, inputs, outputs, handles
 
 

@@ -199,7 +199,7 @@ def _call_prior(self, *args, **kwargs):
 @functools.lru_cache(maxsize=None)
 def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[tuple[int, str], ...]):
     """``inner`` (a forward taking ``self``) with ``inputs`` ((position, name, canonical)) passed
-    through the site op before it and ``outputs`` ((index, canonical)) after it. Generated code:
+    through the site op before it and ``outputs`` ((index, canonical, order_by)) after it. Generated code:
     positions, names and indices are constants of it, and its globals are its own (Dynamo guards
     them once, whatever instance runs it)."""
     return _io_forward(inner, inputs, outputs, {})
@@ -208,7 +208,14 @@ def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[t
 @functools.lru_cache(maxsize=None)
 def _io_scope(inner) -> dict:
     """The globals of ``inner``'s generated forwards: one dict for all of them (one guard)."""
-    return {"__dmi_capture__": site, "__dmi_site_at__": site_at, "__dmi_inner__": inner}
+    return {"__dmi_capture__": site, "__dmi_site_at__": site_at, "__dmi_inner__": inner, "__dmi_ordered__": ordered}
+
+
+def ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x with its last axis reordered by descending ``key`` (stable: ties keep the module's order):
+    an ``order_by`` anchor (top-k routing a router returns unsorted)."""
+    order = torch.sort(key.float(), dim=-1, descending=True, stable=True).indices
+    return torch.gather(x, -1, order)
 
 
 def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
@@ -224,8 +231,11 @@ def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
                   f"    elif {name!r} in kwargs:",
                   f"        kwargs[{name!r}] = {capture(canonical, f'kwargs[{name!r}]')}"]
     lines.append("    out = __dmi_inner__(self, *args, **kwargs)")
-    for index, canonical in outputs:
-        lines.append(f"    {capture(canonical, f'out[{index}] if isinstance(out, (tuple, list)) else out')}")
+    for index, canonical, order_by in outputs:
+        value = f"out[{index}] if isinstance(out, (tuple, list)) else out"
+        if order_by is not None:
+            value = f"__dmi_ordered__(out[{index}], out[{order_by}])"
+        lines.append(f"    {capture(canonical, value)}")
     lines.append("    return out")
     namespace: dict = {}
     exec(compile("\n".join(lines), f"<dmi: {getattr(inner, '__qualname__', 'forward')} with sites>", "exec"),

@@ -33,7 +33,7 @@ import torch
 from ...errors import AnchorError
 from ...siteop import SiteHandle, site, site_sum
 from ..hf.derived import DERIVED
-from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, rewrite_forward
+from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, ordered, rewrite_forward
 from . import compat
 from .pattern import sliding_window, vllm_attention_pattern
 
@@ -117,12 +117,6 @@ def _other_outputs(out, taken) -> list | None:
     return [t for i, t in enumerate(out) if i not in taken and isinstance(t, torch.Tensor)] or None
 
 
-def _ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """x with its last axis reordered by descending ``key`` (stable: ties keep the engine's order)."""
-    order = torch.sort(key.float(), dim=-1, descending=True, stable=True).indices
-    return torch.gather(x, -1, order)
-
-
 class _Capture:
     """One site of one wrapped method: which arguments/outputs feed it, and how."""
     __slots__ = ("handle", "inputs", "outputs", "order_by")
@@ -155,7 +149,7 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
                 if c.order_by is None:
                     _capture_parts(c.handle, parts, _other_outputs(out, c.outputs))
                 else:
-                    site(c.handle, _ordered(_summed(parts), _pick_output(out, c.order_by)))
+                    site(c.handle, ordered(_summed(parts), _pick_output(out, c.order_by)))
         return out
 
     setattr(obj, method, wrapped)
