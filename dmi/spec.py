@@ -261,9 +261,10 @@ def _fix_for(err: jsonschema.ValidationError, what: str) -> str:
 # The canonical site names (docs/sites.md, "Sites"): a spec may use others, which
 # `dmi specs validate` warns about (a name outside the vocabulary means nothing to other families).
 SITE_VOCABULARY = (
-    "embed", "resid_pre", "attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.pattern", "attn.z",
-    "attn.out", "resid_mid", "mlp.in", "mlp.act", "mlp.out", "moe.router_logits", "moe.topk_weights",
-    "moe.topk_ids", "moe.shared_out", "resid_post", "final_norm", "logits",
+    "embed", "resid_pre", "attn.q", "attn.k", "attn.q_rot", "attn.k_rot", "attn.v", "attn.kv_latent",
+    "attn.k_rope", "attn.pattern", "attn.z", "attn.out_pre_norm", "attn.out", "resid_mid", "mlp.in", "mlp.act",
+    "mlp.out_pre_norm", "mlp.out", "moe.router_logits", "moe.topk_weights", "moe.topk_ids", "moe.shared_out",
+    "resid_post", "final_norm", "logits",
 )
 
 

@@ -209,7 +209,7 @@ def test_validate_arch_spec_against_a_real_tiny_model(tmp_path, capsys):
     """A spec is all a family needs: its tiny config comes from the spec (the model_type's config
     class, its dims, its `tiny:` block) and validate captures every site from a real model of it.
     A Phi-3 spec whose q anchors the slice of the fused qkv_proj, not its per-head view, is refused
-    there, by name (its tensor has not the size the dims give)."""
+    there, by file, line and site, with the layout that fits (dmi.load's check against the model)."""
     phi3 = next(p for p in dmi.spec.list_specs() if p.stem == "phi3")
     assert main(["specs", "validate", str(phi3)]) == 0
     assert "captured from a real tiny Phi3Config model" in capsys.readouterr().out
@@ -217,8 +217,8 @@ def test_validate_arch_spec_against_a_real_tiny_model(tmp_path, capsys):
     bad.write_text(phi3.read_text().replace("assign: query_states, occurrence: 1", "assign: query_states, occurrence: 0"))
     assert main(["specs", "validate", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "sites.attn.q.hf" in err and "site 'attn.q' fails in a real tiny Phi3ForCausalLM" in err, err
-    assert "invalid for input of size" in err and "Fix:" in err
+    assert f"{bad}:" in err and "sites.attn.q.hf.layout" in err and "Phi3Attention" in err, err
+    assert "Fix: the tensor fits `layout: [batch, seq, head, head_dim]`" in err
 
 
 def test_validate_bad_yaml_names_line(tmp_path, capsys):
@@ -257,8 +257,8 @@ def test_validate_layer_out_of_range_notes_tiny_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model, says", [
-    ("tiny-qwen4", ("did you mean 'tiny-qwen3'", "tiny-deepseek_v3, tiny-gemma3_text, tiny-llama3_1, tiny-mistral, "
-                    "tiny-mixtral, tiny-phi3, tiny-qwen2, tiny-qwen3, tiny-qwen3_moe")),
+    ("tiny-qwen4", ("did you mean 'tiny-qwen3'", "tiny-deepseek_v3, tiny-gemma2, tiny-gemma3_text, tiny-llama3_1, "
+                    "tiny-mistral, tiny-mixtral, tiny-phi3, tiny-qwen2, tiny-qwen3, tiny-qwen3_moe")),
     ("./no/such/model", ("no such directory: 'no/such/model'",)),
     ("/no/such/model", ("no such directory: '/no/such/model'",)),
 ])

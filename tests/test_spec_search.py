@@ -27,20 +27,20 @@ HOOKS = "capture:\n  - sites: [resid_post, mlp.act]\n"
 PROMPTS = '{"id": "a", "prompt": "Hello world! How are you"}\n{"id": "b", "prompt": "Paris"}\n'
 
 
-def phi3_spec(path: Path, family: str = "phi3_example") -> Path:
-    """A Phi-3 spec a contributor wrote from the Llama one (the sites this test captures fit Phi-3)."""
+def olmo_spec(path: Path, family: str = "olmo_example") -> Path:
+    """An OLMo spec a contributor wrote from the Llama one (the sites this test captures fit OLMo)."""
     text = (builtin_spec_dir() / "llama3_1.yaml").read_text()
-    text = text.replace("family: llama3_1", f"family: {family}").replace("model_type: [llama]", "model_type: [phi3]")
+    text = text.replace("family: llama3_1", f"family: {family}").replace("model_type: [llama]", "model_type: [olmo]")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
 
 @pytest.fixture(scope="module")
-def phi3_dir(tmp_path_factory) -> Path:
-    """A tiny Phi-3 saved as a model directory (config, weights, tokenizer): no spec is built in."""
-    d = tmp_path_factory.mktemp("phi3") / "model"
-    config = tf.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def olmo_dir(tmp_path_factory) -> Path:
+    """A tiny OLMo saved as a model directory (config, weights, tokenizer): no spec is built in."""
+    d = tmp_path_factory.mktemp("olmo") / "model"
+    config = tf.OlmoConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(d)
@@ -56,29 +56,29 @@ def capture(tmp_path: Path, model: Path, *extra: str) -> int:
                  str(tmp_path / "out.zarr"), "--max-new-tokens", "2", "--quiet", *extra])
 
 
-def test_capture_without_a_spec_for_the_model_names_the_flag(tmp_path, phi3_dir, capsys, monkeypatch):
+def test_capture_without_a_spec_for_the_model_names_the_flag(tmp_path, olmo_dir, capsys, monkeypatch):
     monkeypatch.delenv("DMI_SPEC_PATH", raising=False)
-    assert capture(tmp_path, phi3_dir) == 2
+    assert capture(tmp_path, olmo_dir) == 2
     err = capsys.readouterr().err
-    assert "no architecture spec matches model_type 'phi3'" in err
+    assert "no architecture spec matches model_type 'olmo'" in err
     assert "dmi capture --arch-spec FILE" in err and "DMI_SPEC_PATH" in err, err
     assert not (tmp_path / "out.zarr").exists()
 
 
-def test_capture_takes_an_arch_spec(tmp_path, phi3_dir, capsys, monkeypatch):
+def test_capture_takes_an_arch_spec(tmp_path, olmo_dir, capsys, monkeypatch):
     monkeypatch.delenv("DMI_SPEC_PATH", raising=False)
-    spec = phi3_spec(tmp_path / "specs" / "phi3.yaml")
-    assert capture(tmp_path, phi3_dir, "--arch-spec", str(spec)) == 0, capsys.readouterr().err
+    spec = olmo_spec(tmp_path / "specs" / "olmo.yaml")
+    assert capture(tmp_path, olmo_dir, "--arch-spec", str(spec)) == 0, capsys.readouterr().err
     root = zarr.open_group(str(tmp_path / "out.zarr"), mode="r")
-    assert root.attrs["arch_spec"] == str(spec) and root.attrs["family"] == "phi3_example"
+    assert root.attrs["arch_spec"] == str(spec) and root.attrs["family"] == "olmo_example"
     assert root["layers/mlp/act/act"].shape[0] > 0
 
 
-def test_capture_finds_a_spec_on_dmi_spec_path(tmp_path, phi3_dir, capsys, monkeypatch):
-    spec = phi3_spec(tmp_path / "specs" / "phi3.yaml")
+def test_capture_finds_a_spec_on_dmi_spec_path(tmp_path, olmo_dir, capsys, monkeypatch):
+    spec = olmo_spec(tmp_path / "specs" / "olmo.yaml")
     monkeypatch.setenv("DMI_SPEC_PATH", os.pathsep.join([str(tmp_path / "empty"), str(spec.parent)]))
     (tmp_path / "empty").mkdir()
-    assert capture(tmp_path, phi3_dir) == 0, capsys.readouterr().err
+    assert capture(tmp_path, olmo_dir) == 0, capsys.readouterr().err
     assert zarr.open_group(str(tmp_path / "out.zarr"), mode="r").attrs["arch_spec"] == str(spec)
 
 
@@ -114,13 +114,13 @@ def installed_package(root: Path) -> Path:
     pkg = root / "dmi_extra_specs"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    phi3_spec(pkg / "phi3.yaml", family="phi3_extra")
+    olmo_spec(pkg / "olmo.yaml", family="olmo_extra")
     info = root / "dmi_extra_specs-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dmi-extra-specs\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[dmi.specs]\nextra = dmi_extra_specs\n")
     (info / "RECORD").write_text("")
-    return pkg / "phi3.yaml"
+    return pkg / "olmo.yaml"
 
 
 def test_an_installed_packages_specs_are_found_and_listed(tmp_path, monkeypatch):
@@ -129,15 +129,15 @@ def test_an_installed_packages_specs_are_found_and_listed(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     found = [f for f in search_specs() if f.path == spec]
     assert [f.source for f in found] == ["entry point extra (dmi-extra-specs 0.1)"]
-    assert find_arch_spec("phi3").file == str(spec)
-    assert any(d.data["family"] == "phi3_extra" for _, d in effective_specs())
+    assert find_arch_spec("olmo").file == str(spec)
+    assert any(d.data["family"] == "olmo_extra" for _, d in effective_specs())
     # `dmi specs list` (the console entry point, in a process of its own) shows it with its source
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "site")])}
     out = subprocess.run([sys.executable, "-m", "dmi.cli", "specs", "list"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    row = next(line for line in out.stdout.splitlines() if line.startswith("phi3_extra"))
-    assert "phi3" in row and "entry point extra (dmi-extra-specs 0.1)" in row and str(spec) in row, row
+    row = next(line for line in out.stdout.splitlines() if line.startswith("olmo_extra"))
+    assert "olmo" in row and "entry point extra (dmi-extra-specs 0.1)" in row and str(spec) in row, row
     header = out.stdout.splitlines()[0].split()
     assert header == ["family", "model_types", "sites", "source", "file"]
 
