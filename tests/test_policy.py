@@ -25,7 +25,7 @@ from conftest import PROMPTS, model_pair
 from dmi.errors import DmiError, PolicyError, SpecError
 from dmi.models import build_tiny_model, tiny_tokenizer
 from dmi.plan import Policy
-from dmi.ring import CpuRing, TokenBucket
+from dmi.ring import CpuRing, TokenBucket, align_up
 from dmi.tokens import StepTokens
 from storecheck import assert_stores_equal
 from test_errors import HOOK, POLICY, TOKENS, check
@@ -320,9 +320,11 @@ def test_best_effort_bandwidth_drops_lowest_priority_first():
 def test_full_bandwidth_waits_and_counts_stall_time():
     ring = _ring("full", 1_000_000)
     sel = np.arange(2)
+    assert ring.bucket.wait_for(align_up(1_200_000)) == 0          # larger than the burst: starts (bucket full),
     t0 = time.perf_counter()
-    _step(ring, 0, [(0, sel, sel, 1_200_000, 0)])        # larger than the burst: starts (bucket full), owes 0.2 s
-    assert ring.stats.stall_seconds < 0.1
+    _step(ring, 0, [(0, sel, sel, 1_200_000, 0)])
+    assert ring.bucket.level == 1_000_000 - align_up(1_200_000)     # and owes 0.2 s
+    assert ring.stats.stall_seconds <= time.perf_counter() - t0
     _step(ring, 1, [(0, sel, sel, 100_000, 0)])          # waits for the debt and its own 0.1 s
     waited = time.perf_counter() - t0
     assert 0.25 < ring.stats.stall_seconds <= waited and not ring.stats.drops
