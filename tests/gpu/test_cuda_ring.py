@@ -611,7 +611,7 @@ def test_soak_compiled_generates_of_a_qwen3_8b_shape_on_default_policy_lose_no_r
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
-    from offline import HEADLINE_SPEC, build, gen_kwargs, prompts, twin
+    from common import HEADLINE_SPEC, build, gen_kwargs, prompts, twin
     model = build("qwen3-8b")
     enc, lengths = prompts(32, 16, 192, model.config.vocab_size)
     new, calls = 32, 20

@@ -1,4 +1,4 @@
-"""perf/stepclock.py: a window's engine steps split into GPU time and the gaps the host left."""
+"""perf/common/stepclock.py: a window's engine steps split into GPU time and the gaps the host left."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "perf"))
 
-import stepclock  # noqa: E402
+from common import stepclock  # noqa: E402
 
 
 def _steps(n, period, forward, gap, t0=100.0, reqs=8, mixed_every=0, g=0.0):
