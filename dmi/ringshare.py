@@ -2,8 +2,8 @@
 
 In-process, a drain thread copies each ended step out of the ring and an export thread writes it:
 both are Python on the model process's GIL, which a serving engine's thread needs between its
-kernel launches (H200, vLLM at 64 clients: the engine's Python ~14 % slower while they ran,
-perf/RESULTS.md, twenty-fifth session). With ``policy.drain: process`` the store writer's child
+kernel launches (a fixed piece of Python on vLLM's engine thread runs slower while they run:
+``perf/online.py --probe``). With ``policy.drain: process`` the store writer's child
 process (:mod:`dmi.writer`) does both: it polls the meta ring, copies each step's block to its own
 host memory, writes it, and tells the model's process which ring space is free again.
 

@@ -464,8 +464,8 @@ class Run:
         self._counting = [None, 0]
 
     def _index_sites(self, sites) -> None:
-        """The tables a step's layout selects from, for ``sites`` (the plan's; perf/ablate.py's "no
-        sites" row passes none). Per site: index, bytes per row, index of its token filter, priority,
+        """The tables a step's layout selects from, for ``sites`` (the plan's, or none: a
+        run that begins and ends steps without capturing). Per site: index, bytes per row, index of its token filter, priority,
         held rows it reads (or None); index and filter again as arrays, for a step's accounting
         without a per-site Python loop."""
         self._site_info = [(s.index, s.row_bytes(self.itemsize), self._filter_list.index(s.tokens), s.priority,

@@ -10,9 +10,8 @@ A site is named in one of two ways. Code compiled layer by layer (vLLM compiles 
 once and reuses it for every layer whose piece is the same graph up to its inputs, as weights are;
 ``layer.compile()``) passes ``site_id``, a tensor (the run's ``site_tensors``; the op finds the
 site by its address), and ``site`` -1: an int is a constant of the graph, different in every
-layer, and with ints every layer's piece was its own compile (once ~94 s against vanilla's 12 s
-for Qwen3-8B on the H200, though a later fresh compile took 28.7 s against the tensor sites'
-31.5: perf/RESULTS.md, twenty-second and twenty-fourth sessions). Code that compiles the whole
+layer, and with ints every layer's piece would be its own compile (tests/test_compile.py pins the
+reuse). Code that compiles the whole
 model as one graph (generate()'s compiled forward, under :func:`constant_sites`) passes ``site``
 and no tensor: there nothing is reused across layers, and every tensor input costs each call
 host time (Dynamo's guards and prologue). There the HF adapter's patched modules call
@@ -184,8 +183,8 @@ def constant_sites(fn):
     """``fn`` (a compiled callable tracing the whole model at once, e.g. generate()'s compiled
     forward) with its sites traced as constants of the graph: ``site=i, site_id=None``. A site
     tensor is a graph input, and each input costs every call of the compiled code host time
-    (Dynamo's guards on it, the prologue that fetches it, AOT's wrapper; ~1.2 µs a site a call on
-    a 2-core CPU machine with guards skipped: perf/callcost.py), in a graph that reuses nothing across
+    (Dynamo's guards on it, the prologue that fetches it, AOT's wrapper;
+    perf/diagnostics/guardcost.py measures the guards), in a graph that reuses nothing across
     layers. Code compiled layer by layer (vLLM's pieces, ``layer.compile()``) keeps the tensors,
     so that every layer reuses one graph (``int site`` -1 there, the same in every layer). Dynamo
     guards the flag: the graph traced under it runs only under it."""
@@ -227,7 +226,7 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     ``ticket`` and inductor fuses nothing across it: where an engine computes ``x`` and another
     output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
     lowering places the second one after the op, that kernel would split in two, one more kernel
-    per layer (perf/fusion.py --engine vllm)."""
+    per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
     if torch.compiler.is_compiling():
         _compiled_capture(handle, x, after=after)
     else:

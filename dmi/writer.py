@@ -57,9 +57,9 @@ RING_POLL_S = 0.0005       # policy.drain: process: how often the child looks fo
 DRAIN_BATCH = 64           # steps the child copies out and writes at a time at most
 # glibc malloc in the child: chunk-sized blocks (the codec's output, chunk buffers) stay in the
 # heap instead of a fresh mmap each, and freed memory is kept, not handed back and faulted in again.
-# On a 2-core CPU machine (a Qwen3-8B decode step, 19.4 MB) this took the store's kernel time from
-# 17-19 to 8-9 ms per step and its wall time from 30 to 19-21 ms; the H200's writer CPU per step
-# did not move (perf/RESULTS.md, sixth GPU session). Other C libraries ignore these variables.
+# By default each of those blocks is a fresh mmap, faulted in and zeroed, and about half the store's
+# CPU time is the kernel's (perf/exporter_bench.py --writers process times the writer). Other C
+# libraries ignore these variables.
 STORE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
@@ -534,7 +534,7 @@ class _Drain:
 
 def _load_plugins() -> None:
     """``DMI_WRITER_PLUGINS``: comma-separated ``module:function`` called once at the child's start
-    (instrumentation that must reach the store writer's process too, e.g. perf/vllm_plugins.py's
+    (instrumentation that must reach the store writer's process too, e.g. perf/common/vllm_plugins.py's
     host sink under ``policy.drain: process``)."""
     import importlib
     for entry in filter(None, os.environ.get("DMI_WRITER_PLUGINS", "").split(",")):

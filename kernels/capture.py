@@ -58,9 +58,8 @@ kernel, which disarms, is always followed by the next forward's own kernels or d
 waits (``gdc_wait``) before reading anything a kernel wrote: the site's rows, ``drow`` and
 ``cnt``. A capture's launch latency and its cold control-word read then overlap the kernel before
 it. It waits even when it captures nothing, so a kernel after it still finds every kernel before it
-complete. (H200: 1.6-1.7 µs a site back to back against 1.9-2.2 without it, 1.6-1.8 against
-2.4-3.3 when each site follows a 400 MiB read; Qwen3-8B serving: the decode step's capture time
-0.12-0.15 ms against 0.14-0.16. perf/RESULTS.md, fifteenth GPU session.)
+complete. (``perf/online.py``'s ``dmi-hidden-nopdl`` configuration, ``DMI_PDL=0``, serves
+without it.)
 
 Under ``TRITON_INTERPRET=1`` both kernels run on the CPU (tests/test_kernels_interpret.py).
 """

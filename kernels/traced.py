@@ -5,7 +5,7 @@ residual add is cut off from the RMSNorm it would be fused with), the capture ke
 it, and outside a CUDA graph both are host launches (vLLM's steps above its largest graph). Traced
 instead, the capture is a scatter of the site's rows into the payload ring at destinations read
 from the ring's control block (``ring.index_put_``): inductor folds it into the kernel that
-computes the rows, so a capture adds no kernel, launch or dispatch (``perf/fusion.py`` counts them).
+computes the rows, so a capture adds no kernel, launch or dispatch (``tests/test_kernels_interpret.py`` compares the stores).
 
 The destinations follow the same control words the capture kernel reads (``dmi.kernels.capture``):
 row ``i`` of the tensor in token-major order is step row ``i``; its place in the site's block is

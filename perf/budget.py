@@ -10,7 +10,7 @@ copies to the host. One run, one compiled graph: the policy changes between conf
 ``Run.set_limits`` (no reload, no recompile). Every timed run follows a timed vanilla run of the
 unpatched twin (ratio = median vanilla / median configuration); each configuration is also
 profiled once for its GPU busy time per step (GPU ratio), which the host-bound wall time of
-compiled generate does not show reliably (perf/RESULTS.md).
+compiled generate does not show reliably.
 
 ``--rounds N``: the configurations and an unpatched twin of the model (A/A) take turns instead,
 N rounds, the order rotating each round, every run right after a vanilla run, as perf/offline.py's
@@ -23,7 +23,7 @@ adds its null, uncapped ``full`` and first-cap ``best_effort`` rows to the rotat
 kernels on the model's stream in the recorded graph, against the default run's side stream
 (dmi.kernels.side; transformers' compiled forward is one full graph). ``--pyspy SECONDS`` (with
 ``--rounds``): py-spy on the model's thread, vanilla against the first cap's ``best_effort`` row
-(perf/pyspy.py; carry py-spy's wheel in ``.whl``). With ``--rounds`` on a GPU each row also gives
+(perf/common/pyspy.py). With ``--rounds`` on a GPU each row also gives
 the host time of Dynamo's cache lookup (guard evaluation) per step in its profiled run: the A/A
 twin's in its row (profiled with the dmi runs and their threads open, as theirs are; vanilla's,
 profiled before any run was loaded, beside it), each dmi row's over the A/A twin's.
@@ -40,12 +40,11 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
 
 import dmi      # noqa: E402
-from gpuclock import gpu_profile   # noqa: E402
-from offline import DEV, GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
+from common import (DEV, GiB, Skip, build, gen_kwargs, gpu_profile, hidden_spec, md_header, prompts, spread,   # noqa: E402
+                    store_dir, timed, twin)
 
 
 def main(argv=None) -> None:
@@ -105,9 +104,8 @@ def main(argv=None) -> None:
                 for r, *_ in runs:
                     r.close()
             return
-        print("| policy | cap GB/s | ratio | GPU ratio | compute ratio | s (median) | stall s/run | captured GB/run "
-              "| dropped GB/run | drop fraction |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(md_header(["policy", "cap GB/s", "ratio", "GPU ratio", "compute ratio", "s (median)", "stall s/run",
+                         "captured GB/run", "dropped GB/run", "drop fraction"]))
         rate = None
         try:
             with Skip(run):
@@ -181,7 +179,7 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
                 for key in sums[label]:
                     sums[label][key] += after[key] - before[key]
         if args.pyspy:
-            from ablate import sampled_against_vanilla
+            from common.pyspy import sampled_against_vanilla
             label, r, fn, mode, cap = next(row for row in rows if row[3] == "best_effort")
             set_policy(r, mode, cap, rate)
             print(f"py-spy: vanilla against {label}", flush=True)
@@ -189,9 +187,9 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
     aa_pair = statistics.median(pairs[rows[0][0]])
     print(f"uncapped capture rate {rate / 1e9:.2f} GB/s; {args.rounds} rounds, each run after a vanilla run; "
           f"the A/A row's median pair {aa_pair:.3f}")
-    print("| policy | cap GB/s | pairs (low / median / high) | over A/A | GPU ratio | compute ratio | cache lookup µs/step "
-          "| s (median) | stall s/run | captured GB/run | dropped GB/run | drop fraction |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(md_header(["policy", "cap GB/s", "pairs (low / median / high)", "over A/A", "GPU ratio", "compute ratio",
+                     "cache lookup µs/step", "s (median)", "stall s/run", "captured GB/run", "dropped GB/run",
+                     "drop fraction"]))
     n = args.rounds
     aa_lookup = None     # the A/A twin's, profiled while the runs (and their threads) are open, as theirs are
     for label, r, fn, mode, cap in rows:
@@ -208,8 +206,7 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
             gpu = f" |  | {aa_lookup:.0f} (vanilla before load: {v_prof['lookup_us']:.0f})"
         got, dropped, stall = (sums[label][k] / n for k in ("bytes_drained", "dropped_bytes", "stall_seconds"))
         over = "" if r is None else f"**{statistics.median(p) / aa_pair:.3f}**"
-        print(f"| {label} | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {p[0]:.3f} / {statistics.median(p):.3f} / "
-              f"{p[-1]:.3f} | {over} | {gpu} | {statistics.median(times[label]):.3f} | {stall:.3f} | {got / 1e9:.2f} | "
+        print(f"| {label} | {'' if cap is None else f'{cap * rate / 1e9:.2f}'} | {spread(p)} | {over} | {gpu} | {statistics.median(times[label]):.3f} | {stall:.3f} | {got / 1e9:.2f} | "
               f"{dropped / 1e9:.2f} | {dropped / max(got + dropped, 1):.3f} |", flush=True)
 
 

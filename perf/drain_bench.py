@@ -12,9 +12,8 @@ device-to-device copy.
 ``--hol`` also measures what a drain copy does to the engine's own small D2H copies (a sampled
 token, a stop check) on another stream: their latency while a large D2H copy is in flight, issued
 whole, in 8 MiB pieces queued back to back, or in 64 MiB pieces each queued once the one before
-it is done (head-of-line blocking on the copy engine; on the H200 the first two held a 4-byte copy
-back ~19 ms: the engine serves queued copies in order, so splitting a copy that is queued at once
-does not help; the paced row had not run there yet).
+it is done (head-of-line blocking on the copy engine: the engine serves queued copies in order, so
+splitting a copy that is queued at once does not help; perf/RESULTS.md has the table).
 
     python perf/drain_bench.py [--gib 8] [--ring-mib 1024] [--repeats 3] [--hol]
 """

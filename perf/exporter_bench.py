@@ -13,10 +13,9 @@ incompressible fast path and so flatter lz4). The exporter writes chunk files fr
 ``store.threads`` threads (``--threads``): run it on the machine that captures. ``--dir`` picks the
 file system (``/dev/shm/eb``, or a directory on a local disk); the table's "of raw write" column
 divides by that directory's raw sequential write speed (one file, 16 MiB writes, fsync), printed
-above it. Run: python perf/exporter_bench.py [--steps 24] [--tokens 64] [--dir /dev/shm/eb]
+above it.
 
-2-core CPU (shared), --steps 24 --tokens 64 --repeats 3 --dir /dev/shm/eb, bf16 stored, thread writer:
-lz4 0.48 GB/s (byte-shuffle lz4, one store thread, before: 0.34), none 0.77 (before: 0.80).
+    python perf/exporter_bench.py [--steps 24] [--tokens 64] [--dir /dev/shm/eb]
 """
 from __future__ import annotations
 
@@ -33,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
+
+from common import config   # noqa: E402
 
 
 class GilProbe:
@@ -102,7 +103,6 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
           kind: str = "activations") -> dict:
     """One run: captured GB/s from the first step to the store closed, CPU ms per step of the
     calling thread, the store's bytes over the captured bytes, and the store threads used."""
-    import transformers as tf
     from dmi.exporter import ZarrExporter, _du, default_threads
     from dmi.plan import build_plan
     from dmi.ring import META_DTYPE, SiteSlot, StepControl
@@ -110,8 +110,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     from dmi.tokens import StepTokens
     from dmi.writer import ProcessExporter
 
-    cfg = tf.Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, intermediate_size=12288, vocab_size=151936)
+    cfg = config("qwen3-8b")
     store = {"compression": compression, "dtype": dtype}
     if threads:
         store["threads"] = threads

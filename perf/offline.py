@@ -1,5 +1,14 @@
 """Offline throughput of HF generate with dmi against vanilla, in one process on one GPU.
 
+``--headline`` is the headline figure, end to end: default policy and store settings (the hook
+spec names only its sites), the store written to ``--store-dir``, ``--generates`` generate() calls
+in a row and ``run.flush()`` per round, ``run.close()`` counted, and every stored row checked
+afterwards (``end_to_end``). ``--configs`` adds store configurations beside the default;
+``--pyspy DIR`` records each timed round with py-spy (perf/common/pyspy.py reads the files).
+
+    python perf/offline.py --headline --models qwen3-8b --batches 32 --modes compiled --new-tokens 128 --store-dir /tmp
+
+Without ``--headline``, a matrix of diagnostic rows, each leaving out a stage of the pipeline.
 Real-size configs with random weights (no downloads): Qwen3-0.6B, Qwen3-8B, Llama-3.1-8B in
 bfloat16; batched greedy generation of random prompts (lengths spread evenly over 16..192 tokens,
 left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
@@ -24,9 +33,9 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   drains, on the export thread;
 * "-> host, begun at forward" (``--ahead-row``, compiled mode): the same with each decode step
   begun right before its forward (``DMI_STEP_AHEAD=0``), where generate()'s GPU waits for it,
-  instead of while the GPU runs the step before (``Run._begin_ahead``, the default);
+  instead of while the GPU runs the step before (the default);
 * "-> host, drain on timer" (``--timer-row``): the same with no drain window after each step's
-  launch (``Run.drain_window``): the drain runs on its 100 ms timer only, as before windows;
+  launch (``Run.drain_window``): the drain runs on its 100 ms timer only;
 * "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
   (the CUDA ring copies each step out from the model's thread as the next step begins, instead of
   in batches from the drain thread; kernels/cuda_ring.py says why);
@@ -40,7 +49,7 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
 "GC s/run" is the time Python's garbage collector took inside each timed run (median) and the
 full collections among them, for the configuration and for the vanilla runs paired with it: after
 a compile the heap is large and a full collection would cost a noticeable part of whichever run it
-lands in (on the H200: 0-2 ms a run, no full collection, RESULTS.md).
+lands in.
 
 Times are medians of ``--repeats`` runs after a warm-up run (which compiles in compiled mode).
 dmi runs on a twin of the model sharing its weights, and every timed run of a configuration
@@ -48,23 +57,20 @@ follows a timed vanilla run of the unpatched model: ratio = median vanilla time 
 median time of the configuration, so slow drift of the machine (clocks, temperature) cancels;
 "pairs" gives each run's own ratio to the vanilla run before it (lowest, median, highest): with
 vanilla's runs spreading by several percent, the ratio of medians can be a lucky draw of them.
-Compiled generate on these models is host-bound (Qwen3-8B, batch 32: ~12.4 ms of GPU work in a
-16-17 ms step; the same compiled graph ran 16.0 to 17.4 ms per step in different runs), so wall
-ratios move by several percent with no change on the device. Each configuration is therefore also
-profiled once (``--no-gpu-busy`` skips it): "GPU ms/step" is the union of its kernels' and copies'
-intervals per step, "GPU ratio" vanilla's over it, which is what dmi costs the device;
-"compute ratio" the same without the copies (the drain's D2H runs on the copy engine beside the
-kernels and counts in GPU ms only where it fills a gap the host left). Also
-printed: dmi's GPU memory (ring + control tensors), bytes captured per run, achieved D2H rate,
-drops, µs per enabled site per step ((t - t_vanilla) / (forward steps x sites)).
+Compiled generate on these models is host-bound, so wall ratios move by several percent with no
+change on the device. Each configuration is therefore also profiled once (``--no-gpu-busy`` skips
+it): "GPU ms/step" is the union of its kernels' and copies' intervals per step, "GPU ratio"
+vanilla's over it, which is what dmi costs the device; "compute ratio" the same without the copies
+(the drain's D2H runs on the copy engine beside the kernels and counts in GPU ms only where it
+fills a gap the host left). Also printed: dmi's GPU memory (ring + control tensors), bytes
+captured per run, achieved D2H rate, drops, µs per enabled site per step ((t - t_vanilla) /
+(forward steps x sites)).
 
     python perf/offline.py                      # Qwen3-8B, batch 32, eager + compiled, baselines, one Zarr run
     python perf/offline.py --quick              # small smoke run (Qwen3-0.6B, batch 16, 32 tokens)
     python perf/offline.py --models qwen3-0.6b,qwen3-8b,llama-3.1-8b --batches 16,32,64
 
-On the H200, ``--models qwen3-8b --batches 32 --modes compiled,eager --no-baselines --zarr-modes
-none`` took 397 s (three inductor compiles of about a minute each). The Zarr row is slow: the
-exporter writes about 0.1 GB/s (see RESULTS.md). Results are printed (``--results FILE``: also as markdown).
+Results are printed (``--results FILE``: also as markdown).
 """
 from __future__ import annotations
 
@@ -84,132 +90,20 @@ from unittest import mock
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
 
 import dmi   # noqa: E402
-from gpuclock import GcClock, gpu_profile   # noqa: E402
+from common import (DEV, GiB, HEADLINE_SPEC, GcClock, Skip, build, gen_kwargs, gpu_profile, hidden_spec,   # noqa: E402
+                    internals_spec, md_header, md_row, prompts, ring_for, spread, store_dir, timed, twin)
 
-MODELS = {
-    "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                       rms_norm_eps=1e-6, max_position_embeddings=40960)),
-    "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                     rms_norm_eps=1e-6, max_position_embeddings=40960)),
-    "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                                         tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 8192})),
-}
-MODELS["tiny"] = ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False,
-                                       max_position_embeddings=1024))    # smoke runs (CPU too)
-GiB = 1 << 30
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _MODEL: dict = {}
 
 
 @functools.cache
 def _gc_clock() -> GcClock:
-    """The process's one GC clock ("GC s/run"), made by the first matrix, not at import: other perf
-    scripts import this module and need no callback on their collections."""
+    """The process's one GC clock ("GC s/run"), made by the first matrix, not at import (a
+    ``--headline`` run needs no callback on its collections)."""
     return GcClock()
-
-
-def build(name: str):
-    import transformers as tf
-    cls, kw = MODELS[name]
-    cfg = getattr(tf, cls)(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg._name_or_path = f"random-{name}"
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32,
-                                                    attn_implementation="sdpa")
-    model.eval()
-    model.generation_config.eos_token_id = None       # random weights: always generate every new token
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def twin(model):
-    """A second instance of ``model`` sharing its weights (buffers and modules copied): dmi patches
-    instances, so the twin carries dmi while ``model`` stays vanilla, and the two can be timed
-    alternately in one process (no drift between a vanilla phase and a dmi phase)."""
-    import copy
-    t = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
-    # generate()'s compiled forward is cached on the instance and deepcopy keeps a function as is: a
-    # twin made after the model compiled would replay the model's own graph, never its patched one
-    for attr in ("_compiled_call", "_last_compile_config"):
-        t.__dict__.pop(attr, None)
-    return t
-
-
-def prompts(batch: int, lo: int, hi: int, vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    lengths = np.linspace(lo, hi, batch).round().astype(int)
-    rng.shuffle(lengths)
-    width = int(lengths.max())
-    ids = np.zeros((batch, width), np.int64)
-    mask = np.zeros((batch, width), np.int64)
-    for b, n in enumerate(lengths):
-        ids[b, width - n:] = rng.integers(3, vocab, n)
-        mask[b, width - n:] = 1
-    return {"input_ids": torch.from_numpy(ids).to(DEV), "attention_mask": torch.from_numpy(mask).to(DEV)}, lengths
-
-
-def gen_kwargs(mode: str, new: int) -> dict:
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    if mode == "compiled":
-        from transformers import CompileConfig
-        kw.update(cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
-    return kw
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t
-
-
-def hidden_spec(ring: int, host: int, writer: str = "thread", **store) -> dict:
-    return {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
-            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}, "store": {"writer": writer, **store}}
-
-
-def internals_spec(ring: int, host: int) -> dict:
-    return {"capture": [{"sites": ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]}],
-            "policy": {"mode": "full", "ring_bytes": ring, "host_bytes": host}}
-
-
-def ring_for(step_bytes: int, floor: int = GiB) -> int:
-    """The ring: 1 GiB, or the next 256 MiB above one prefill step when that does not fit."""
-    need = int(step_bytes * 1.02) + (64 << 20)
-    return floor if need <= floor else -(-need // (256 << 20)) * (256 << 20)
-
-
-class Skip:
-    """Exporter stand-in: rows are drained to pinned host memory, then dropped (no store writes)."""
-
-    def __init__(self, run):
-        self.run, self.saved = run, run.exporter.write_step
-
-    def __enter__(self):
-        self.run.exporter.write_step = lambda *a, **k: None
-
-    def __exit__(self, *exc):
-        self.run.exporter.write_step = self.saved
 
 
 def probed(run, fn):
@@ -232,13 +126,6 @@ def probed(run, fn):
         finally:
             sub.cancel()
     return go
-
-
-def store_dir() -> Path:
-    shm = Path("/dev/shm")
-    if shm.exists() and shutil.disk_usage(shm).free > 48 * GiB:
-        return Path(tempfile.mkdtemp(dir=shm, prefix="dmi-perf-"))
-    return Path(tempfile.mkdtemp(prefix="dmi-perf-"))
 
 
 def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
@@ -361,7 +248,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                 record("dmi hidden+logits -> host + live probe", reps_of(probed(run, stepped(run, False)), run=run),
                        run, sites=n_hidden, note="a subscriber scoring the middle layer's rows")
             if run.step_ahead and args.ahead_row and mode == "compiled":
-                run.step_ahead = False             # each decode step begun before its forward, as before
+                run.step_ahead = False             # each decode step begun right before its forward
                 record("dmi hidden+logits -> host, begun at forward", reps_of(stepped(run, False), run=run), run,
                        sites=n_hidden, note="DMI_STEP_AHEAD=0")
                 run.step_ahead = True
@@ -436,7 +323,7 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
     """``--rounds N``: the A/A twin, dmi null, dmi hidden+logits -> host and (unless ``--no-zarr``)
     -> zarr (``--writer``) timed round-robin, N rounds, the order rotating each round, every run
     right after a timed vanilla run. Each row then meets the same alternation of compiled models
-    (which slows vanilla's own runs by 5-7 %, RESULTS.md) and the same drift of the host, so the A/A
+    (which slows vanilla's own runs too) and the same drift of the host, so the A/A
     row is the others' calibration: a dmi row's cost is its paired ratio against the A/A row's, not
     against 1. The Zarr row's store grows by a run's bytes each round (6 GB for Qwen3-8B batch 32)."""
     aa = twin(model)
@@ -537,16 +424,13 @@ def _gc_cell(per_run: list | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | mode | config | tok/s | ratio | pairs (low / median / high) | s (median) | GPU ms/step | "
-            "GPU ratio | compute ratio | GB/run | D2H GB/s | drops | ring GiB | dmi GPU MiB | µs/site/step | "
-            "GC s/run (full) | its vanilla's |")
-    lines = [head, "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-                   "---: | ---: | ---: | ---: |"]
+    lines = [md_header(["model", "batch", "mode", "config", "tok/s", "ratio", "pairs (low / median / high)",
+                        "s (median)", "GPU ms/step", "GPU ratio", "compute ratio", "GB/run", "D2H GB/s", "drops",
+                        "ring GiB", "dmi GPU MiB", "µs/site/step", "GC s/run (full)", "its vanilla's"], text=4)]
     for r in rows:
         dm = r.get("bytes") is not None
-        pairs = r.get("pair_ratios") or []
         cells = [r["model"], str(r["batch"]), r["mode"], r["config"], "%.0f" % r["tok_s"], "%.3f" % r["ratio"],
-                 " / ".join("%.3f" % x for x in (pairs[0], statistics.median(pairs), pairs[-1])) if pairs else "",
+                 spread(r["pair_ratios"]) if r.get("pair_ratios") else "",
                  "%.3f" % r["seconds"], "%.2f" % r["gpu_ms_step"] if "gpu_ms_step" in r else "",
                  "%.3f" % r["gpu_ratio"] if "gpu_ratio" in r else "",
                  "%.3f" % r["compute_ratio"] if "compute_ratio" in r else "",
@@ -555,11 +439,10 @@ def table(rows: list[dict]) -> str:
                  "%.0f" % (r["gpu_bytes"] / 2**20) if dm else "",
                  "%.2f" % r["us_site_step"] if "us_site_step" in r else "",
                  _gc_cell(r.get("gc_s")), _gc_cell(r.get("vanilla_gc_s"))]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(md_row(cells))
     return "\n".join(lines)
 
 
-HEADLINE_SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]}
 # the headline's configurations: (hook spec, environment at load); "default" is what a new user runs
 HEADLINE_CONFIGS = {"default": (HEADLINE_SPEC, {}),
                     "writer-process": (HEADLINE_SPEC | {"store": {"writer": "process"}}, {}),
@@ -617,16 +500,15 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
         tree = dmi.open(run.store)
         got = [tree[g].dataset.sizes["token"] for g in ("layers/resid_post", "final_norm")]
         complete = all(v == tokens for v in got) and tree["logits"].dataset.sizes["token"] == generates * new * batch
-        pairs = sorted(v / o for v, o in zip(van, times))
         rows.append({"model": name, "batch": batch, "mode": mode, "config": c, "K": K, "rounds": args.rounds,
-                     "ratio": sum(van) / sum(times), "pairs": (pairs[0], statistics.median(pairs), pairs[-1]),
+                     "ratio": sum(van) / sum(times), "pairs": spread(v / o for v, o in zip(van, times)),
                      "close_s": closed, "store_gb": st["store_bytes"] / 1e9, "captured_gb": st["bytes_captured"] / 1e9,
                      "drops": st["dropped_captures"], "stall_s": st["stall_seconds"], "rows_complete": complete,
                      "streamed": st["streamed_steps"], "vanilla_s": statistics.median(van) / K,
                      "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"})
         r = rows[-1]
-        log(f"  {name} {mode} {c}: {r['ratio']:.3f} of vanilla (pairs {r['pairs'][0]:.3f} / {r['pairs'][1]:.3f} / "
-            f"{r['pairs'][2]:.3f}), close {closed:.2f} s, store {r['store_gb']:.2f} GB, drops {r['drops']}, "
+        log(f"  {name} {mode} {c}: {r['ratio']:.3f} of vanilla (pairs {r['pairs']}), "
+            f"close {closed:.2f} s, store {r['store_gb']:.2f} GB, drops {r['drops']}, "
             f"rows complete {complete}")
         del tree
         shutil.rmtree(run.store, ignore_errors=True)
@@ -645,14 +527,13 @@ def sampling(fn, where: str | None, name: str, gil: bool):
 
 
 def headline_table(rows: list[dict]) -> str:
-    lines = ["| model | batch | mode | configuration | K x rounds | dmi + store / vanilla | pairs (low / median / high) | "
-             "close s | store GB | streamed steps | drops | rows complete | vanilla s / generate |",
-             "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = [md_header(["model", "batch", "mode", "configuration", "K x rounds", "dmi + store / vanilla",
+                        "pairs (low / median / high)", "close s", "store GB", "streamed steps", "drops",
+                        "rows complete", "vanilla s / generate"], text=4)]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['config']} | {r['K']} x {r['rounds']} | "
-                     f"**{r['ratio']:.3f}** | {r['pairs'][0]:.3f} / {r['pairs'][1]:.3f} / {r['pairs'][2]:.3f} | "
-                     f"{r['close_s']:.2f} | {r['store_gb']:.2f} | {r['streamed']} | {r['drops']} | {r['rows_complete']} | "
-                     f"{r['vanilla_s']:.2f} |")
+        lines.append(md_row([r["model"], r["batch"], r["mode"], r["config"], f"{r['K']} x {r['rounds']}",
+                             f"**{r['ratio']:.3f}**", r["pairs"], f"{r['close_s']:.2f}", f"{r['store_gb']:.2f}",
+                             r["streamed"], r["drops"], r["rows_complete"], f"{r['vanilla_s']:.2f}"]))
     return "\n".join(lines)
 
 
@@ -679,8 +560,7 @@ def main(argv=None):
     ap.add_argument("--zarr-repeats", type=int, default=1)
     ap.add_argument("--ring-gib", type=float, default=None,
                     help="the hidden-states rows' GPU ring (default: 1 GiB, or above the prefill step where that does "
-                         "not fit with room to spare; issue 3's target is at most 1 GiB: dmi.load refuses a ring a step "
-                         "cannot fit, with the numbers)")
+                         "not fit with room to spare)")
     ap.add_argument("--host-mib", type=int, default=2048, help="policy.host_bytes (pinned staging) in MiB")
     ap.add_argument("--no-zarr", action="store_true")
     ap.add_argument("--writer", default="thread", choices=["thread", "process"],

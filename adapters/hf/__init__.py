@@ -144,7 +144,7 @@ def _step_inputs(given: dict) -> tuple:
 def constant_sites_mode() -> bool:
     """``DMI_CONSTANT_SITES``: ``1`` (unset) gives the patched modules classes whose code names
     their sites when generate() first compiles its forward (``patch.constant_sites_class``); ``0``
-    keeps the handles (a baseline for perf/guardcost.py)."""
+    keeps the handles (a baseline for perf/diagnostics/guardcost.py)."""
     mode = os.environ.get("DMI_CONSTANT_SITES", "1")
     if mode not in ("0", "1"):
         raise DmiError(f"DMI_CONSTANT_SITES={mode!r}: unknown. Fix: 1 (the default: sites as constants of generate()'s "

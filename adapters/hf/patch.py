@@ -14,7 +14,7 @@ made once per (class, patched forward), with the original's name (:func:`patch_m
 instance holds only its sites' handles (``_dmi_sites``). A compiled forward then guards a patched
 module as any module, by its type, plus each handle's few attributes (an instance-level
 ``forward`` closing over lists of handles cost ~10 guards a site more, evaluated before every
-call; perf/callcost.py). Every instance of a class shares that forward's code, so a layer compiled
+call; tests/test_compile.py pins the guards per site). Every instance of a class shares that forward's code, so a layer compiled
 on its own (``layer.compile()``) reuses one graph for all layers: the handle names the site by a
 tensor (``dmi.siteop``).
 
@@ -23,7 +23,7 @@ across layers, and there the handles' guards are all Dynamo adds to an unpatched
 lines a site, evaluated before every decode step). :func:`constant_sites_class` gives such an
 instance a class of its own instead, whose forward has its sites' run and index written into its
 code and whose dict holds its bases' attributes: Dynamo guards it by its type, which it guards
-anyway, and passes no extra MRO level (perf/guardcost.py). An instance that already has a
+anyway, and passes no extra MRO level (perf/diagnostics/guardcost.py). An instance that already has a
 ``forward`` of its own (accelerate's hooks) keeps it, with the patched forward bound on top.
 
 Instances that observe nothing keep their class.
@@ -285,7 +285,7 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     before the one defining it and guards each level it passed, so a subclass would add one level
     per patched module (36 layers, torch 2.11 on a 2-core CPU machine: 7,731 guard lines and +31.6 µs a
     check over the unpatched model's 7,441); flattened, it finds them at the class itself (7,371
-    lines, +12.3 µs; perf/guardcost.py). ``isinstance`` and the class's name are unchanged."""
+    lines, +12.3 µs; perf/diagnostics/guardcost.py). ``isinstance`` and the class's name are unchanged."""
     patched = type(module)
     edits, inputs, outputs = patched.__dict__.get(PATCH_ATTR) or (None, None, None)
     handles = module.__dict__.get(SITES_ATTR, {})

@@ -293,8 +293,8 @@ def prepare(worker) -> None:
       (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
       model's instead of between them. ``full`` (the default): only in vLLM's full graphs, the
       uniform decode steps; the pieces of piecewise graphs keep them inline, where forks and joins
-      cost more host time than they save (``1``: in every graph; perf/RESULTS.md, thirty-ninth and
-      fortieth sessions). ``worker.dmi_side``: whether the pass chains them."""
+      cost more host time than they save (``1``: in every graph; perf/online.py's
+      ``dmi-hidden-side`` against ``dmi-hidden``). ``worker.dmi_side``: whether the pass chains them."""
     from .plugin import read_config
     from ...kernels import side, traced
     vllm_config = worker.vllm_config

@@ -1,6 +1,8 @@
-"""Does dmi's compiled decode compute what vanilla's compiled decode computes? First decode step's
-logits (same prompts, same prefill token) of the unpatched model against an unpatched twin (A/A) and
-against the dmi twin in several configurations, transformers' compiled generate (reduce-overhead).
+"""Question: does dmi's compiled decode compute what vanilla's compiled decode computes?
+
+The first decode steps' logits (same prompts, same prefill token) of the unpatched model against an
+unpatched twin (A/A) and against the dmi twin in several configurations, transformers' compiled
+generate (reduce-overhead). perf/RESULTS.md's "Open" section gives the figure.
 
     python perf/diagnostics/fidelity.py [--model qwen3-0.6b] [--batch 32] [--emulate]
 """
@@ -15,11 +17,11 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's dmi
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # perf/: common
 
 import dmi   # noqa: E402
-from offline import HEADLINE_SPEC, build, gen_kwargs, prompts, twin   # noqa: E402
+from common import HEADLINE_SPEC, build, gen_kwargs, prompts, twin   # noqa: E402
 
 
 def decode_logits(model, enc, kw) -> torch.Tensor:

@@ -423,8 +423,8 @@ def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec,
     replayed as a CUDA graph. The store equals the CPU ring's bit for bit, every step its own
     records, and the model's outputs are unchanged. The inputs are made up front and garbage is
     collected before each forward, so every forward starts from one caching-allocator state and
-    its tensors come back (``generate``'s decode steps need not: in the twelfth GPU session no
-    decode tensor came back three times in eleven steps)."""
+    its tensors come back (``generate``'s decode steps need not: a decode tensor may never come
+    back three times in a short run)."""
     import gc
     enc = _enc(encoded)
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")
@@ -611,7 +611,7 @@ def test_soak_compiled_generates_of_a_qwen3_8b_shape_on_default_policy_lose_no_r
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
-    from offline import HEADLINE_SPEC, build, gen_kwargs, prompts, twin
+    from common import HEADLINE_SPEC, build, gen_kwargs, prompts, twin
     model = build("qwen3-8b")
     enc, lengths = prompts(32, 16, 192, model.config.vocab_size)
     new, calls = 32, 20

@@ -1,7 +1,7 @@
 """Model directories vLLM can load offline, with real-size shapes and no hub access.
 
-    python perf/vllm_models.py OUT qwen3-8b              # config.json + tokenizer: load with load_format="dummy"
-    python perf/vllm_models.py OUT qwen3-0.6b --weights  # + random bf16 safetensors (HF loads it too)
+    python perf/common/vllm_models.py OUT qwen3-8b              # config.json + tokenizer: load with load_format="dummy"
+    python perf/common/vllm_models.py OUT qwen3-0.6b --weights  # + random bf16 safetensors (HF loads it too)
 
 Shapes: Qwen3-0.6B, Qwen3-8B, Llama-3.1-8B (as in perf/offline.py), and ``tiny`` (CPU smoke runs).
 Without ``--weights`` only the config and a tokenizer are written: vLLM's ``load_format="dummy"``

@@ -1,12 +1,12 @@
-"""perf/pyspy.py's reader of ``py-spy record --format raw`` output (no py-spy needed)."""
+"""perf/common/pyspy.py's reader of ``py-spy record --format raw`` output (no py-spy needed)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
-import pyspy  # noqa: E402
+from common import pyspy  # noqa: E402
 
 SERVER = ('process 1008:"/opt/python3 -m vllm.entrypoints.openai.api_server --port 45639 --compilation-config '
           '{"cudagraph_capture_sizes": [1, 2, 4]}";')

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The wheels the GPU machine lacks (it has torch, transformers, triton and cuda-python; no zarr,
-# jsonschema, xarray, ml_dtypes or py-spy), downloaded here into .whl (git-ignored) for the device calls to
-# carry: perf/gpu_session.sh and perf/gpu_vllm.sh install them with pip --no-index.
-#   bash perf/fetch_wheels.sh          # then run(..., carry=[".whl"])
+# The wheels a GPU machine with torch, transformers, triton and cuda-python may lack (zarr,
+# jsonschema, xarray, ml_dtypes, py-spy), downloaded into .whl (git-ignored) for a machine without
+# a package index: scripts/gpu_session.sh and scripts/gpu_vllm.sh install them with pip --no-index.
+#   bash scripts/fetch_wheels.sh
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p .whl

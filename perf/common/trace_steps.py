@@ -1,7 +1,7 @@
 """Where an engine step's time goes, from torch.profiler traces (Chrome JSON, gzipped or not):
 one trace per configuration (vanilla, dmi-null, dmi-hidden, ...), compared side by side.
 
-    python perf/trace_steps.py DIR [DIR ...]      # each DIR: one configuration's trace files
+    python perf/common/trace_steps.py DIR [DIR ...]      # each DIR: one configuration's trace files
 
 ``perf/online.py --trace N`` writes them (vLLM's profiler, N engine steps of each server,
 ``$OUT/trace-CONFIG``) and prints this comparison. Per configuration, over the traced window:

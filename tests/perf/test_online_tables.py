@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
 import online  # noqa: E402
 
@@ -217,10 +217,10 @@ def test_the_config_table_shows_vllms_compile_time_from_the_server_log(tmp_path)
     assert server.compile_s() == pytest.approx(114.3)
     text = online.config_table([{"config": "dmi-hidden", "startup_s": 188.0, "compile_s": server.compile_s(),
                                  "stop_s": 10.0, "store": {"status": "closed", "steps": 5}},
-                                {"config": "vanilla", "note": "skipped (budget)"}])
+                                {"config": "vanilla", "note": "skipped (time limit)"}])
     rows = [line.split(" | ") for line in text.splitlines()]
     assert rows[0][2] == "vLLM's compile (s)" and rows[2][1:3] == ["188", "114.3"]
-    assert rows[3][1:3] == ["skipped (budget)", ""] and len({len(r) for r in rows}) == 1
+    assert rows[3][1:3] == ["skipped (time limit)", ""] and len({len(r) for r in rows}) == 1
 
 
 def test_a_base_configuration_imports_the_earlier_checkouts_dmi_first(tmp_path):

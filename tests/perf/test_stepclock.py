@@ -1,4 +1,4 @@
-"""perf/stepclock.py: a window's engine steps split into GPU time and the gaps the host left."""
+"""perf/common/stepclock.py: a window's engine steps split into GPU time and the gaps the host left."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "perf"))
 
-import stepclock  # noqa: E402
+from common import stepclock  # noqa: E402
 
 
 def _steps(n, period, forward, gap, t0=100.0, reqs=8, mixed_every=0, g=0.0):
@@ -141,7 +141,7 @@ def test_host_columns_without_dmi_are_blank_and_with_dmi_are_means():
 
 
 def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp_path):
-    """perf/vllm_plugins.py's step clock in a real vLLM engine (CPU build) with dmi capturing: each
+    """perf/common/vllm_plugins.py's step clock in a real vLLM engine (CPU build) with dmi capturing: each
     step's dmi hook times lie inside its host time, and over the run they add up to what the
     session itself recorded in the store. The plugin's busy knob (``DMI_PERF_BUSY_US``, the control
     experiment of perf/online.py's ``vanilla-busy``) adds its host work to exactly the steps with a
@@ -184,7 +184,7 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
 
 def _engine_with_clock(store: str) -> None:
     """The subprocess of the test above: the step clock installed before vLLM loads, then a dmi run."""
-    import vllm_plugins
+    from common import vllm_plugins
     vllm_plugins.register()
     import dmi
     from dmi.adapters.vllm import save_builtin
@@ -210,7 +210,7 @@ def test_sync_watch_counts_the_engine_threads_syncs_by_step_and_place(tmp_path, 
     raised here by hand (a CPU has no sync debug mode); the counting is the plugin's own."""
     import threading
     import warnings
-    import vllm_plugins
+    from common import vllm_plugins
     monkeypatch.setenv("DMI_PERF_SYNCS", "1")
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
     monkeypatch.setattr(warnings, "filters", list(warnings.filters))

@@ -1,12 +1,15 @@
-"""Dynamo's cache lookup (guard evaluation) before each compiled decode step of generate(), vanilla
-against dmi: the host time a patched model adds to every call of its compiled forward.
+"""Question: where does the host time of Dynamo's cache lookup that dmi adds to each compiled decode step go?
 
-    python perf/guardcost.py [--layers 36] [--batch 32] [--new 32]
+The cache lookup (guard evaluation) before each compiled decode step of generate(), vanilla against
+dmi: the host time a patched model adds to every call of its compiled forward. perf/RESULTS.md's
+"Open" section gives the figure: the lookup grows more than the guard check it contains.
+
+    python perf/diagnostics/guardcost.py [--layers 36] [--batch 32] [--new 32]
 
 A Qwen3 of tiny widths (``--layers`` layers: guards follow the model's structure, not its sizes)
-and twins sharing its weights: vanilla, an unpatched A/A twin, one carrying dmi (perf/offline.py's
+and twins sharing its weights: vanilla, an unpatched A/A twin, one carrying dmi (the headline's
 hidden+logits spec) in null mode and capturing, and one carrying dmi with its sites named through
-their handles (``DMI_CONSTANT_SITES=0``, the way before constant sites). Each runs generate() with
+their handles (``DMI_CONSTANT_SITES=0``, where the default names them as constants). Each runs generate() with
 a static cache and its compiled forward (``reduce-overhead`` on a GPU, ``default`` on the CPU),
 twice to compile and record. Then, per row:
 
@@ -36,16 +39,27 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's dmi
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # perf/: common
 
 import dmi   # noqa: E402
 from dmi.siteop import constant_sites   # noqa: E402
-from callcost import tiny_setup   # noqa: E402
-from gpuclock import cache_lookups_us   # noqa: E402
-from offline import twin   # noqa: E402
+from common import cache_lookups_us, hidden_spec, twin   # noqa: E402
 
 KINDS = re.compile(r"\b([A-Z_]*(?:MATCH|GUARD|CHECK|ALIASING|CONTAINS|STATE|DEVICE)[A-Z_]*)\b")
+
+
+def tiny_setup(args):
+    """(config, model, hook spec): a tiny-width Qwen3 of ``--layers`` layers and ``--sites`` of every layer."""
+    import transformers as tf
+    cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    spec = hidden_spec(64 << 20, 64 << 20)
+    spec["capture"] = [{"sites": args.sites.split(",")}]
+    return cfg, model, spec
 
 
 def lookups_us(fn) -> tuple[int, float]:

@@ -1,5 +1,5 @@
 """Where a serving engine step's time goes, without a profiler: GPU time against the gaps the host
-left, from the step clock ``perf/vllm_plugins.py`` records in the engine process
+left, from the step clock ``perf/common/vllm_plugins.py`` records in the engine process
 (``DMI_PERF_STEPCLOCK``; ``perf/online.py --stepclock`` sets it for every server, vanilla too).
 
 Each step has GPU timestamps where its work starts (``g0``, the executor's ``execute_model``),
@@ -29,9 +29,9 @@ work in every server, so a slower probe is a slower host thread, not more work; 
 and its CPU: a fixed number of tiny torch ops launched there too (slower alone: torch or the
 CUDA driver, not the thread).
 
-    python perf/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
-    python perf/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
-    python perf/stepclock.py FILE [FILE ...] --bins                          # the usual sizes, a table each
+    python perf/common/stepclock.py FILE [FILE ...]     # whole files (or each config of one, see keep()), a row each
+    python perf/common/stepclock.py FILE --kind mixed --tokens 41-90 --reqs 41-70   # like steps only
+    python perf/common/stepclock.py FILE [FILE ...] --bins                          # the usual sizes, a table each
 
 A mixed step's time depends on its size (tokens, requests) far more than on anything else, and
 a window's mix of sizes depends on how much it queued: ``--tokens`` and ``--reqs`` keep the steps
@@ -82,7 +82,7 @@ def summarize(rows: list[dict], t0: float = float("-inf"), t1: float = float("in
     ``IDLE_MS`` later (the engine had no request) is left out: one such gap outweighs thousands
     of steps in a mean."""
     rows = sorted(rows, key=lambda r: r["t"])
-    # a probe (perf/vllm_plugins.py) runs before its step's clock starts, so it lengthens the step
+    # a probe (perf/common/vllm_plugins.py) runs before its step's clock starts, so it lengthens the step
     # before it: that pair is left out (the probed step's own pair keeps its probe figures)
     pairs = [(a, b) for a, b in zip(rows, rows[1:])
              if t0 <= a["t"] <= t1 and not a.get("_next") and "probe" not in b]
@@ -126,7 +126,7 @@ def _host(row: dict, key: str) -> float | None:
 
 def keep(rows: list[dict], config: str, path: Path) -> None:
     """Add a configuration's rows (each tagged ``config``) to one gzipped JSON-lines file, replacing
-    that configuration's earlier rows: what a device call brings back for later analysis."""
+    that configuration's earlier rows: a run's steps kept for later analysis."""
     import gzip
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ asked through the environment:
 * ``DMI_PERF_STEPCLOCK=PATH``: the engine process appends one JSON line per engine step to PATH
   (:class:`StepClock`): host time in ``execute_model``, ``sample_tokens`` and the wait for the
   step's sampled tokens, and GPU timestamps (CUDA timing events on the model's stream) where the
-  step's work starts, around the model forward and where sampling ends. ``perf/stepclock.py``
+  step's work starts, around the model forward and where sampling ends. ``perf/common/stepclock.py``
   splits a window's steps into GPU time and the gaps the host left; the same few events in every
   configuration, vanilla too, and no profiler. With ``DMI_PERF_SYNCS=1`` too (and a GPU), torch's
   sync debug mode is on during each ``execute_model``: every synchronizing torch call of the engine's
@@ -31,9 +31,8 @@ asked through the environment:
 * ``DMI_PERF_PROBE=N`` (with ``DMI_PERF_STEPCLOCK``): before every N-th step the engine's thread
   does a fixed amount of host work (:func:`probe`, the same every time, about 0.2 ms on a 2-core CPU machine)
   and the step's row records its wall and CPU ms (``probe``, ``probe_cpu``): how fast this host runs
-  this thread's code at that moment, apart from what the step does. vLLM's own host code ran about
-  a third slower with dmi in the process (RESULTS.md, twenty-third session); if the probe slows as
-  much, the thread itself is slower (a lower clock, colder caches; CPU ms up), or waits (the GIL:
+  this thread's code at that moment, apart from what the step does. When vLLM's own host code runs
+  slower with dmi in the process and the probe slows as much, the thread itself is slower (a lower clock, colder caches; CPU ms up), or waits (the GIL:
   wall up, CPU not), whatever code it runs. A second probe, ``probe_torch`` (:func:`probe_torch`),
   times a fixed number of tiny in-place torch ops (kernel launches on a GPU): slower there alone
   is torch or the CUDA driver, not the thread. Before every ``REPORT_EVERY``-th probe, and at exit,

@@ -1,4 +1,4 @@
-"""perf/trace_steps.py's reading of torch.profiler Chrome traces."""
+"""perf/common/trace_steps.py's reading of torch.profiler Chrome traces."""
 from __future__ import annotations
 
 import gzip
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
-import trace_steps  # noqa: E402
+from common import trace_steps  # noqa: E402
 
 
 def _x(name, cat, ts, dur):

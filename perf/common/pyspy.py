@@ -5,12 +5,12 @@ cProfile cannot answer this: in Python 3.12 it sees every thread at once (sys.mo
 its own overhead lands on exactly the host-bound Python being measured. py-spy samples from
 outside (``--nonblocking``: the target is never paused).
 
-    python perf/pyspy.py summary FILE [--rate 250] [--top 15]
-    python perf/pyspy.py compare BASE FILE [--top 25]      # e.g. vanilla vs dmi, same duration
+    python perf/common/pyspy.py summary FILE [--rate 250] [--top 15]
+    python perf/common/pyspy.py compare BASE FILE [--top 25]      # e.g. vanilla vs dmi, same duration
 
 FILEs are ``py-spy record --format raw --threads --full-filenames`` output (lines
 ``thread (TID): NAME;frame;...;frame COUNT``); :func:`record` starts one. py-spy is carried to the
-GPU machine as a wheel in ``.whl`` (perf/gpu_session.sh installs it); it needs ptrace rights on
+GPU machine as a wheel in ``.whl`` (scripts/gpu_session.sh installs it); it needs ptrace rights on
 the target (root, or the same user with ptrace_scope 0).
 """
 from __future__ import annotations
@@ -84,6 +84,20 @@ def sampled(fn, out: Path, gil: bool = False):
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
+
+
+def sampled_against_vanilla(vanilla, fn, seconds: float, name: str) -> None:
+    """py-spy on this process while ``vanilla()`` runs over and over, then ``fn()``, each ``seconds``
+    long, and the per-thread growth printed (raw files in $OUT or the temp directory)."""
+    import os
+    import tempfile
+    out = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    a, b = out / "pyspy-vanilla.txt", out / f"pyspy-{name}.txt"
+    if sample_while(vanilla, seconds, a) and sample_while(fn, seconds, b):
+        print(compare(a, b), flush=True)
+    else:
+        print("py-spy: no profile (not found: install it, or carry its wheel in .whl, see scripts/fetch_wheels.sh; "
+              "or it failed, above)", flush=True)
 
 
 def load(path: Path) -> dict[str, collections.Counter]:

@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# One device call on the lent GPU machine after vLLM 0.25.1 was staged there (three calls of
-# .vbundle/tools/stage.sh; ../shared/device/vllm/README.md): the GPU vLLM tests, then the online
-# serving benchmark, each with a time limit; full logs go to $OUT, compact tails are printed.
+# vLLM on a CUDA machine: the GPU vLLM tests, then the online serving benchmark, each with a time
+# limit; full logs go to $OUT, compact tails are printed. vLLM comes from a build staged in
+# .vbundle/tools (its env.sh puts it on the paths); the wheels in .whl (scripts/fetch_wheels.sh)
+# are installed beside it.
 #
-#   bash perf/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
-#   bash perf/gpu_vllm.sh tests            tests only
-#   bash perf/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
-#   bash perf/gpu_vllm.sh fusion [ARGS]    perf/fusion.py --engine vllm (<= 300 s), then perf/online.py ARGS when given
-#   bash perf/gpu_vllm.sh side [ARGS]      DMI_SIDE=1 (capture kernels on a side stream): the manual-graph ring test
-#                                          and vLLM's every-site tests of Qwen3 with it (<= $T_TESTS s), then
-#                                          perf/online.py ARGS when given (e.g. --configs vanilla,dmi-hidden,dmi-hidden-side)
-#   bash perf/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table (perf/drain_bench.py --hol), the
-#                                          bandwidth-cap benchmark (perf/budget.py, <= $T_BUDGET s), then
-#                                          perf/online.py ARGS in what is left: one call for what needs no vLLM
-#                                          test and what does
+#   bash scripts/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
+#   bash scripts/gpu_vllm.sh tests            tests only
+#   bash scripts/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
+#   bash scripts/gpu_vllm.sh side [ARGS]      DMI_SIDE=1 (capture kernels on a side stream in every graph): the
+#                                             manual-graph ring test and vLLM's every-site tests of Qwen3 with it
+#                                             (<= $T_TESTS s), then perf/online.py ARGS when given
+#   bash scripts/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table
+#                                             (perf/drain_bench.py --hol), the bandwidth-cap benchmark (perf/budget.py,
+#                                             <= $T_BUDGET s), then perf/online.py ARGS in what is left
 #
-# Carry: [".vbundle/tools", ".whl"]. Environment: OUT, DEADLINE_S (default 585: the call's 600 s
-# less the margin for copying $OUT back), T_TESTS (default 260), TESTS_K (a pytest -k expression: some
-# of the tests), ONLINE_ARGS (for `all`).
+# Environment: OUT, DEADLINE_S (default 585), T_TESTS (default 260), TESTS_K (a pytest -k expression:
+# some of the tests), ONLINE_ARGS (for `all`), BUDGET_ARGS (perf/budget.py's, for `bench`).
 set -u
+cd "$(dirname "$0")/.."
 START=$SECONDS
 OUT=${OUT:-/tmp/dmi-out}
 DEADLINE_S=${DEADLINE_S:-585}
@@ -27,10 +26,10 @@ mkdir -p "$OUT"
 part=${1:-all}; shift || true
 
 if [ ! -f .vbundle/tools/env.sh ]; then
-  echo "no .vbundle/tools/env.sh: carry .vbundle/tools (built here by bash ../shared/device/vllm/build.sh)"; exit 2
+  echo "no .vbundle/tools/env.sh: stage a vLLM build there first"; exit 2
 fi
 source .vbundle/tools/env.sh
-if [ -d .whl ]; then   # zarr, numcodecs, xarray, jsonschema & co: their own folder, away from vLLM's /tmp/site
+if [ -d .whl ]; then   # zarr, numcodecs, xarray, jsonschema & co: their own folder, away from vLLM's
   [ -f /tmp/dmi-whl/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/dmi-whl .whl/*.whl && touch /tmp/dmi-whl/.done; } || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/dmi-whl
@@ -62,7 +61,7 @@ step() {   # step NAME LIMIT CMD...: run with a time limit, log to $OUT/NAME.log
 
 tests() {
   local limit=$1
-  # -v: each test's outcome in the log as it ends (a call cut by its limit still says which passed)
+  # -v: each test's outcome in the log as it ends (a run cut by its limit still says which passed)
   step vllm-tests "$limit" python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py -v -ra -p no:cacheprovider \
     --durations=8 --junitxml "$OUT/vllm-tests.xml" ${TESTS_K:+-k "$TESTS_K"}
   # the outcome lines (the failures' tracebacks were printed by step), not the whole log
@@ -72,18 +71,17 @@ tests() {
 
 online() {
   local limit=$(($1 - 10)); shift     # timeout -k 10: killed by the deadline at the latest
-  local budget=$((limit - 15))
-  step vllm-online "$limit" python3 perf/online.py --budget-s "$budget" --results "$OUT/ONLINE.md" \
+  step vllm-online "$limit" python3 perf/online.py --time-limit-s "$((limit - 15))" --results "$OUT/ONLINE.md" \
     --json "$OUT/online.json" "$@"
-  # a server the deadline's SIGKILL left behind would hold the GPU's memory for the next call on a
-  # warm machine ("[v]": the pattern must not match this shell's own command line)
+  # a server the deadline's SIGKILL left behind would hold the GPU's memory for the next run
+  # ("[v]": the pattern must not match this shell's own command line)
   pkill -9 -f "[v]llm.entrypoints.openai.api_server" || true
   grep -E "^\[" "$OUT/vllm-online.log" | grep -vE "starting \(" | tail -n 30
   [ -f "$OUT/ONLINE.md" ] && cat "$OUT/ONLINE.md"
   for f in /tmp/dmi-online/server-*.log; do    # the servers' own logs, their tails
     [ -f "$f" ] && tail -n 150 "$f" > "$OUT/$(basename "$f")"
   done
-  # --probe: each engine's threads as of its latest report (every 8th probe and exit: perf/vllm_plugins.py), and which cores are hyperthread siblings
+  # --probe: each engine's threads as of its latest report (every 8th probe and exit: perf/common/vllm_plugins.py), and which cores are hyperthread siblings
   for f in /tmp/dmi-online/stepclock-*.jsonl.threads.json; do
     [ -f "$f" ] && echo "$(basename "$f" .jsonl.threads.json): $(cat "$f")"
   done | tee "$OUT/threads.txt"
@@ -107,10 +105,6 @@ case "$part" in
       echo "== vllm-online: skipped, only $l s left"
     fi
     ;;
-  fusion)   # the kernel calls of vLLM's compiled model with and without dmi (perf/fusion.py --engine vllm), then ARGS as online
-    step fusion 300 python3 perf/fusion.py --engine vllm
-    grep -E "^\|" "$OUT/fusion.log" || tail -n 30 "$OUT/fusion.log"
-    [ $# -gt 0 ] && online "$(left)" "$@" ;;
   side)     # DMI_SIDE=1 on the GPU: the ring's manual graph (a compiled forward captured with the chain pass), vLLM's graphs
     step ringside 150 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k manual_cuda_graph -q -ra -p no:cacheprovider
     tail -n 5 "$OUT/ringside.log"
@@ -125,6 +119,6 @@ case "$part" in
     grep -E "^\||^vanilla" "$OUT/budget.log"
     [ $# -gt 0 ] || set -- --model qwen3-8b
     online "$(left)" "$@" ;;
-  *) echo "usage: gpu_vllm.sh [all|tests|online|fusion|side|bench [perf/online.py args]]"; exit 2 ;;
+  *) echo "usage: gpu_vllm.sh [all|tests|online|side|bench [perf/online.py args]]"; exit 2 ;;
 esac
 echo "== total $((SECONDS - START)) s"

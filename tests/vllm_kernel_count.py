@@ -1,0 +1,77 @@
+"""The kernels of vLLM's compiled model with and without dmi, counted from inductor's generated
+code (tests/test_vllm.py pins that a capture adds no kernel). Each engine runs in a process of its
+own with a fresh compile cache and ``TORCH_LOGS=output_code``; this file is that process's entry
+point too (``python tests/vllm_kernel_count.py ENGINE``)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HIDDEN = "resid_post,final_norm"          # the hidden-states spec's sites (with last-token logits)
+KERNEL_CALL = re.compile(r"^\s+((?:cpp_fused|triton_)\w*?)(?:\.run)?\(", re.M)
+
+
+def engine(which: str, sites: str = HIDDEN) -> None:
+    """One engine, vanilla or with dmi capturing ``sites`` (and last-token logits); prints its tokens.
+    ``dmi``: the site op inline; ``dmi-side``: the capture ops chained onto a side stream
+    (``dmi.kernels.side``; on the CPU, where no graph is captured, the chain pass on the whole graph)."""
+    import torch
+    import dmi
+    from dmi.adapters.vllm import save_builtin
+    from vllm import LLM, SamplingParams
+    path = save_builtin("tiny-qwen3")
+    kw = dict(kv_cache_memory_bytes=256 << 20, enforce_eager=False, max_model_len=64,
+              dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompts = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog"]
+    if which == "dmi":
+        os.environ["DMI_SIDE"] = "0"
+    if which == "dmi-side":
+        if torch.cuda.is_available():
+            os.environ["DMI_SIDE"] = "1"
+        else:
+            from vllm.compilation.passes.inductor_pass import CallableInductorPass
+            from dmi.kernels.side import chain_captures
+            kw["compilation_config"] = {"inductor_compile_config": {
+                "post_grad_custom_post_pass": CallableInductorPass(chain_captures, uuid="dmi-fusion-side")}}
+    if which == "vanilla":
+        outs = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    else:
+        spec = {"capture": [{"sites": sites.split(",")}, {"sites": ["logits"], "tokens": "last"}]}
+        with tempfile.TemporaryDirectory() as tmp:
+            run = dmi.load(path, hook_spec=spec, store=Path(tmp) / "v.zarr", backend="vllm", **kw)
+            try:
+                outs = run.llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                run.shutdown()
+    print("TOKENS", [list(o.outputs[0].token_ids) for o in outs], flush=True)
+
+
+def rows(sites: str = HIDDEN, engines: tuple = ("vanilla", "dmi")) -> list[tuple]:
+    """(engine, compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of each
+    engine's compiled code (``engines``: vanilla, dmi, dmi-side)."""
+    out = []
+    for which in engines:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCH_LOGS="output_code", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
+            got = subprocess.run([sys.executable, __file__, which, sites], env=env,
+                                 capture_output=True, text=True, timeout=1200)
+        if got.returncode:
+            raise AssertionError(f"{which} engine failed ({got.returncode}):\n{got.stderr[-3000:]}")
+        code = "\n".join(line.split("[__output_code]", 1)[1][1:] for line in got.stderr.splitlines()
+                         if "[__output_code]" in line)
+        tokens = next(line[7:] for line in got.stdout.splitlines() if line.startswith("TOKENS "))
+        graphs = code.split("Output code:")[1:]
+        out.append((which, len(graphs), len(KERNEL_CALL.findall(code)), code.count("torch.ops.dmi."), tokens,
+                    sum("torch.ops.dmi." in g for g in graphs)))
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's dmi
+    engine(*sys.argv[1:])
