@@ -1,7 +1,7 @@
 """The capture kernel behind ``dmi::capture`` on CUDA, and the end-marker kernel behind ``dmi::step_end``.
 
 One launch per site and step, inside CUDA graphs (eager steps copy with torch ops instead:
-``CudaRing``'s ``_SiteLaunch._eager``). It copies the selected rows of a site tensor into the GPU
+``CudaRing``'s ``SiteLaunch._eager``). It copies the selected rows of a site tensor into the GPU
 payload ring at the step's reserved offset, and its first program writes the site's meta record
 into the host meta ring (mapped pinned memory), ``seq`` last. The drain trusts a step's records
 only after the step's end marker: the end kernel runs after every capture of the step (stream
@@ -100,7 +100,7 @@ _LISTED, _ARANGE = tl.constexpr(ENABLED), tl.constexpr(ENABLED_ARANGE)
 def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq, FENCE: tl.constexpr):
     """Write one meta record, ``seq`` last; with FENCE, a system-scope fence (acq_rel atomic on
     device memory) before it, so everything the step wrote reaches the host first."""
-    base = meta + (seq % meta_records) * 7      # dmi.ring.META_WORDS int64 words per record
+    base = meta + (seq % meta_records) * 7      # dmi.ring.records.META_WORDS int64 words per record
     tl.store(base + 1, step)
     tl.store(base + 2, site_word)
     tl.store(base + 3, offset)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dmi            # noqa: E402
-import dmi.run        # noqa: E402
+import dmi.run.steps  # noqa: E402
 import pyspy         # noqa: E402
 from gpuclock import CpuClock, Stopwatch   # noqa: E402
 from offline import GiB, Skip, build, gen_kwargs, hidden_spec, prompts, store_dir, timed, twin   # noqa: E402
@@ -58,7 +58,7 @@ class HostClock(Stopwatch):
         self.run = run
         self.saved = run._begin, run.ring.end_step
         self.slow = 0
-        self.saved_st = dmi.run.step_tokens
+        self.saved_st = dmi.run.steps.step_tokens
 
     def __enter__(self):
         begin, end = self.saved
@@ -68,12 +68,12 @@ class HostClock(Stopwatch):
             return self.saved_st(*a, **k)
 
         self.run._begin, self.run.ring.end_step = self.wrap(begin), self.wrap(end)
-        dmi.run.step_tokens = counting_step_tokens
+        dmi.run.steps.step_tokens = counting_step_tokens
         return self
 
     def __exit__(self, *exc):
         self.run._begin, self.run.ring.end_step = self.saved
-        dmi.run.step_tokens = self.saved_st
+        dmi.run.steps.step_tokens = self.saved_st
 
 
 def host_text(hc: HostClock, steps: int) -> str:

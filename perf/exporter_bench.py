@@ -103,12 +103,15 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     """One run: captured GB/s from the first step to the store closed, CPU ms per step of the
     calling thread, the store's bytes over the captured bytes, and the store threads used."""
     import transformers as tf
-    from dmi.exporter import ZarrExporter, _du, default_threads
+    from dmi.store.exporter import ZarrExporter
+    from dmi.store.preflight import disk_usage
+    from dmi.store.chunks import default_threads
     from dmi.plan import build_plan
-    from dmi.ring import META_DTYPE, SiteSlot, StepControl
+    from dmi.ring.records import META_DTYPE
+    from dmi.ring.layout import SiteSlot, StepControl
     from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
     from dmi.tokens import StepTokens
-    from dmi.writer import ProcessExporter
+    from dmi.store.writer import ProcessExporter
 
     cfg = tf.Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, intermediate_size=12288, vocab_size=151936)
@@ -141,7 +144,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     exp.close({})
     wall = time.perf_counter() - t0
     return {"gbs": captured / wall / 1e9, "cpu_ms": (time.thread_time() - c0) / steps * 1e3,
-            "ratio": _du(out) / captured, "threads": threads or default_threads()}
+            "ratio": disk_usage(out) / captured, "threads": threads or default_threads()}
 
 
 def main() -> None:

@@ -181,7 +181,7 @@ def main(argv=None) -> None:
             begin, end = medians_us()
             capped = ""
             if args.cap:       # best_effort under a D2H cap of args.cap x the loop's own capture rate
-                from dmi.ring import TokenBucket
+                from dmi.ring.budget import TokenBucket
                 ring.set_limits("best_effort", None)
                 # (the bucket's clock counts steps: each step refills args.cap x a step's bytes, whatever the host's speed)
                 ring.bucket = TokenBucket(args.cap * last.layout.total, burst=last.layout.total, clock=lambda: run._step)

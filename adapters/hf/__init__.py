@@ -31,12 +31,12 @@ def available_sites(model: torch.nn.Module, arch: Document) -> set[tuple[str, in
         if anchor is None:
             continue
         for layer in (range(n_layers) if site.get("per_layer") else [None]):
-            if _module(model, anchor["module"], layer) is not None:
+            if module_at(model, anchor["module"], layer) is not None:
                 out.add((canonical, layer))
     return out
 
 
-def _module(model: torch.nn.Module, pattern: str, layer: int | None):
+def module_at(model: torch.nn.Module, pattern: str, layer: int | None):
     try:
         return model.get_submodule(pattern.format(i=layer) if layer is not None else pattern)
     except AttributeError:
@@ -73,7 +73,7 @@ def group_sites(model: torch.nn.Module, plan: Plan, arch: Document, handle_of) -
     handles: dict[torch.nn.Module, dict[str, SiteHandle]] = defaultdict(dict)
     for s in plan.sites:
         anchor = s.anchor
-        module = _module(model, anchor["module"], s.layer)
+        module = module_at(model, anchor["module"], s.layer)
         if module is None:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
         handles[module][s.canonical] = handle_of(s.index)
