@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dmi.kernels import capture as K   # noqa: E402
-from dmi.kernels.cudart import DevicePointer
+from dmi.kernels.cudart import DevicePointer   # noqa: E402
 from sitecost import graph_of, site_blocks   # noqa: E402
 
 

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dmi.kernels import capture as K   # noqa: E402
-from dmi.kernels.cudart import DevicePointer
+from dmi.kernels.cudart import DevicePointer   # noqa: E402
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
