@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import triton
 import triton.language as tl
@@ -76,6 +75,7 @@ import triton.language as tl
 from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_KEYS,
                     G_PAD_START, G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS,
                     S_ROWS_START, S_SEQ, S_WORDS, TRACED_WORDS)
+from .. import settings
 
 __all__ = ["capture_kernel", "end_kernel", "launch", "launch_end", "blocks", "word_dtype", "direct_geometry",
            "pdl_possible", "pdl_supported", "DIRECT", "IDENTITY", "END_SITE_WORD",
@@ -296,7 +296,7 @@ def pdl_possible(device_index: int) -> bool:
 def pdl_supported(device_index: int) -> bool:
     """The default launch: programmatic dependent where possible, unless turned off (``DMI_PDL=0``,
     read once per process)."""
-    return os.environ.get("DMI_PDL", "1") != "0" and pdl_possible(device_index)
+    return settings.on("DMI_PDL") and pdl_possible(device_index)
 
 
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,

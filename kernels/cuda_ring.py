@@ -26,13 +26,13 @@ in order, whose copies then go out one ``PACED_PIECE`` at a time.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
 import torch
 
 from . import capture as K
+from .. import settings
 from ..ring.layout import StepControl
 from ..ring.protocol import Ring
 from ..ring.records import META_DTYPE
@@ -97,8 +97,8 @@ class CudaRing(KernelRing):
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
         # copy each step out from the model's thread when the next one begins (module doc)
-        self.copy_at_step = os.environ.get("DMI_COPY_AT_STEP", "0") == "1"
-        self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
+        self.copy_at_step = settings.on("DMI_COPY_AT_STEP")
+        self.drain_piece = int(settings.get("DMI_DRAIN_PIECE_MB")) << 20
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
         self.steps_copied_at_step = 0
@@ -297,7 +297,7 @@ class CudaRingReader(ChildSide, CudaRing):
         # the payload holds live steps)
         self._drain_side(host_bytes, self._payload_ptr + info["check_at"])
         self.copy_at_step = False
-        self.drain_piece = int(os.environ.get("DMI_DRAIN_PIECE_MB", DRAIN_PIECE >> 20)) << 20
+        self.drain_piece = int(settings.get("DMI_DRAIN_PIECE_MB")) << 20
         self._copy_lock = threading.Lock()
         self._closed = False
 

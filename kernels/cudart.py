@@ -4,12 +4,12 @@ pointers Triton and torch accept, and the non-blocking calls made with the GIL h
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 
 import numpy as np
 import torch
 
+from .. import settings
 from ..errors import CaptureError
 
 
@@ -81,7 +81,7 @@ class AsyncCalls:
         self._kinds = {k: getattr(rt.cudaMemcpyKind, f"cudaMemcpy{k}") for k in ("DeviceToHost", "HostToDevice",
                                                                                  "DeviceToDevice")}
         self._fn = None
-        if os.environ.get("DMI_PYDLL", "1") == "0":
+        if not settings.on("DMI_PYDLL"):
             return
         try:
             lib = ctypes.PyDLL("libcuda.so.1")

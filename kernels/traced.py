@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PolicyError
+from .. import settings
 from . import words as K
 
 
@@ -184,8 +185,7 @@ TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced op
 
 def trace_mode(traced: str | None) -> str:
     """``traced``, or ``DMI_TRACED`` where None (unset: ``0``), refused unless one of TRACE_MODES."""
-    import os
-    mode = traced if traced is not None else os.environ.get("DMI_TRACED", "0")
+    mode = traced if traced is not None else (settings.get("DMI_TRACED") or "0")
     if mode not in TRACE_MODES:
         raise PolicyError(f"DMI_TRACED={mode!r} is not one of {', '.join(TRACE_MODES)}",
                           fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled forward) "

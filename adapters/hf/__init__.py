@@ -4,17 +4,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 from collections import defaultdict
 
 import torch
 
+from ... import settings
 from ...errors import AnchorError, DmiError
 from ...kernels import side
 from ...plan import Plan
 from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
-from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, constant_sites_class, parameter_position, patch_module
+from .patch import AnchorNotFound, SITES_ATTR, SourceEdit, constant_sites_class, parameter_position, patch_module
 
 
 def transformers_version() -> str:
@@ -145,11 +145,7 @@ def constant_sites_mode() -> bool:
     """``DMI_CONSTANT_SITES``: ``1`` (unset) gives the patched modules classes whose code names
     their sites when generate() first compiles its forward (``patch.constant_sites_class``); ``0``
     keeps the handles (a baseline for perf/guardcost.py)."""
-    mode = os.environ.get("DMI_CONSTANT_SITES", "1")
-    if mode not in ("0", "1"):
-        raise DmiError(f"DMI_CONSTANT_SITES={mode!r}: unknown. Fix: 1 (the default: sites as constants of generate()'s "
-                       "compiled forward) or 0 (through their handles)")
-    return mode == "1"
+    return settings.get("DMI_CONSTANT_SITES") == "1"
 
 
 def _wrap_step(model: torch.nn.Module, run, patched: list) -> None:

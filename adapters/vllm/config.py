@@ -11,21 +11,12 @@ the hook spec sets ``policy.on_store_error``, a failed store stops capture and t
 """
 from __future__ import annotations
 
-import os
-
-# name: (default, what it does)
-ENVIRONMENT = {
-    "DMI_HOOK_SPEC": (None, "the hook spec's path: set, it enables dmi in every engine vllm serve starts"),
-    "DMI_STORE": (None, "the store's path (else additional_config.dmi.store, else the hook spec's store.path)"),
-    "DMI_OVERWRITE": ("0", "1, true or yes: replace an existing store"),
-    "DMI_ARCH_SPEC": (None, "the architecture spec's path (else found by the model's type)"),
-    "DMI_SHUTDOWN_GRACE_S": ("30", "seconds the engine's shutdown waits for dmi to close the store"),
-}
+from ... import settings
 
 
 def env(name: str) -> str | None:
-    """A declared input's value: the environment's, else its default."""
-    return os.environ.get(name, ENVIRONMENT[name][0])
+    """A declared input's value (:mod:`dmi.settings`)."""
+    return settings.get(name)
 
 
 def read_config(vllm_config) -> dict | None:

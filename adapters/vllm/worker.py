@@ -16,7 +16,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import replace
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import compat
+from ... import settings
 from ...errors import DmiError, PolicyError
 from ...kernels.side import side_mode
 from ...pipeline import build_run, find_arch, plan_run
@@ -316,8 +316,8 @@ def engine_trace_mode(vllm_config) -> str:
     compile (:func:`compat.graph_top`) and none of them can outgrow the ring, else ``0``: a step
     larger than the ring streams through it in parts (``policy.mode: full``), which takes the site
     op's host call at each capture, where a traced scatter would find no place for its rows."""
-    if os.environ.get("DMI_TRACED"):
-        return os.environ["DMI_TRACED"]
+    if settings.get("DMI_TRACED"):
+        return settings.get("DMI_TRACED")
     if compat.graph_top(vllm_config) is None:
         return "0"
     if _largest_step_streams(vllm_config):
@@ -384,8 +384,8 @@ def start(worker) -> Session | None:
     run = build_run(engine, model, plan, arch, store, keep_store=session_rank != 0,
                     checks=(lambda run: _check_graphs(run, vllm_config), lambda run: _check_step_tokens(run, vllm_config, hook)),
                     overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
-                    traced=os.environ.get("DMI_TRACED") or ("range" if above is not None else "0"))
-    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and os.environ.get("DMI_REPLAY_EAGER", "1") != "0":
+                    traced=settings.get("DMI_TRACED") or ("range" if above is not None else "0"))
+    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and settings.on("DMI_REPLAY_EAGER"):
         # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
         # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
         # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
@@ -399,7 +399,7 @@ def start(worker) -> Session | None:
         run.ring.side_streams = bool(getattr(worker, "dmi_side", False)) and run.ring.is_cuda     # (prepare)
         run.ring.side_when = compat.capturing_full_graph if side_mode() == "full" else None
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
-        run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
+        run.ring.range_copy = settings.on("DMI_RANGE_COPY")
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
     # model's forward, not of the patched source: the key must name the graph dmi compiles (its
     # anchors, site indices and run id are baked in), and only that (no store path, no session).

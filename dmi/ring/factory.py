@@ -3,8 +3,7 @@
 """
 from __future__ import annotations
 
-import os
-
+from .. import settings
 from ..errors import PolicyError
 from ..kernels.traced import trace_mode
 from .cpu import CpuRing
@@ -20,7 +19,7 @@ def make_ring(policy, device, *, kind: str | None = None, traced: str | None = N
     ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests).
     ``traced``: where compiled code captures as traced ops (kernel rings: ``KernelRing``'s ``traced``)."""
     traced = trace_mode(traced)          # (checked for every ring: the CPU ring has no traced captures)
-    kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
+    kind = kind or settings.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
     remote, share = getattr(policy, "drain", "thread") == "process", None
     if remote and kind in ("cpu", "cuda"):
         try:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
 
 import numpy as np
 import torch
 
+from .. import settings
 from ..ring.layout import StepLayout
 from ..tokens import StepTokens, step_tokens
 from .layouts import StepLayouts
@@ -46,9 +46,9 @@ class EngineHooks:
         self.drain_windows = 0               # drain windows opened (an engine pacing the drain)
         self._window_at = 0.0
         # graph-replayed steps (stepped(), vLLM's decode steps) open a drain window once launched
-        self.drain_paced = os.environ.get("DMI_DRAIN_PACED", "1") != "0"
+        self.drain_paced = settings.on("DMI_DRAIN_PACED")
         # stepped() begins the next decode step while the GPU runs this one
-        self.step_ahead = os.environ.get("DMI_STEP_AHEAD", "1") != "0"
+        self.step_ahead = settings.on("DMI_STEP_AHEAD")
         self._ahead: _Ahead | None = None
         self._epoch = 0                      # bumped by changes that a step begun ahead did not see
         self.steps_ahead = [0, 0]            # steps begun ahead: taken by their forward, retracted

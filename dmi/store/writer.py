@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import settings
 from ..errors import CaptureError, StoreError
 from ..ring.budget import DropLog
 from ..ring.bytering import ByteRing
@@ -543,7 +544,7 @@ def _load_plugins() -> None:
     (instrumentation that must reach the store writer's process too, e.g. perf/vllm_plugins.py's
     host sink under ``policy.drain: process``)."""
     import importlib
-    for entry in filter(None, os.environ.get("DMI_WRITER_PLUGINS", "").split(",")):
+    for entry in filter(None, (settings.get("DMI_WRITER_PLUGINS") or "").split(",")):
         module, _, fn = entry.strip().partition(":")
         getattr(importlib.import_module(module), fn or "register")()
 
