@@ -2,48 +2,15 @@
 from __future__ import annotations
 
 import os
-import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 from .errors import DmiError, SpecError, StoreError
-from .exporter import check_resumable, check_writable
-from .plan import build_plan, check_memory
+from .pipeline import build_run, find_arch, plan_run
+from .plan import check_memory
 from .run import Run
-from .spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
-
-
-def _resolve_model(model: Any, dtype=None, device=None, **hf_kwargs):
-    """A transformers causal-LM from a model object, a config, a built-in name or a path/hub id."""
-    import torch
-    import transformers as tf
-    from .models import BUILTIN, build_tiny_model, model_arg_problem
-    if isinstance(model, torch.nn.Module):
-        out = model
-    elif isinstance(model, tf.PretrainedConfig):
-        out = tf.AutoModelForCausalLM.from_config(model, dtype=dtype or torch.float32, **hf_kwargs)
-    elif isinstance(model, str) and model in BUILTIN:
-        out = build_tiny_model(model, dtype=dtype, **hf_kwargs)
-    elif isinstance(model, (str, Path)) and (problem := model_arg_problem(model)) is not None:
-        raise DmiError(f"dmi.load: model: {problem[0]}. Fix: {problem[1]}")
-    elif isinstance(model, (str, Path)):
-        try:
-            out = tf.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto", **hf_kwargs)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DmiError(f"dmi.load: model: cannot load {str(model)!r} with from_pretrained: {first}. Fix: pass a "
-                           f"local model directory or a hub id that is reachable (or a built-in: {sorted(BUILTIN)})"
-                           ) from e
-    else:
-        raise DmiError(f"dmi.load: model: cannot load a model from a {type(model).__name__}. Fix: pass a transformers "
-                       f"model, a PretrainedConfig, a built-in name ({sorted(BUILTIN)}), or a path / hub id")
-    if device is not None:
-        out = out.to(device)
-    if not hasattr(out, "config") or not hasattr(out, "get_submodule"):
-        raise DmiError(f"dmi.load: model: {type(out).__name__} is not a transformers model. Fix: pass an "
-                       f"AutoModelForCausalLM model (or a built-in name, a config, a path or hub id)")
-    return out.eval()
+from .spec import load_hook_spec
+from .store.preflight import check_resumable, check_writable
 
 
 def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = None, *, backend: str = "hf",
@@ -67,6 +34,7 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     if backend != "hf":
         raise DmiError(f"backend {backend!r} is not available. Fix: use backend='hf' or backend='vllm'")
     from .adapters import hf
+    from .adapters.hf.engine import HFEngine
     hook = load_hook_spec(hook_spec)
     store = store if store is not None else hook.data.get("store", {}).get("path")
     if store is None:
@@ -79,41 +47,21 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
         check_resumable(store, {"hook_spec": hook.data}, hook.file)
     else:
         check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
-    m = _resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
+    engine = HFEngine()
+    m = engine.resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     hf.check_unpatched(m)
-    arch = load_arch_spec(arch_spec) if arch_spec is not None else find_arch_spec(m.config.model_type)
-    check_arch_matches(arch, getattr(m.config, "model_type", None))
-    _check_version(arch)
+    arch = find_arch(arch_spec, getattr(m.config, "model_type", None))
     itemsize = m.dtype.itemsize if hasattr(getattr(m, "dtype", None), "itemsize") else 4
-    plan = build_plan(arch, hook, m.config, model_dtype_itemsize=itemsize, available=hf.available_sites(m, arch))
+    plan = plan_run(engine, m, arch, hook, m.config, itemsize)
     check_memory(plan, _device_of(m), hook)      # before the ring is allocated
     from .adapters.hf.probe import check_sites
     check_sites(m, plan, arch)                   # spec mistakes at load, not at the first forward
-    run = Run(m, plan, str(store), overwrite=overwrite, resume=resume)
-    try:
-        run._detach = hf.attach(m, plan, arch, run)
-    except BaseException:
-        run.close()
-        if not resume:
-            shutil.rmtree(run.store, ignore_errors=True)   # nothing was captured: leave no store behind
-        raise
-    return run
+    return build_run(engine, m, plan, arch, store, keep_store=resume, overwrite=overwrite, resume=resume)
 
 
 def _device_of(model):
     p = next(iter(model.parameters()), None)
     return p.device if p is not None else None
-
-
-def _check_version(arch) -> None:
-    rng = arch.data.get("hf", {}).get("transformers")
-    if not rng:
-        return
-    from packaging.specifiers import SpecifierSet
-    from .adapters.hf import transformers_version
-    if transformers_version() not in SpecifierSet(rng):
-        warnings.warn(f"{arch.file}: written for transformers {rng}, installed {transformers_version()}; "
-                      f"anchors are checked at load and a missing one is an error", stacklevel=3)
 
 
 def open_store(path: str | Path):

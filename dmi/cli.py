@@ -147,7 +147,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise UsageError("no output store. Fix: pass --out out.zarr (or set store.path in the hook spec)")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UsageError("--max-new-tokens and --batch-size must be >= 1. Fix: pass a positive integer")
-    from .exporter import check_resumable, check_writable, stored_request_ids
+    from .store.preflight import check_resumable, check_writable, stored_request_ids
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other. Fix: pass one of them")
     if args.resume:                              # before spending time on the model
@@ -209,7 +209,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if failed is not None:
         raise RunFailed(f"capture into {run.store} failed after {done} of {len(prompts)} prompt(s): "
                         f"{type(failed).__name__}: {_first_line(failed)}") from failed
-    from .inspect_store import format_summary, summarize
+    from .store.inspect import format_summary, summarize
     stats = run.stats()
     if stats["store_error"]:     # policy.on_store_error drop: the model ran on, the store stopped
         _warn(f"{stats['store_error']}; policy.on_store_error is drop: "
@@ -244,7 +244,7 @@ def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:
 # --- inspect --------------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect_store import format_summary, summarize
+    from .store.inspect import format_summary, summarize
     info = summarize(args.store)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -424,13 +424,13 @@ def _validate_hook(hook, arch, args) -> int:
     rows: dict[str, list] = {}
     for s in plan.sites:
         rows.setdefault(s.group, []).append(s)
-    from .inspect_store import _layers_text
+    from .store.inspect import layers_text
     wg = max(len(g) for g in rows)
     print(f"  {'group':<{wg}}  {'layers':<8}  {'tokens':<10}  {'bytes/row':>9}  {'bytes/token':>11}  outputs")
     per_token = 0
     for g, sites in rows.items():
         s = sites[0]
-        layers = _layers_text([x.layer for x in sites]) if s.layer is not None else "-"
+        layers = layers_text([x.layer for x in sites]) if s.layer is not None else "-"
         row = s.row_bytes(itemsize)
         total = sum(x.row_bytes(itemsize) for x in sites)
         per_token += total

@@ -104,7 +104,7 @@ def over_max_keys(plan, wanted, pad, keys: int, seq: int) -> tuple[list[int], li
     columns per batch row: what :func:`check_max_keys` would refuse at the forward (for a key
     tensor as wide as the step's key columns). ``best_effort`` drops them before the step begins
     (reason ``max_keys``). ``wanted``: (site, sel, rows, bytes, priority) per capture, or a
-    :class:`dmi.ring.StepLayout`. Returns (their indices into the capture list, that list); both
+    :class:`dmi.ring.layout.StepLayout`. Returns (their indices into the capture list, that list); both
     empty, the list not built, where no site can exceed (keys within the plan's smallest max_keys,
     computed once per plan)."""
     if plan is None:

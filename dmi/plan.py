@@ -18,7 +18,7 @@ from .stall import DEFAULT_STALL_TIMEOUT_S
 
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_MAX_KEYS = 256
-RING_ALIGN = 256     # every site's block in the payload ring starts at a multiple of this (dmi.ring.ALIGN)
+RING_ALIGN = 256     # every site's block in the payload ring starts at a multiple of this (dmi.ring.records.ALIGN)
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Plan:
                    for s in (self.sites if sites is None else sites))
 
 
-def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
+def config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
     value = getattr(config, attr, None)
     if value is None and attr == "head_dim":   # configs that derive head_dim
         value = config.hidden_size // config.num_attention_heads
@@ -140,7 +140,7 @@ def _config_dim(config: Any, attr: str, arch: Document, dim: str) -> int:
 _RANGE = re.compile(r"^\s*(-?[0-9]+)\s*-\s*(-?[0-9]+)\s*$")
 
 
-def _layers_of(entry: dict, n_layers: int, doc: Document, path: tuple) -> list[int] | None:
+def layers_of(entry: dict, n_layers: int, doc: Document, path: tuple) -> list[int] | None:
     if "layers" not in entry:
         return None
     out: list[int] = []
@@ -176,7 +176,7 @@ def all_site_names(arch: Document, n_layers: int) -> list[tuple[str, str, int | 
     return out
 
 
-def _match(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[tuple[str, str, int | None]]:
+def match_sites(pattern: str, candidates: list[tuple[str, str, int | None]]) -> list[tuple[str, str, int | None]]:
     # 'resid_post' matches every layer's resid_post; 'layers.*.attn.q' matches by full name
     return [c for c in candidates if fnmatch.fnmatchcase(c[0], pattern) or fnmatch.fnmatchcase(c[1], pattern)]
 
@@ -189,7 +189,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     sites the engine never computes, and why: named alone they are refused with the reason, matched
     by a glob they are left out and listed in ``Plan.unavailable``. ``engine``: the anchors
     (``hf`` or ``vllm``) ``available`` was found by, named when a site's module path matches nothing."""
-    dims = {d: _config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
+    dims = {d: config_dim(config, attr, arch, d) for d, attr in arch.data["dims"].items()}
     n_layers = dims["layer"]
     candidates = all_site_names(arch, n_layers)
     every_site = candidates
@@ -210,11 +210,11 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     chosen_by: dict[str, tuple[int, int]] = {}      # full name -> (entry, pattern) that chose it
     for i, entry in enumerate(spec["capture"]):
         path = ("capture", i)
-        layers = _layers_of(entry, n_layers, hook, path)
+        layers = layers_of(entry, n_layers, hook, path)
         for j, pattern in enumerate(entry["sites"]):
-            matched = _match(pattern, candidates)
-            skipped.update((c[1], unavailable[c[1]]) for c in _match(pattern, left_out))
-            dropped = sorted({c[1] for c in _match(pattern, every_site) if c[1] in absent},
+            matched = match_sites(pattern, candidates)
+            skipped.update((c[1], unavailable[c[1]]) for c in match_sites(pattern, left_out))
+            dropped = sorted({c[1] for c in match_sites(pattern, every_site) if c[1] in absent},
                              key=list(arch.data["sites"]).index)
             if not matched:
                 if _split_layer(pattern)[1] not in unavailable:
@@ -222,7 +222,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 if dropped:
                     _check_site_in_model(dropped[0], arch, hook, path + ("sites", j), n_layers, in_model, engine)
                 where = sorted({c[2] for c in candidates if c[2] is not None and c[1] == _split_layer(pattern)[1]})
-                problem, fix = _no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
+                problem, fix = no_match(pattern, arch, canonical_names, n_layers, where, unavailable)
                 raise hook.error(path + ("sites", j), problem, fix=fix)
             if layers is not None:
                 model_level = sorted({m[1] for m in matched if m[2] is None})
@@ -436,7 +436,7 @@ def _warn_absent(base: str, pattern: str, arch: Document, hook: Document, hook_p
                   f"names (print(model) lists them)", stacklevel=3)
 
 
-def _no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],
+def no_match(pattern: str, arch: Document, canonical: list[str], n_layers: int, where: list[int],
               unavailable: dict[str, str]) -> tuple[str, str]:
     """(problem, fix) for a site pattern that matched nothing."""
     layer, base = _split_layer(pattern)

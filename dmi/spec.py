@@ -19,7 +19,9 @@ from typing import Any
 import jsonschema
 import yaml
 
+from . import settings
 from .errors import SpecError
+
 
 _BYTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?) ?([KMGT]i?B|B)?$")
 _UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -306,7 +308,7 @@ class SpecFile:
 def spec_path_dirs() -> list[Path]:
     """The directories of ``DMI_SPEC_PATH`` (``os.pathsep``-separated), each checked to exist."""
     out = []
-    for part in os.environ.get(SPEC_PATH_ENV, "").split(os.pathsep):
+    for part in (settings.get(SPEC_PATH_ENV) or "").split(os.pathsep):
         if not part.strip():
             continue
         path = Path(part).expanduser()

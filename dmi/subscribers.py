@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import CaptureError, SpecError
-from .exporter import _PHASES, computed_rows, output_views
+from .store.rows import PHASE_NAMES, computed_rows, output_views
 from .plan import Plan
 from .zdtype import BF16
 
@@ -126,4 +126,4 @@ class Subscribers:
                       for name, v in output_views(site.outputs, n, data, self.capture_dtype).items()}
             yield slot.site, Capture(ctrl.step, site.name, names[np.searchsorted(in_step, tokens.request[sel])],
                                      tokens.position[sel].copy(),
-                                     _PHASES[tokens.phase[sel]], values)
+                                     PHASE_NAMES[tokens.phase[sel]], values)

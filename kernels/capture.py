@@ -1,7 +1,7 @@
 """The capture kernel behind ``dmi::capture`` on CUDA, and the end-marker kernel behind ``dmi::step_end``.
 
 One launch per site and step, inside CUDA graphs (eager steps copy with torch ops instead:
-``CudaRing``'s ``_SiteLaunch._eager``). It copies the selected rows of a site tensor into the GPU
+``CudaRing``'s ``SiteLaunch._eager``). It copies the selected rows of a site tensor into the GPU
 payload ring at the step's reserved offset, and its first program writes the site's meta record
 into the host meta ring (mapped pinned memory), ``seq`` last. The drain trusts a step's records
 only after the step's end marker: the end kernel runs after every capture of the step (stream
@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import triton
 import triton.language as tl
@@ -75,6 +74,7 @@ import triton.language as tl
 from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_KEYS,
                     G_PAD_START, G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS,
                     S_ROWS_START, S_SEQ, S_WORDS, TRACED_WORDS)
+from .. import settings
 
 __all__ = ["capture_kernel", "end_kernel", "launch", "launch_end", "blocks", "word_dtype", "direct_geometry",
            "pdl_possible", "pdl_supported", "DIRECT", "IDENTITY", "END_SITE_WORD",
@@ -99,7 +99,7 @@ _LISTED, _ARANGE = tl.constexpr(ENABLED), tl.constexpr(ENABLED_ARANGE)
 def _publish(meta, fence, meta_records, seq, step, site_word, offset, nbytes, rows, src_seq, FENCE: tl.constexpr):
     """Write one meta record, ``seq`` last; with FENCE, a system-scope fence (acq_rel atomic on
     device memory) before it, so everything the step wrote reaches the host first."""
-    base = meta + (seq % meta_records) * 7      # dmi.ring.META_WORDS int64 words per record
+    base = meta + (seq % meta_records) * 7      # dmi.ring.records.META_WORDS int64 words per record
     tl.store(base + 1, step)
     tl.store(base + 2, site_word)
     tl.store(base + 3, offset)
@@ -295,7 +295,7 @@ def pdl_possible(device_index: int) -> bool:
 def pdl_supported(device_index: int) -> bool:
     """The default launch: programmatic dependent where possible, unless turned off (``DMI_PDL=0``,
     read once per process)."""
-    return os.environ.get("DMI_PDL", "1") != "0" and pdl_possible(device_index)
+    return settings.on("DMI_PDL") and pdl_possible(device_index)
 
 
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,

@@ -29,11 +29,11 @@ ring forks only while a CUDA graph is being captured and the engine turned it on
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 
-from ..errors import DmiError
+from .. import settings
+
 
 CAPTURE_SOURCES = {"capture": ("x",), "capture_sum": ("x", "y")}     # each op's tensors a capture reads
 
@@ -42,11 +42,7 @@ def side_mode() -> str:
     """``DMI_SIDE``: ``full`` (unset: capture kernels on a side stream in full CUDA graphs, the whole
     forward: vLLM's uniform decode steps, transformers' compiled generate), ``1`` (in every CUDA
     graph, vLLM's piecewise ones too) or ``0`` (on the model's stream)."""
-    mode = os.environ.get("DMI_SIDE", "full")
-    if mode not in ("0", "1", "full"):
-        raise DmiError(f"DMI_SIDE={mode!r}: unknown. Fix: full (the default: capture kernels on a side stream in "
-                       "full CUDA graphs only), 1 (in every CUDA graph) or 0 (on the model's stream)")
-    return mode
+    return settings.get("DMI_SIDE")
 
 
 _PASS: list = []

@@ -16,7 +16,7 @@ disarmed or dropped capture) go to scratch rows past the ring's end (row ``i`` t
 
 The ops never write a record: the end-marker kernel publishes the records of a step's traced
 sites (their row count is the host's reservation: only sites holding every step row are traced,
-see :meth:`dmi.kernels.cuda_ring.KernelRing.traced_site`), before its fence.
+see :meth:`dmi.kernels.kernel_ring.KernelRing.traced_site`), before its fence.
 
 Two ways in: code traced with the ring's :class:`TracedSite` calls :func:`capture` (``DMI_TRACED=1``:
 every compiled forward), or a post-grad compile pass turns the ``dmi::capture`` ops of one compiled
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PolicyError
+from .. import settings
 from . import words as K
 
 
@@ -176,3 +178,16 @@ def rewrite_captures(graph: torch.fx.Graph) -> int:
                 node.replace_all_uses_with(node.args[0])
                 graph.erase_node(node)
     return done
+
+
+TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced ops (DMI_TRACED; KernelRing)
+
+
+def trace_mode(traced: str | None) -> str:
+    """``traced``, or ``DMI_TRACED`` where None (unset: ``0``), refused unless one of TRACE_MODES."""
+    mode = traced if traced is not None else (settings.get("DMI_TRACED") or "0")
+    if mode not in TRACE_MODES:
+        raise PolicyError(f"DMI_TRACED={mode!r} is not one of {', '.join(TRACE_MODES)}",
+                          fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled forward) "
+                              "or range (traced where an engine's compile pass rewrites the op)")
+    return mode

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmi.kernels.cuda_ring import DRAIN_PIECE, PACED_PIECE, CudaRing, _ok, cudart   # noqa: E402
+from dmi.kernels.cuda_ring import DRAIN_PIECE, PACED_PIECE, CudaRing   # noqa: E402
+from dmi.kernels.cudart import check_call as _ok, cudart   # noqa: E402
 from dmi.plan import Output, Plan, Policy, SitePlan, TokenFilter   # noqa: E402
 from dmi.tokens import StepTokens   # noqa: E402
 

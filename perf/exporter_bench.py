@@ -103,12 +103,15 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
           kind: str = "activations") -> dict:
     """One run: captured GB/s from the first step to the store closed, CPU ms per step of the
     calling thread, the store's bytes over the captured bytes, and the store threads used."""
-    from dmi.exporter import ZarrExporter, _du, default_threads
+    from dmi.store.chunks import default_threads
+    from dmi.store.exporter import ZarrExporter
+    from dmi.store.preflight import disk_usage
     from dmi.plan import build_plan
-    from dmi.ring import META_DTYPE, SiteSlot, StepControl
+    from dmi.ring.layout import SiteSlot, StepControl
+    from dmi.ring.records import META_DTYPE
     from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
     from dmi.tokens import StepTokens
-    from dmi.writer import ProcessExporter
+    from dmi.store.writer import ProcessExporter
 
     cfg = config("qwen3-8b")
     store = {"compression": compression, "dtype": dtype}
@@ -140,7 +143,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     exp.close({})
     wall = time.perf_counter() - t0
     return {"gbs": captured / wall / 1e9, "cpu_ms": (time.thread_time() - c0) / steps * 1e3,
-            "ratio": _du(out) / captured, "threads": threads or default_threads()}
+            "ratio": disk_usage(out) / captured, "threads": threads or default_threads()}
 
 
 def main() -> None:

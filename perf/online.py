@@ -548,7 +548,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # two sites instead of 38 (final norm, last-token logits): what capture costs per site against per step
         "dmi-final": dmi("dmi-final", [{"sites": ["final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
                          args.ring_gib),
-        # the same with policy.drain: process (dmi/ringshare.py: the writer's child copies the ring out through
+        # the same with policy.drain: process (dmi/ring/share.py: the writer's child copies the ring out through
         # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
         "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
         # the same, each step copied out as the next begins (kernels/cuda_ring.py: the copy engine)

@@ -297,7 +297,7 @@ def test_a_site_whose_module_never_ran_is_named_at_close(encoded, write_spec, tm
     the step's rows and stores none (all counted as not computed, nothing dropped). The run says so
     at close (a warning, the store's ``sites_never_computed``, ``dmi inspect``), and the other sites
     capture the embeddings' forward as the unpatched model computes it."""
-    from dmi.inspect_store import format_summary, summarize
+    from dmi.store.inspect import format_summary, summarize
     model, ref = model_pair("qwen3", attn="sdpa")
     spec = write_spec("capture:\n  - sites: [embed, resid_post]\n")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]

@@ -28,7 +28,7 @@ def _capture(encoded, store, drain: str, policy: dict):
         with dmi.load(model, hook_spec=spec, store=store) as run:
             outs = [run.model.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
             if drain == "process":      # the child drains: this process's drain thread copied nothing
-                assert run._remote and run.ring.share is not None and run.exporter._proc.poll() is None
+                assert run.threads.remote and run.ring.share is not None and run.exporter._proc.poll() is None
         want = [ref.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
         hidden = ref(**encoded, output_hidden_states=True).hidden_states[-1]    # (after the final norm)
     assert all(torch.equal(a, b) for a, b in zip(outs, want)), "patched model generated different tokens"

@@ -525,8 +525,8 @@ def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path, model):
 def test_store_is_checked_before_the_model_loads(tmp_path, monkeypatch):
     existing = tmp_path / "old.zarr"
     existing.mkdir()
-    import dmi.api
-    monkeypatch.setattr(dmi.api, "_resolve_model", lambda *a, **k: pytest.fail("the model was loaded first"))
+    from dmi.adapters.hf.engine import HFEngine
+    monkeypatch.setattr(HFEngine, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded first"))
     with pytest.raises(StoreError):
         dmi.load("tiny-qwen3", hook_spec=GOOD, store=existing)
 
@@ -634,9 +634,9 @@ def test_model_without_layers_is_not_a_typo(load):
 
 
 def test_a_close_match_never_suggests_the_name_asked_for():
-    from dmi.plan import _no_match
+    from dmi.plan import no_match
     arch = load_arch_spec(QWEN3_SPEC)
-    _, fix = _no_match("resid_post", arch, sorted(arch.data["sites"]), 3, [], {})
+    _, fix = no_match("resid_post", arch, sorted(arch.data["sites"]), 3, [], {})
     assert "'resid_post'" not in fix.split("sites of this family")[0], fix
 
 

@@ -77,9 +77,11 @@ def section_kernel() -> None:
 
     from dmi.gather import gather
     from dmi.kernels import capture as K
-    from dmi.kernels.cuda_ring import KernelRing, _SiteLaunch
+    from dmi.kernels.kernel_ring import KernelRing
+    from dmi.kernels.site_launch import SiteLaunch
     from dmi.plan import Output
-    from dmi.ring import META_DTYPE, Ring
+    from dmi.ring.records import META_DTYPE
+    from dmi.ring.protocol import Ring
 
     rng = np.random.default_rng(0)
     META = 8                                       # a small meta ring: sequence numbers wrap it
@@ -107,7 +109,7 @@ def section_kernel() -> None:
         outs, src_seq = gather(summed, site, torch.from_numpy(rows), step_seq, batch, pad, dtype, keys)
         want = torch.cat([o.contiguous().reshape(-1).view(torch.uint8) for o in outs])
 
-        class R:                                   # the attributes _SiteLaunch reads from a ring
+        class R:                                   # the attributes SiteLaunch reads from a ring
             pass
         r = R()
         r.payload, r.ctrl, r.meta_dev = ring, ctrl, meta_t
@@ -118,7 +120,7 @@ def section_kernel() -> None:
         r._meta_words = None
         r._payload_views, r.payload_as = {}, types.MethodType(KernelRing.payload_as, r)   # eager gathers
         r.copy_rows = types.MethodType(KernelRing.copy_rows, r)          # row ranges: one strided copy
-        launcher = launcher or _SiteLaunch(site, dtype, torch.device("cpu"))
+        launcher = launcher or SiteLaunch(site, dtype, torch.device("cpu"))
 
         class Step:                                # the host's view of the step (eager launches)
             pass
@@ -189,11 +191,11 @@ def section_kernel() -> None:
              addend=torch.randn(B, 96, S, dtype=torch.bfloat16).transpose(1, 2))
     # the same held rows launched eagerly step after step (vLLM's logits in steady decode): their
     # index in x is uploaded once and reused; other rows or another src_seq upload again
-    import dmi.kernels.cuda_ring as cr
-    uploads, upload = [], cr._upload
-    cr._upload = lambda a, device: (uploads.append(len(a)), upload(a, device))[1]
+    import dmi.kernels.site_launch as cr
+    uploads, upload = [], cr.upload
+    cr.upload = lambda a, device: (uploads.append(len(a)), upload(a, device))[1]
     site = _site("logits", ["batch", "seq", "vocab"], ["vocab"], [50])
-    same = _SiteLaunch(site, torch.float32, torch.device("cpu"))
+    same = SiteLaunch(site, torch.float32, torch.device("cpu"))
     rows = rows_of(B, S, 0.8)
     for _ in range(3):
         run_case(torch.randn(B, 2, 50), site, rows.copy(), B, S, torch.float32, launcher=same)
@@ -202,7 +204,7 @@ def section_kernel() -> None:
     run_case(torch.randn(B, 3, 50), site, rows, B, S, torch.float32, launcher=same)
     run_case(torch.randn(B, 3, 50), site, rows[1:], B, S, torch.float32, launcher=same)
     assert len(uploads) == 3, uploads
-    cr._upload = upload
+    cr.upload = upload
     # rows 0 .. n-1 flagged (enabled 2): the kernel takes each row as its index, reads no rows
     # (run_case poisons them before the graph launch); a prefix of the step and all of it
     for k in (5, B * S):
@@ -359,7 +361,8 @@ def section_traced() -> None:
     from conftest import PROMPTS, model_pair
     from dmi.errors import CaptureError
     from dmi.models import tiny_tokenizer
-    from dmi.kernels.cuda_ring import SCRATCH_BYTES, InterpretRing
+    from dmi.kernels.words import SCRATCH_BYTES
+    from dmi.kernels.kernel_ring import InterpretRing
     from dmi.siteop import constant_sites
     torch.set_num_threads(2)
     # the traced scratch rows are allocated only where traced captures may run
@@ -444,7 +447,7 @@ def section_rewrite() -> None:
     from dmi.kernels.traced import rewrite_captures
     from dmi.models import tiny_tokenizer
     from dmi.errors import PolicyError
-    from dmi.kernels.cuda_ring import InterpretRing
+    from dmi.kernels.kernel_ring import InterpretRing
     torch.set_num_threads(2)
     _compile_every_time()         # the pass runs (and counts) in every compile
     try:                          # DMI_TRACED's values are named where one is wrong
@@ -691,7 +694,7 @@ def section_stream() -> None:
                 with torch.no_grad(), dmi.load(model, hook_spec={"capture": capture, "policy": policy},
                                                store=tmp / f"{name}.zarr") as run:
                     if paused:
-                        run.drain_paced, run.drain_interval = False, 100.0
+                        run.drain_paced, run.threads.drain_interval = False, 100.0
                     got["out"] = [run.model.generate(**enc, max_new_tokens=12, do_sample=False) for _ in range(3)]
                 got["stats"] = run.stats()
             except BaseException as e:     # noqa: BLE001
@@ -763,7 +766,7 @@ def section_control() -> None:
 
         # steady steps send their global words through the head slots, round and round (each slot
         # reused once its last step's end marker is in the meta ring) ...
-        from dmi.kernels.cuda_ring import HEAD_SLOTS
+        from dmi.kernels.kernel_ring import HEAD_SLOTS
         first = ring._head_next
         for i in range(2 * HEAD_SLOTS + 3):
             ctrl = step(last.layout)

@@ -9,7 +9,7 @@ import torch
 
 import dmi
 from dmi.models import build_tiny_model, tiny_config
-from dmi.inspect_store import format_summary, summarize
+from dmi.store.inspect import format_summary, summarize
 from dmi.zdtype import BF16
 from conftest import model_pair, patched_modules
 

@@ -25,7 +25,9 @@ from conftest import PROMPTS, model_pair
 from dmi.errors import DmiError, PolicyError, SpecError
 from dmi.models import build_tiny_model, tiny_tokenizer
 from dmi.plan import Policy
-from dmi.ring import CpuRing, TokenBucket, align_up
+from dmi.ring.budget import TokenBucket
+from dmi.ring.records import align_up
+from dmi.ring.cpu import CpuRing
 from dmi.tokens import StepTokens
 from storecheck import assert_stores_equal
 from test_errors import HOOK, POLICY, TOKENS, check

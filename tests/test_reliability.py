@@ -23,9 +23,11 @@ from zarr.codecs import BloscCodec
 
 import dmi
 from dmi.cli import main
-from dmi.exporter import LZ4, TMP_SUFFIX, ArrayFile, ZarrExporter
+from dmi.store.chunks import LZ4, ArrayFile
+from dmi.store.preflight import TMP_SUFFIX
+from dmi.store.exporter import ZarrExporter
 from dmi.zdtype import BF16
-from dmi.inspect_store import writer_alive
+from dmi.store.inspect import writer_alive
 from dmi.models import build_tiny_model
 from storecheck import expected_rows
 
@@ -89,7 +91,8 @@ def _synthetic_steps(exporter_cls, store: Path, compression: str, steps: int = 5
     perf/exporter_bench.py does; returns each site's captured rows as uint16 bits, [rows, hidden]."""
     import transformers as tf
     from dmi.plan import build_plan
-    from dmi.ring import META_DTYPE, SiteSlot, StepControl
+    from dmi.ring.records import META_DTYPE
+    from dmi.ring.layout import SiteSlot, StepControl
     from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
     from dmi.tokens import StepTokens
 
@@ -126,7 +129,7 @@ def _synthetic_steps(exporter_cls, store: Path, compression: str, steps: int = 5
 def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(tmp_path, writer, compression):
     """The write path's store (lz4: bitshuffled blosc-lz4) is a plain Zarr v3 store: xarray and
     dmi.open read back exactly the captured bf16 bits, rows in step order, every chunk whole."""
-    from dmi.writer import ProcessExporter
+    from dmi.store.writer import ProcessExporter
     store = tmp_path / "s.zarr"
     fed = _synthetic_steps(ZarrExporter if writer == "thread" else ProcessExporter, store, compression)
     meta = json.loads((store / "layers/resid_post/resid_post/zarr.json").read_text())
@@ -526,7 +529,7 @@ def test_bytes_per_s_caps_the_write_rate_and_backpressure_reaches_the_model(tmp_
                                                                            monkeypatch):
     """The exporter sleeps to keep store.bytes_per_s; under mode full the model cannot run ahead of
     the store by more than what the buffers between them hold (ring, host staging, open chunks)."""
-    monkeypatch.setattr("dmi.exporter.os.cpu_count", lambda: 1)      # two chunks in flight at most
+    monkeypatch.setattr("dmi.store.chunks.os.cpu_count", lambda: 1)      # two chunks in flight at most
     rate, ring, host = 40 << 10, 16 << 10, 8 << 10
     spec = write_spec(f"""
         capture: [{{sites: [resid_pre, resid_mid, resid_post, mlp.out]}}]
@@ -543,7 +546,7 @@ def test_bytes_per_s_caps_the_write_rate_and_backpressure_reaches_the_model(tmp_
     elapsed = time.monotonic() - t0
     store = tmp_path / "o.zarr"
     chunks = [p.stat().st_size for p in store.rglob("c/*/*/*") if p.is_file()]
-    captured = sum(run.plan.sites[i].row_bytes(4) * n for i, n in enumerate(run.rows_selected))
+    captured = sum(run.plan.sites[i].row_bytes(4) * n for i, n in enumerate(run.layouts.rows_selected))
     buffered = ring + host + (2 + 4) * max(chunks)       # chunks in flight + one open chunk per group
     assert elapsed >= 0.9 * (sum(chunks) - max(chunks)) / rate > 2.0
     assert t_generate >= 0.9 * (captured - buffered) / rate > 1.0

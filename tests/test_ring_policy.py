@@ -6,7 +6,11 @@ import pytest
 import torch
 
 import dmi
-from dmi.ring import ByteRing, CpuRing, StepLayout, TokenBucket, _LaidOutSlots, align_up
+from dmi.ring.bytering import ByteRing
+from dmi.ring.cpu import CpuRing
+from dmi.ring.layout import StepLayout, LaidOutSlots
+from dmi.ring.budget import TokenBucket
+from dmi.ring.records import align_up
 from conftest import model_pair
 
 
@@ -39,8 +43,8 @@ def test_a_laid_out_steps_single_slot_equals_the_one_the_drain_builds():
     wanted = [(site, np.sort(rng.choice(40, 8, replace=False)), np.arange(8) + site, 1000 + 37 * site, 0)
               for site in (7, 2, 30, 11)]
     layout = StepLayout(wanted)
-    single = _LaidOutSlots(layout, base=4096, first=50)
-    drained = _LaidOutSlots(layout, base=4096, first=50)._built()
+    single = LaidOutSlots(layout, base=4096, first=50)
+    drained = LaidOutSlots(layout, base=4096, first=50)._built()
     for site in (7, 2, 30, 11):
         a, b = single[site], drained[site]
         assert (a.site, a.offset, a.capacity, a.seq) == (b.site, b.offset, b.capacity, b.seq)
@@ -202,7 +206,7 @@ def _bounded(fn, seconds: float = 240.0):
 def test_steps_larger_than_the_ring_stream_through_it_losslessly(encoded, write_spec, tmp_path, monkeypatch):
     """Under full a step larger than the ring is never refused: it goes through the ring in parts,
     several generate() calls in a row, and the store equals a run whose ring holds every step."""
-    import dmi.ring as ring_mod
+    import dmi.ring.protocol as ring_mod
     parts = []
     monkeypatch.setattr(ring_mod.Ring, "_open_part", lambda self, *a, _f=ring_mod.Ring._open_part: parts.append(1)
                         or _f(self, *a))
@@ -379,7 +383,7 @@ def test_eager_replay_captures_a_tensor_once_it_came_back_and_keeps_the_graphs_o
 
     import torch
 
-    from dmi.kernels import cuda_ring as C
+    from dmi.kernels import kernel_ring as C
     monkeypatch.setattr(C, "SEEN_TO_CAPTURE", 3)
     monkeypatch.setattr(C, "CAPTURE_GAP", 8)
     monkeypatch.setattr(C, "SITE_KEYS", 2)

@@ -51,7 +51,7 @@ def test_overwrite_refuses_a_store_another_run_is_writing(tmp_path, encoded, wri
     run.close()
     tree = dmi.open(store)
     assert tree.attrs["dmi_status"] == "closed" and tree.attrs["steps"] == 8
-    assert tree["layers/resid_post"].dataset.sizes["token"] == run.rows_selected[0]
+    assert tree["layers/resid_post"].dataset.sizes["token"] == run.layouts.rows_selected[0]
     # once that run has ended, --overwrite replaces the store
     assert main(["capture", "--spec", str(spec), "--out", str(store), "--overwrite", "-q",
                  "--max-new-tokens", "2"]) == 0
@@ -90,7 +90,7 @@ def test_store_removed_mid_run_fails_the_run_and_is_not_recreated(tmp_path, enco
 
 CREATE_AND_HANG = """
 import sys, time
-import dmi.exporter as ex
+import dmi.store.exporter as ex
 orig = ex.ZarrExporter._create_group
 def slow(self, g, compressors):
     orig(self, g, compressors)

@@ -242,8 +242,8 @@ def test_graph_stepped_forwards_open_drain_windows_and_only_they_wake_the_drain(
     """Run.stepped (HF's compiled generate) opens a drain window after each forward it brackets, at
     most one per DRAIN_WINDOW_S, none in null mode. With the drain's timer out of the way, a window
     is what drains the step; a forward inside the spacing leaves its step for the next wake-up."""
-    import dmi.run as run_module
-    run.drain_interval = 3600.0               # the timer never fires during the test ...
+    import dmi.run.steps as run_module
+    run.threads.drain_interval = 3600.0               # the timer never fires during the test ...
     time.sleep(0.3)                           # ... once the drain's first 100 ms wait is over
     forward = run.stepped(run.model.forward, lambda a, k: (k["input_ids"], k["attention_mask"], None, 0))
     inputs = dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])

@@ -1,4 +1,4 @@
-"""Tensor-parallel capture merged into one store (dmi.shards), with two real ranks on CPU.
+"""Tensor-parallel capture merged into one store (dmi.store.shards), with two real ranks on CPU.
 
 Two processes (rank 1 started with ``torch.multiprocessing`` spawn, rank 0 the test process;
 ``torch.distributed`` gloo) run layer 0 of a tiny Qwen3 the way vLLM does under
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmi import shards
+from dmi.store import shards
 from dmi.errors import DmiError
 
 SITES = ["resid_pre", "attn.q", "attn.k", "attn.k_rot", "attn.v", "attn.z", "attn.out", "resid_mid",

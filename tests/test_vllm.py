@@ -31,7 +31,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/se
 import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
-from dmi.inspect_store import format_summary, summarize  # noqa: E402
+from dmi.store.inspect import format_summary, summarize  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -347,7 +347,7 @@ def test_preempted_requests_are_recomputed_but_stored_once(tmp_path):
     host = tree.attrs["vllm"]["host_us_per_step"]     # dmi's own host cost per engine step, by hook
     assert set(host) == {"wall", "cpu"} and all(set(d) == {"batch", "begin", "end"} for d in host.values()), host
     assert all(0 < host["cpu"][k] <= host["wall"][k] * 1.1 + 5 for k in host["cpu"]), host
-    from dmi.inspect_store import format_summary, summarize
+    from dmi.store.inspect import format_summary, summarize
     line = next(x for x in format_summary(summarize(tmp_path / "v.zarr")).splitlines() if x.startswith("vllm "))
     assert f"{tree.attrs['vllm']['recomputed_rows_skipped']} recomputed rows skipped" in line
     assert f"begin {host['wall']['begin']:g} ({host['cpu']['begin']:g} CPU)" in line, line

@@ -496,10 +496,10 @@ def test_a_fresh_layout_equals_the_per_site_path(tmp_path, seed):
     control words, including steps where a filter selects nothing and held rows are missing."""
     from dataclasses import replace
 
-    from dmi.kernels.cuda_ring import InterpretRing
+    from dmi.kernels.kernel_ring import InterpretRing
     from dmi.models import build_tiny_model
     from dmi.plan import build_plan
-    from dmi.ring import StepControl, StepLayout
+    from dmi.ring.layout import StepControl, StepLayout
     from dmi.run import Run
     from dmi.spec import find_arch_spec, load_hook_spec
 
@@ -530,8 +530,8 @@ def test_a_fresh_layout_equals_the_per_site_path(tmp_path, seed):
             st, keep, held = sb.build(batch(ids, sched, computed, prompt), int(sched.sum()) + k % 3, lambda r: ALL,
                                       len(plan.sites))
             assert keep is None
-            fresh = run._layout_of(st, held)
-            wanted, counts = run._wanted(st, None, held)
+            fresh = run.layouts.layout_of(st, held)
+            wanted, counts = run.layouts.wanted(st, None, held)
             assert len(fresh.wanted) == len(wanted)
             for a, b in zip(fresh.wanted, wanted):
                 assert (a[0], a[3], a[4]) == (b[0], b[3], b[4])
@@ -567,7 +567,7 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     from dmi.adapters.vllm import compat
     from dmi.adapters.vllm.worker import Session
     seen = []
-    from dmi.kernels.cuda_ring import KernelRing
+    from dmi.kernels.kernel_ring import KernelRing
     ring = types.SimpleNamespace(null=False, graph_mode=False, geometry=(1, 37), is_cuda=False, end_warm=False,
                                  device_end=lambda: seen.append("end kernel"))   # a kernel ring after a step
     ring.launching_without_step = types.MethodType(KernelRing.launching_without_step, ring)
@@ -707,8 +707,8 @@ def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
 def test_inspect_vllm_line_reports_step_kinds_captures_outside_graphs_and_thread_cpu():
     """`dmi inspect`'s vllm line: what the store's vllm attribute says about where a step's host time
     went (a CUDA ring's captures outside graphs by kind; kinds that never ran are left out)."""
-    from dmi.inspect_store import _vllm_line
-    line = _vllm_line({"steps": 10, "steps_repeated": 7, "host_us_per_step": {"wall": {"begin": 200.0}, "cpu": {"begin": 190.0}},
+    from dmi.store.inspect import vllm_line
+    line = vllm_line({"steps": 10, "steps_repeated": 7, "host_us_per_step": {"wall": {"begin": 200.0}, "cpu": {"begin": 190.0}},
                        "begin_us_by_step_kind": {"repeat": 96.2, "other": 574.3},
                        "eager_captures": {"eager": {"count": 40, "us": 48.5}, "replay": {"count": 9, "us": 6.1},
                                           "capture": {"count": 0, "us": 0.0}},

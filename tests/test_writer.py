@@ -154,7 +154,7 @@ def test_the_store_threads_yield_their_cores_to_the_model(tmp_path, encoded, wri
     """store.threads sets the exporter's pool; its threads (the writer process: all of it) run at
     lowered CPU priority, the model's thread keeps its own, and the store still holds every row."""
     import threading
-    from dmi.exporter import STORE_NICE
+    from dmi.store.chunks import STORE_NICE
     spec = SPEC | {"store": SPEC["store"] | {"writer": writer, "threads": 2}}
     mine = _nice(threading.get_native_id())
     with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr") as run:
@@ -195,7 +195,7 @@ def test_best_effort_survives_the_writer_process_dying(tmp_path, encoded):
             if kill:
                 committed = run.stats()["committed_step"]
                 deadline = time.monotonic() + 30
-                while run._exported < run.ring.stats.steps and time.monotonic() < deadline:
+                while run.threads.exported < run.ring.stats.steps and time.monotonic() < deadline:
                     time.sleep(0.01)                      # steps 4-8 handed to the (stopped) writer
                 os.kill(run.exporter._proc.pid, signal.SIGKILL)
                 run.exporter._proc.wait()
@@ -211,7 +211,7 @@ def test_best_effort_survives_the_writer_process_dying(tmp_path, encoded):
     assert a["dmi_status"] == "closed" and a["writer_failover"]["exit_code"] == -signal.SIGKILL
     lost = a["writer_failover"]["steps_lost"]
     assert committed_before == a["writer_failover"]["committed_step"] == 3 and lost == 5
-    from dmi.inspect_store import format_summary, summarize
+    from dmi.store.inspect import format_summary, summarize
     text = format_summary(summarize(tmp_path / "process.zarr"))
     assert "failover  the writer process exited (code -9) after committing step 3" in text, text
     assert got["drops_by_reason"] == {"writer": a["writer_failover"]["captures_lost"]} and want["dropped_captures"] == 0

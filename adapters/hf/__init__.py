@@ -4,17 +4,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 from collections import defaultdict
 
 import torch
 
+from ... import settings
 from ...errors import AnchorError, DmiError
 from ...kernels import side
 from ...plan import Plan
 from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
-from .patch import SITES_ATTR, AnchorNotFound, SourceEdit, constant_sites_class, parameter_position, patch_module
+from .patch import AnchorNotFound, SITES_ATTR, SourceEdit, constant_sites_class, parameter_position, patch_module
 
 
 def transformers_version() -> str:
@@ -31,12 +31,12 @@ def available_sites(model: torch.nn.Module, arch: Document) -> set[tuple[str, in
         if anchor is None:
             continue
         for layer in (range(n_layers) if site.get("per_layer") else [None]):
-            if _module(model, anchor["module"], layer) is not None:
+            if module_at(model, anchor["module"], layer) is not None:
                 out.add((canonical, layer))
     return out
 
 
-def _module(model: torch.nn.Module, pattern: str, layer: int | None):
+def module_at(model: torch.nn.Module, pattern: str, layer: int | None):
     try:
         return model.get_submodule(pattern.format(i=layer) if layer is not None else pattern)
     except AttributeError:
@@ -73,7 +73,7 @@ def group_sites(model: torch.nn.Module, plan: Plan, arch: Document, handle_of) -
     handles: dict[torch.nn.Module, dict[str, SiteHandle]] = defaultdict(dict)
     for s in plan.sites:
         anchor = s.anchor
-        module = _module(model, anchor["module"], s.layer)
+        module = module_at(model, anchor["module"], s.layer)
         if module is None:
             raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
         handles[module][s.canonical] = handle_of(s.index)
@@ -145,11 +145,7 @@ def constant_sites_mode() -> bool:
     """``DMI_CONSTANT_SITES``: ``1`` (unset) gives the patched modules classes whose code names
     their sites when generate() first compiles its forward (``patch.constant_sites_class``); ``0``
     keeps the handles (a baseline for perf/diagnostics/guardcost.py)."""
-    mode = os.environ.get("DMI_CONSTANT_SITES", "1")
-    if mode not in ("0", "1"):
-        raise DmiError(f"DMI_CONSTANT_SITES={mode!r}: unknown. Fix: 1 (the default: sites as constants of generate()'s "
-                       "compiled forward) or 0 (through their handles)")
-    return mode == "1"
+    return settings.get("DMI_CONSTANT_SITES") == "1"
 
 
 def _wrap_step(model: torch.nn.Module, run, patched: list) -> None:

@@ -63,7 +63,7 @@ def _dmi_site(module, canonical: str, x):
     return x if handle is None else site(handle, x)
 
 
-def _dmi_compute(module, canonical: str, fn: str, **kwargs):
+def compute_derived(module, canonical: str, fn: str, **kwargs):
     handle = getattr(module, SITES_ATTR, {}).get(canonical)
     if handle is not None:
         site(handle, DERIVED[fn](**kwargs))
@@ -180,7 +180,7 @@ def _rewrite(cls: type, edits: tuple[SourceEdit, ...], at: dict[str, tuple[int, 
         body.insert(index + 1, new)
     module_globals = raw.__globals__
     module_globals.setdefault("__dmi_site__", _dmi_site)
-    module_globals.setdefault("__dmi_compute__", _dmi_compute)
+    module_globals.setdefault("__dmi_compute__", compute_derived)
     module_globals.setdefault("__dmi_site_at__", site_at)
     module_globals.setdefault("__dmi_compute_at__", _dmi_compute_at)
     code = compile(ast.Module(body=[fn_node], type_ignores=[]), inspect.getsourcefile(raw) or "<dmi>", "exec")

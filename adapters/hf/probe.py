@@ -27,13 +27,12 @@ import warnings
 
 import torch
 
-from ...errors import SpecError
 from ...plan import Plan, SitePlan
 from ...siteop import SiteHandle, register_run, unregister_run
 from ...spec import Document, format_path
-from . import _module, group_sites, patch_sites
+from . import group_sites, module_at, patch_sites
 from .derived import DERIVED
-from .patch import SITES_ATTR, _dmi_compute
+from .patch import SITES_ATTR, compute_derived
 
 PROBE_BATCH, PROBE_SEQ = 2, 5      # sizes unlike any head count or width: a swapped axis shows
 
@@ -99,7 +98,7 @@ def check_args(model: torch.nn.Module, plan: Plan, arch: Document) -> None:
         args = dict(anchor.get("args") or {})
         _check_signature(arch, path, anchor["compute"], args)
         modules = [(s.layer, anchor["module"].format(i=s.layer) if s.layer is not None else anchor["module"],
-                    _module(model, anchor["module"], s.layer)) for s in sites]
+                    module_at(model, anchor["module"], s.layer)) for s in sites]
         modules = [m for m in modules if m[2] is not None]
         if not modules:
             continue
@@ -230,7 +229,7 @@ def _forward_failed(e: Exception, model, plan: Plan, arch: Document) -> None:
     names = {id(m): n for n, m in model.named_modules()}
     sites, module = None, None
     for frame in reversed(frames):
-        if frame.f_code is _dmi_compute.__code__:
+        if frame.f_code is compute_derived.__code__:
             sites, module = [frame.f_locals.get("canonical")], frame.f_locals.get("module")
             break
     if sites is None and raising is not None:
@@ -313,7 +312,7 @@ def _check_shapes(model, plan: Plan, arch: Document, seen: dict) -> None:
     s, got = bad[0]
     layout = list(s.anchor["layout"])
     path = s.anchor["module"].format(i=s.layer) if s.layer is not None else s.anchor["module"]
-    module = _module(model, s.anchor["module"], s.layer)
+    module = module_at(model, s.anchor["module"], s.layer)
     on = f"layer {s.layer}, " if s.layer is not None else ""
     more = f" (and site(s) {', '.join(b[0].canonical for b in bad[1:])})" if len(bad) > 1 else ""
     if isinstance(got, str):

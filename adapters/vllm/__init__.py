@@ -86,7 +86,7 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
          **llm_kwargs) -> VllmRun:
     """Start a ``vllm.LLM`` with dmi's capture on. ``model``: a path, a hub id or a built-in tiny
     model name (saved to a temporary directory first). Keywords go to ``vllm.LLM``."""
-    from ...exporter import check_writable
+    from ...store.preflight import check_writable
     from ...spec import load_hook_spec
     from . import compat, plugin
     from .worker import SESSIONS
@@ -114,14 +114,14 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
 
 
 def check_parallel_kwargs(llm_kwargs: dict) -> int:
-    """Refuse, before the engine starts, a parallel layout dmi cannot merge (``dmi.shards.check_parallel``:
+    """Refuse, before the engine starts, a parallel layout dmi cannot merge (``dmi.store.shards.check_parallel``:
     pipeline / data / decode-context / expert parallelism, sequence parallelism) and, on vLLM's CPU
     backend, a tensor parallel engine vLLM cannot bind (fewer NUMA nodes than ranks and no
     ``VLLM_CPU_OMP_THREADS_BIND``). Returns the tensor parallel size. The workers check the engine's
     resolved config again (``worker.start``)."""
     from types import SimpleNamespace
 
-    from ... import shards
+    from ...store import shards
     from . import compat
     bad = {k: llm_kwargs[k] for k in compat.PARALLEL_KEYS if k in llm_kwargs and k != "enable_expert_parallel"
            and not (isinstance(llm_kwargs[k], int) and not isinstance(llm_kwargs[k], bool) and llm_kwargs[k] >= 1)}

@@ -471,7 +471,7 @@ def grace_engine_shutdown(enabled, seconds: float) -> None:
     when_imported(PROCS_MODULE, patch)
 
 
-# --- tensor parallelism (dmi.shards merges the ranks' captures into one store) ---------------------
+# --- tensor parallelism (dmi.store.shards merges the ranks' captures into one store) ---------------------
 PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                  "decode_context_parallel_size", "enable_expert_parallel")
 

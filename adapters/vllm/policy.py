@@ -33,6 +33,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from .config import read_config
+
+
 KEYS = ("capture", "sites", "max_rows", "return")
 
 
@@ -67,7 +70,7 @@ class Want:
 
 def on_request_names(plan) -> set[str]:
     """Full names of planned sites whose capture entry says ``on_request: true``."""
-    from ...plan import _layers_of, _match
+    from ...plan import layers_of, match_sites
     from ...spec import Document
     doc = Document(plan.hook_spec, plan.hook_file or "<hook spec>")
     cands = [(s.name, s.canonical, s.layer) for s in plan.sites]
@@ -75,9 +78,9 @@ def on_request_names(plan) -> set[str]:
     for i, entry in enumerate(plan.hook_spec.get("capture", [])):
         if not entry.get("on_request"):
             continue
-        layers = _layers_of(entry, plan.layers, doc, ("capture", i))
+        layers = layers_of(entry, plan.layers, doc, ("capture", i))
         for pattern in entry["sites"]:
-            out |= {full for full, _, layer in _match(pattern, cands)
+            out |= {full for full, _, layer in match_sites(pattern, cands)
                     if layer is None or layers is None or layer in layers}
     return out
 
@@ -236,7 +239,6 @@ class RequestGate:
 def make_validator(vllm_config):
     """The API-server-side check: ``validate(sampling_params)`` raising :class:`RequestRefused`
     (a ValueError: vLLM answers HTTP 400), or None when dmi is not enabled for this engine."""
-    from .plugin import read_config
     cfg = read_config(vllm_config)
     if cfg is None:
         return None

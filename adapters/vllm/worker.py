@@ -16,8 +16,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from dataclasses import replace
@@ -25,17 +23,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ... import shards
-from ...errors import DmiError, PolicyError
-from ...plan import build_plan
-from ...kernels.side import side_mode
-from ...run import Run
-from ...spec import check_arch_matches, find_arch_spec, load_arch_spec, load_hook_spec
 from . import compat
-from .patch import attach, available_sites, layer_anchor, module_path, resolve
-from .pattern import SESSIONS_BY_RUN, KeyStore
+from ... import settings
+from ...errors import DmiError, PolicyError
+from ...kernels.side import side_mode
+from ...pipeline import build_run, find_arch, plan_run
+from ...plan import build_plan
+from ...run import Run
+from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
+from ...store import shards
+from .config import read_config
+from .engine import VllmEngine
+from .patch import layer_anchor, module_path, resolve
+from .pattern import KeyStore, SESSIONS_BY_RUN
 from .policy import RequestGate, ServePolicy
 from .steps import StepBuilder
+
 
 log = logging.getLogger("dmi.vllm")
 
@@ -269,7 +272,7 @@ def _run_stats(run) -> dict:
     """The drain's and exporter's CPU time (threads that share the engine's GIL) and, on a kernel
     ring, the captures outside CUDA graphs by how they ran (the eager path, a graph replay, a
     launch + graph capture): how many and their mean host time."""
-    out = {"thread_cpu_s": {k: round(v, 3) for k, v in run.thread_cpu_s.items()}, "drain_windows": run.drain_windows}
+    out = {"thread_cpu_s": {k: round(v, 3) for k, v in run.threads.thread_cpu_s.items()}, "drain_windows": run.drain_windows}
     ring = run.ring
     if getattr(ring, "eager_time", None) is not None:
         out["eager_captures"] = {how: {"count": n, "us": round(t * 1e6 / max(n, 1), 1)} for how, (n, t) in ring.eager_time.items()}
@@ -295,7 +298,6 @@ def prepare(worker) -> None:
       uniform decode steps; the pieces of piecewise graphs keep them inline, where forks and joins
       cost more host time than they save (``1``: in every graph; perf/online.py's
       ``dmi-hidden-side`` against ``dmi-hidden``). ``worker.dmi_side``: whether the pass chains them."""
-    from .plugin import read_config
     from ...kernels import side, traced
     vllm_config = worker.vllm_config
     worker.dmi_traced_above, worker.dmi_side = None, False
@@ -314,8 +316,8 @@ def engine_trace_mode(vllm_config) -> str:
     compile (:func:`compat.graph_top`) and none of them can outgrow the ring, else ``0``: a step
     larger than the ring streams through it in parts (``policy.mode: full``), which takes the site
     op's host call at each capture, where a traced scatter would find no place for its rows."""
-    if os.environ.get("DMI_TRACED"):
-        return os.environ["DMI_TRACED"]
+    if settings.get("DMI_TRACED"):
+        return settings.get("DMI_TRACED")
     if compat.graph_top(vllm_config) is None:
         return "0"
     if _largest_step_streams(vllm_config):
@@ -329,7 +331,6 @@ def _largest_step_streams(vllm_config) -> bool:
     """Under ``policy.mode: full``, whether a step of ``max_num_batched_tokens`` tokens, every site
     selecting every token (an upper bound), needs more than ``policy.ring_bytes``. False where the
     hook spec does not resolve here (:func:`start` then says why)."""
-    from .plugin import read_config
     try:
         cfg = read_config(vllm_config)
         hook = load_hook_spec(cfg["hook_spec"])
@@ -346,29 +347,19 @@ def _largest_step_streams(vllm_config) -> bool:
 
 def start(worker) -> Session | None:
     """``Worker.load_model`` hook: start a session when the engine config asks for one."""
-    from .plugin import read_config
-    vllm_config, runner, model = compat.worker_parts(worker)
+    engine = VllmEngine()
+    vllm_config, runner, model = engine.resolve_model(worker)
     cfg = read_config(vllm_config)
     if cfg is None:
         return None
     world = _check_engine(vllm_config)
-    warning = compat.check_version()
-    if warning:
-        log.warning(warning)
     hook = load_hook_spec(cfg["hook_spec"])
     hf_config = vllm_config.model_config.hf_config
-    arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf_config.model_type)
-    if "vllm" not in arch.data:
-        raise DmiError(f"{arch.file}: this architecture spec has no vllm anchors (no top-level `vllm:` section). "
-                       f"Fix: add them (docs/vllm.md), or capture with backend='hf'")
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if getattr(text_config, "model_type", None) not in arch.data["match"]["model_type"]:
-        check_arch_matches(arch, getattr(hf_config, "model_type", None))
+    arch = find_arch(cfg.get("arch_spec") or None, getattr(hf_config, "model_type", None),
+                     also=getattr(text_config, "model_type", None))
     n_layers = text_config.num_hidden_layers
-    available, never = available_sites(model, arch, n_layers)
-    itemsize = _dtype_itemsize(vllm_config)
-    plan = build_plan(arch, hook, text_config, model_dtype_itemsize=itemsize, available=available, unavailable=never,
-                      engine="vllm")
+    plan = plan_run(engine, model, arch, hook, text_config, _dtype_itemsize(vllm_config))
     if cfg.get("serving", True) and "on_store_error" not in (hook.data.get("policy") or {}):
         plan.policy.on_store_error = "drop"     # a server outlives its store: capture stops, serving goes on
     for canonical, why in plan.unavailable.items():
@@ -389,20 +380,12 @@ def start(worker) -> Session | None:
         log.info("dmi: tensor parallel rank %d captures no site", tp.rank)
         return None
     above = getattr(worker, "dmi_traced_above", None)          # (prepare)
-    run = Run(model, plan, str(store), overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
-              traced=os.environ.get("DMI_TRACED") or ("range" if above is not None else "0"))
     session_rank = tp.rank if tp is not None else 0
-    try:
-        _check_graphs(run, vllm_config)
-        _check_step_tokens(run, vllm_config, hook)
-        detach = attach(model, plan, arch, run)
-    except BaseException:
-        run.close()
-        if session_rank == 0:
-            shutil.rmtree(run.store, ignore_errors=True)     # nothing was captured: leave no store behind
-        raise
-    run._detach = detach
-    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and os.environ.get("DMI_REPLAY_EAGER", "1") != "0":
+    run = build_run(engine, model, plan, arch, store, keep_store=session_rank != 0,
+                    checks=(lambda run: _check_graphs(run, vllm_config), lambda run: _check_step_tokens(run, vllm_config, hook)),
+                    overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
+                    traced=settings.get("DMI_TRACED") or ("range" if above is not None else "0"))
+    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and settings.on("DMI_REPLAY_EAGER"):
         # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
         # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
         # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
@@ -416,7 +399,7 @@ def start(worker) -> Session | None:
         run.ring.side_streams = bool(getattr(worker, "dmi_side", False)) and run.ring.is_cuda     # (prepare)
         run.ring.side_when = compat.capturing_full_graph if side_mode() == "full" else None
     if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
-        run.ring.range_copy = os.environ.get("DMI_RANGE_COPY", "1") != "0"
+        run.ring.range_copy = settings.on("DMI_RANGE_COPY")
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
     # model's forward, not of the patched source: the key must name the graph dmi compiles (its
     # anchors, site indices and run id are baked in), and only that (no store path, no session).
@@ -446,7 +429,7 @@ def _dtype_itemsize(vllm_config) -> int:
 
 def _check_engine(vllm_config) -> int:
     """Engine features the adapter does not map yet: refused at load, not mid-run. Returns the tensor
-    parallel size (``dmi.shards.check_parallel`` refuses pipeline / data / expert / sequence parallelism)."""
+    parallel size (``dmi.store.shards.check_parallel`` refuses pipeline / data / expert / sequence parallelism)."""
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise DmiError("dmi: speculative decoding is not supported by the vLLM adapter yet (the logits rows are "
                        "not one per request and draft tokens are not real rows). Fix: run without "
@@ -455,7 +438,7 @@ def _check_engine(vllm_config) -> int:
 
 
 def _tensor_parallel(plan, arch, text_config, model, world: int):
-    """(the plan this rank captures, the :class:`dmi.shards.TPContext` or None). Under tensor
+    """(the plan this rank captures, the :class:`dmi.store.shards.TPContext` or None). Under tensor
     parallelism each rank captures its shard of the split sites (``TPLayout.local_plan``) and the
     replicated sites only on rank 0; the store holds the unsharded ``plan``."""
     if world <= 1:
@@ -491,7 +474,7 @@ def _check_graphs(run, vllm_config) -> None:
     silently capture nothing in replayed steps."""
     if not compat.cuda_graphs_on(vllm_config):
         return
-    from ...ring import CpuRing
+    from ...ring.cpu import CpuRing
     if isinstance(run.ring, CpuRing):
         raise DmiError("dmi: this engine replays CUDA graphs, but the capture ring is the CPU reference ring "
                        "(DMI_RING=cpu), which copies on the host: a replayed step would capture nothing. Fix: "

@@ -81,7 +81,7 @@ def writer_register() -> None:
 
 
 def _host_sink() -> None:
-    from dmi.exporter import ZarrExporter
+    from dmi.store.exporter import ZarrExporter
     if getattr(ZarrExporter.write_step, "__dmi_perf__", False):
         return
 

@@ -467,7 +467,7 @@ def test_summed_capture_in_a_graph_equals_torch_add(dtype):
     """``dmi::capture_sum`` (vLLM's residual stream: two tensors) copies the rows of ``x + y`` from
     inside a CUDA graph, bit for bit as torch adds them, for listed rows and rows 0 .. n-1."""
     from dmi.kernels import capture as K
-    from dmi.kernels.cuda_ring import DevicePointer
+    from dmi.kernels.cudart import DevicePointer
     g = torch.Generator(device=CUDA).manual_seed(0)
     rows, F, meta_records = 48, 4096, 64
     x = torch.randn(rows, F, device=CUDA, generator=g).to(dtype)
@@ -521,7 +521,7 @@ def test_pdl_capture_reads_what_the_kernel_before_it_wrote(summed):
     of it ends, so it must read that kernel's output only after its wait. Each replay of a graph
     rewrites the rows just before capturing them; every replay's record holds that replay's values."""
     from dmi.kernels import capture as K
-    from dmi.kernels.cuda_ring import DevicePointer
+    from dmi.kernels.cudart import DevicePointer
     rows, F, meta_records, replays = 64, 4096, 64, 20
     x = torch.randn(rows, F, device=CUDA).to(torch.bfloat16)
     y = torch.randn(rows, F, device=CUDA).to(torch.bfloat16)
@@ -574,7 +574,7 @@ def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded,
         with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
             outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
             if name == "small":
-                assert type(run.ring).__name__ == "CudaRing" and run._remote and run.ring._calls.holds_gil
+                assert type(run.ring).__name__ == "CudaRing" and run.threads.remote and run.ring._calls.holds_gil
         if name == "small":
             cap = run.ring.bytes.capacity
             assert run.ring.bytes.head > 3 * cap and run.ring.next_seq > 4 * 32      # wrapped, both rings

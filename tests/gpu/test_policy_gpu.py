@@ -1,5 +1,5 @@
 """Policy on the CUDA ring: the D2H cap and per-request opt-in behave as on the CPU ring (the
-bookkeeping is the shared ``dmi.ring.Ring``'s), including the decode fast path that only a device
+bookkeeping is the shared ``dmi.ring.protocol.Ring``'s), including the decode fast path that only a device
 mask takes. Run on a CUDA machine: ``pytest -m gpu tests/gpu``."""
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def _capture_recorder(monkeypatch):
     -> ``MoERunner._forward_impl``): the sites read in there (the router's top-k; the gate where the
     layer routes internally, Qwen3-MoE) are ops no graph pass of dmi sees."""
     from dmi.adapters.vllm.compat import capturing_full_graph
-    from dmi.kernels.cuda_ring import KernelRing
+    from dmi.kernels.kernel_ring import KernelRing
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     events, marked_in_graphs, inside = [], [], [0]
     inner, inner_moe = KernelRing.capture, MoERunner._forward_impl

@@ -29,7 +29,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -38,54 +37,45 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numcodecs
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from .errors import StoreError
-from .inspect_store import writer_alive
-from .plan import Plan, SitePlan, chunk_rows
-from .ring import Drop
-from .tokens import PHASES
-from .zdtype import BF16
+from ..errors import StoreError
+from ..plan import Plan, SitePlan, chunk_rows
+from ..ring.budget import Drop
+from .chunks import ArrayFile, LZ4, default_threads, lower_priority, storage_dtype, unlink_all, write_atomic
+from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, disk_usage, jsonable, reserve,
+                        reserve_path, store_gone, stored_request_ids)
+from .rows import PHASE_NAMES, computed_rows, copy_all, output_views
+
 
 log = logging.getLogger("dmi")
 
+
 COORDS = ("request", "position", "step", "phase")
+
+
 DROP_COLUMNS = {"step": "int64", "site": str, "requests": str, "rows": "int64", "bytes": "int64", "reason": str}
+
+
 DROP_CHUNK = 1024
+
+
 COPY_PARALLEL_BYTES = 4 << 20   # a step with more rows than this is copied into chunks by several threads
+
+
 FREE_BYTES = 512 << 20          # chunk buffers kept for reuse: fresh ones cost a page fault per 4 KiB
-STORE_NICE = 10       # the store's threads' niceness: the model's threads (0) win a contended core
+
+
 TICK_S = 0.25          # the exporter thread looks at failures and the commit clock at least this often
+
+
 COMMIT_S = 1.0         # open chunks are written and steps committed at least this often
-TMP_SUFFIX = ".dmi-tmp"
-STAGE_SUFFIX = ".dmi-new"      # a store being created: built beside its path, then renamed into place
-OLD_SUFFIX = ".dmi-old"        # an overwritten store, renamed away before it is deleted
-RESERVE = ".dmi-reserve"       # .NAME.dmi-reserve beside an open store: space for its final metadata (a full disk)
-RESERVE_BYTES = 1 << 20
-# store.compression lz4: blosc-lz4 over each value's bits regrouped (bitshuffle). On bf16 activations
-# byte shuffle + lz4 encoded 0.7 GB/s a core and saved 6 % of the bytes; bitshuffle encodes 1.6-2.0
-# GB/s and saves 12-14 % (float32-widened bf16: 1.6 -> 1.8 GB/s, 51 -> 56 % saved); decoding is as fast
-LZ4 = {"cname": "lz4", "clevel": 1, "shuffle": "bitshuffle", "blocksize": 0}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4}
-_PHASES = np.asarray(PHASES, dtype=object)
-_VLEN = numcodecs.VLenUTF8()
+
+
 _FIX_IO = ("Fix: free space or restore write permission there (policy.on_store_error: drop keeps the model "
            "running without the store)")
-
-
-def storage_dtype(plan: Plan, capture_dtype: str) -> np.dtype:
-    """Float storage dtype: the capture dtype ('native'), or the hook spec's store.dtype.
-    bfloat16 is stored as itself (the Zarr v3 extension data type, dmi/zdtype.py): two bytes a
-    value, exact, and its rows are a plain copy of the captured bits."""
-    return numpy_dtype(capture_dtype if plan.store_dtype == "native" else plan.store_dtype)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of a Zarr v3 data type name (bfloat16: ml_dtypes')."""
-    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def sink_policy(plan: Plan) -> str:
@@ -93,295 +83,6 @@ def sink_policy(plan: Plan) -> str:
     policy.mode: full raises, the model stops; best_effort drops, the model runs on)."""
     return plan.policy.on_store_error
 
-
-def check_writable(path: str | Path, overwrite: bool) -> Path:
-    """Fail early, naming the path and the fix, if the store cannot be created."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
-    attrs = _root_attrs(path) if path.is_dir() else {}
-    if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
-        # (overwrite too: deleting a store another run is writing loses its data and breaks that run)
-        raise StoreError(f"store {str(path)!r} is being written by process {attrs['dmi_writer']['pid']}"
-                         + (" (overwrite=True / --overwrite does not delete a store another run is writing)"
-                            if overwrite else "") + ". Fix: choose a new path, or wait until that run closes it")
-    if path.exists() and not overwrite:
-        crashed = attrs.get("dmi_status") == "open"
-        raise StoreError(f"store {str(path)!r} already exists" + (" and did not close cleanly" if crashed else "")
-                         + ". Fix: " + ("continue it with resume=True (CLI: --resume), " if crashed else "")
-                         + "pass overwrite=True (CLI: --overwrite), or choose a new path")
-    if path.exists() and any(path.iterdir()) and not (path / "zarr.json").exists():
-        raise StoreError(f"store {str(path)!r} is a directory that is not a Zarr store; overwrite=True would delete "
-                         f"everything in it. Fix: choose a new path, or remove that directory yourself")
-    probe_dir = path.parent if str(path.parent) else Path(".")
-    while not probe_dir.exists() and probe_dir != probe_dir.parent:
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        raise StoreError(f"store {str(path)!r} cannot be created: {str(probe_dir)!r} is a file, not a directory. "
-                         f"Fix: choose a store path whose parent is a directory")
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise StoreError(f"store {str(path)!r} cannot be written: {str(probe_dir)!r} is not writable. "
-                         f"Fix: choose a store path in a writable directory")
-    return path
-
-
-def check_resumable(path: str | Path, attrs: dict | None = None, hook_file: str | None = None) -> dict:
-    """The root ``zarr.json`` of a store that a new run may append to; refuses (naming the file, the
-    key and the fix) a path that is no dmi store, or one whose hook spec / model differ from
-    ``attrs`` (the new run's root attributes; only the keys given are compared)."""
-    path = Path(path)
-    meta_file = path / "zarr.json"
-    if not meta_file.is_file():
-        raise StoreError(f"store {str(path)!r} does not exist (no zarr.json): there is nothing to resume. "
-                         f"Fix: leave out resume (CLI: --resume) to create it")
-    meta = json.loads(meta_file.read_text())
-    stored = meta.get("attributes") or {}
-    if "dmi_format" not in stored:
-        raise StoreError(f"{meta_file}: dmi_format: not a dmi store. Fix: resume a store written by dmi")
-    if "dmi_committed" not in stored:
-        raise StoreError(f"{meta_file}: dmi_committed: the store has no commit marker (written by an older dmi). "
-                         f"Fix: capture into a new store")
-    if stored.get("dmi_status") == "open" and writer_alive(stored.get("dmi_writer")):
-        raise StoreError(f"{meta_file}: dmi_writer: process {stored['dmi_writer']['pid']} is still writing this "
-                         f"store. Fix: resume it once that run has ended, or capture into a new store")
-    for key in ("family", "sites", "model", "hook_spec", "engine"):
-        if attrs is None or key not in attrs:
-            continue
-        a, b = _comparable(key, stored.get(key), attrs[key]), _comparable(key, attrs[key], attrs[key])
-        diff = _first_diff(a, b, key)
-        if diff is not None:
-            where, old, new = diff
-            file = hook_file if key == "hook_spec" and hook_file else str(meta_file)
-            raise StoreError(f"{file}: {where}: this run has {new!r} but the store {str(path)!r} was captured with "
-                             f"{old!r}. Fix: resume with the hook spec and model the store was written with "
-                             f"(`dmi inspect {path}` shows them), or capture into a new store")
-    return meta
-
-
-def _comparable(key: str, value, new):
-    """What must match between a store and a run resuming it (the policy and the sink limits may
-    change); ``new``: the run's value, which says which model fields are known."""
-    value = _jsonable({"v": value})["v"]
-    if key == "hook_spec" and isinstance(value, dict):
-        value = {k: v for k, v in value.items() if k != "policy"}
-        if isinstance(value.get("store"), dict):
-            value["store"] = {k: v for k, v in value["store"].items() if k not in ("path", "max_bytes", "bytes_per_s")}
-    if key == "model" and isinstance(value, dict):
-        value = {k: value.get(k) for k in ("name_or_path", "model_type", "dtype", "class") if k in (new or {})}
-    return value
-
-
-def _first_diff(a, b, where: str):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in list(a) + [k for k in b if k not in a]:
-            d = _first_diff(a.get(k), b.get(k), f"{where}.{k}")
-            if d is not None:
-                return d
-        return None
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = _first_diff(x, y, f"{where}[{i}]")
-            if d is not None:
-                return d
-        return None
-    return None if a == b else (where, a, b)
-
-
-def stored_request_ids(path: str | Path) -> list[str]:
-    """Request ids in the committed rows of a store (a resumed run gives its requests new ones)."""
-    path = Path(path)
-    attrs = _root_attrs(path)
-    rows = (attrs.get("dmi_committed") or {}).get("rows", {})
-    root = zarr.open_group(str(path), mode="r", use_consolidated=False)
-    ids: dict[str, None] = {}
-    for name, n in rows.items():
-        if name != "drops" and n:
-            ids.update(dict.fromkeys(str(v) for v in np.asarray(root[f"{name}/request"][:n]).tolist()))
-    return list(ids)
-
-
-def _root_attrs(path: Path) -> dict:
-    try:
-        return json.loads((Path(path) / "zarr.json").read_text()).get("attributes") or {}
-    except (OSError, ValueError):
-        return {}
-
-
-def create_atomically(path: Path, overwrite: bool, build) -> None:
-    """Create a store at ``path`` as a whole: ``build(stage)`` lays it out in a hidden directory
-    beside it (``.NAME.PID.HOST.dmi-new``, same file system), which is then renamed into place. A
-    process killed while building leaves no half store at ``path`` (an existing one it was to
-    overwrite stays as it was); the staging directories of dead processes are removed by the next
-    creation of the same path. ``check_writable`` must have allowed ``path`` (and ``overwrite``)."""
-    path = Path(path)
-    tag = f"{os.getpid()}.{socket.gethostname()}"
-    stage = path.parent / f".{path.name}.{tag}{STAGE_SUFFIX}"
-    _remove_stale(path)
-    if stage.exists():
-        shutil.rmtree(stage)
-    try:
-        build(stage)
-        if path.exists():             # overwrite: the old store goes aside, the new one takes its name
-            old = path.parent / f".{path.name}.{tag}{OLD_SUFFIX}"
-            os.rename(path, old)
-            os.rename(stage, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(stage, path)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-
-
-def _remove_stale(path: Path) -> None:
-    """Staging (and overwritten) directories beside ``path`` that a dead process on this host left."""
-    prefix = f".{path.name}."
-    try:
-        entries = list(path.parent.iterdir()) if path.parent.is_dir() else []
-    except OSError:
-        return
-    for p in entries:
-        name = p.name
-        if not name.startswith(prefix) or not name.endswith((STAGE_SUFFIX, OLD_SUFFIX)):
-            continue
-        pid, _, host = name[len(prefix):].rsplit(".", 1)[0].partition(".")
-        if pid.isdigit() and host == socket.gethostname() and writer_alive({"pid": int(pid), "host": host}) is False:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _store_gone(path: Path) -> StoreError | None:
-    """The error of a store whose directory was removed (or replaced) while this run wrote it."""
-    if (Path(path) / "zarr.json").is_file():
-        return None
-    return StoreError(f"store {str(path)!r} was removed while this run was writing it (no {str(path)}/zarr.json): "
-                      f"its captures are lost and nothing is written there any more (a half store is not "
-                      f"recreated). Fix: leave the store in place until its run has closed it (another run's "
-                      f"--overwrite is refused while it is open), then capture again into a new store")
-
-
-def reserve_path(path: Path) -> Path:
-    """The file beside an open store that holds space for its final metadata (a hidden sidecar:
-    zarr-python warns about any file inside a group it does not know)."""
-    return Path(path).parent / f".{Path(path).name}{RESERVE}"
-
-
-def _reserve(path: Path) -> None:
-    """Hold ``RESERVE_BYTES`` beside the store for its final metadata: on a full disk ``close``
-    frees them first, so the status, the error and the drops table can still be written."""
-    with open(reserve_path(path), "wb") as f:
-        f.write(bytes(RESERVE_BYTES))
-
-
-# --- chunk files ----------------------------------------------------------------------------------
-
-class ArrayFile:
-    """An array zarr-python created whose chunk files and shape dmi writes itself. A chunk file
-    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``."""
-
-    def __init__(self, store: Path, name: str):
-        self.name, self.dir = name, store / name
-        self.meta = json.loads((self.dir / "zarr.json").read_text())
-        m = self.meta
-        self.chunks = tuple(m["chunk_grid"]["configuration"]["chunk_shape"])
-        enc = m["chunk_key_encoding"]
-        default = enc["name"] == "default"
-        self._sep = enc.get("configuration", {}).get("separator", "/" if default else ".")
-        self._prefix = "c" + self._sep if default else ""
-        first, *rest = m["codecs"]
-        if first["name"] not in ("bytes", "vlen-utf8") or first.get("configuration", {}).get("endian", "little") != "little":
-            raise StoreError(f"{self.dir}/zarr.json: codecs: {first['name']} is not a codec dmi writes")
-        self.vlen = first["name"] == "vlen-utf8"
-        self.codecs = [_numcodec(c, self.dir) for c in rest]
-        self.dtype = np.dtype(object) if self.vlen else numpy_dtype(m["data_type"]).newbyteorder("<")
-        fv = m["fill_value"]
-        floating = self.dtype.kind == "f" or self.dtype == BF16
-        self.fill = float(fv) if isinstance(fv, str) and floating else fv   # "NaN" -> nan
-        self._dirs: set[Path] = set()
-
-    def path(self, chunk: int) -> Path:
-        """The chunk file of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
-        key = self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))
-        return self.dir / key
-
-    def encode(self, block: np.ndarray):
-        data = _VLEN.encode(block.reshape(-1)) if self.vlen else np.ascontiguousarray(block).view(np.uint8).reshape(-1)
-        for codec in self.codecs:
-            data = codec.encode(data)
-        return data
-
-    def write(self, chunk: int, data) -> tuple[Path, Path]:
-        """Write an encoded chunk to a temp file beside its final name: (temp, final)."""
-        path = self.path(chunk)
-        if path.parent not in self._dirs:
-            d = self.dir          # below the array's directory only: a removed store is not recreated
-            for part in path.parent.relative_to(self.dir).parts:
-                d = d / part
-                try:
-                    os.mkdir(d)
-                except FileExistsError:
-                    pass
-            self._dirs.add(path.parent)
-        tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        return tmp, path
-
-    def set_rows(self, n: int) -> None:
-        self.meta["shape"][0] = int(n)
-        _write_atomic(self.dir / "zarr.json", json.dumps(self.meta, indent=2).encode())
-
-
-def default_threads() -> int:
-    """``store.threads`` unset: half the cores, at least 2 and at most 8. With one thread the row
-    copies run on the exporter thread and one thread encodes and writes every chunk, while the
-    exporter thread waits for it (2-core box, Qwen3-8B hidden states: lz4 0.39 -> 0.64 GB/s, none
-    0.59 -> 0.70 with two); the store's threads run at STORE_NICE, so a busy model keeps its core."""
-    return max(2, min(8, (os.cpu_count() or 1) // 2))
-
-
-def lower_priority(nice: int = STORE_NICE, tid: int | None = None) -> None:
-    """Run the calling thread (or thread ``tid`` of this process) at niceness ``nice`` at least
-    (Linux: niceness is per thread, and threads inherit their creator's). Where the system has no
-    such call, or refuses it, the thread keeps its priority."""
-    try:
-        tid = threading.get_native_id() if tid is None else tid
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-    except (AttributeError, OSError):
-        pass
-
-
-def _numcodec(c: dict, where: Path):
-    """The numcodecs object zarr-python's codec of the same configuration encodes with."""
-    cfg = c.get("configuration", {})
-    if c["name"] == "blosc":
-        return numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg.get("blocksize", 0),
-                               shuffle={"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]],
-                               typesize=cfg["typesize"])
-    if c["name"] == "zstd":
-        return numcodecs.Zstd(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
-    raise StoreError(f"{where}/zarr.json: codecs: {c['name']} is not a codec dmi writes")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _unlink(paths) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-
-
-# --- buffers and bookkeeping ----------------------------------------------------------------------
 
 @dataclass(eq=False)
 class GroupBuffer:
@@ -423,44 +124,6 @@ class _Entry:
         self.nc = np.zeros(n_sites, np.int64)        # selected rows the engine did not compute
         self.reqs: dict[str, np.ndarray] = {}        # group -> request index of each row
         self.bytes = np.zeros(n_sites, np.int64)
-
-
-def _view(raw: np.ndarray, dtype: str) -> np.ndarray:
-    return raw.view(np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
-
-
-def computed_rows(tokens, slot, rec) -> np.ndarray:
-    """The step rows a site's record holds: every selected row of ``slot``, or for a tensor the
-    engine holds only in part (vLLM's logits: the step's last ``src_seq`` rows) those it computed."""
-    return slot.sel[tokens.local[slot.sel] >= tokens.seq - int(rec["src_seq"])]
-
-
-def output_views(outputs, n: int, data: np.ndarray, capture_dtype: str) -> dict[str, np.ndarray]:
-    """A record's bytes as each stored output's ``[n, *shape]`` view (bfloat16 as its uint16 bits)."""
-    arrays, offset = {}, 0
-    for o in outputs:
-        src = capture_dtype if o.kind == "float" else o.kind
-        nb = n * o.row_elems * ITEMSIZE[src]
-        arrays[o.name] = _view(data[offset:offset + nb], src).reshape(n, *o.shape)
-        offset += nb
-    return arrays
-
-
-def _copy_all(jobs) -> None:
-    for dst, src in jobs:
-        _copy_rows(dst, src)
-
-
-def _copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
-    if src.dtype == np.uint16:     # bfloat16 bits: the upper half of a float32, so widening is exact
-        if dst.dtype == BF16:
-            np.copyto(dst.view(np.uint16), src)
-        elif dst.dtype == np.float32:
-            np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
-        else:
-            dst[...] = (src.astype(np.uint32) << 16).view(np.float32)
-    else:
-        dst[...] = src
 
 
 class ZarrExporter:
@@ -524,15 +187,15 @@ class ZarrExporter:
             self.root = zarr.open_group(str(self.path), mode="r+", use_consolidated=False)
             for g in self._all:
                 self._open_files(g)
-            _reserve(self.path)
+            reserve(self.path)
         except OSError as e:
             raise StoreError(f"store {str(self.path)!r} cannot be created: {e}. Fix: choose a writable path") from e
-        self.store_bytes = _du(self.path)
+        self.store_bytes = disk_usage(self.path)
 
     def _build(self, stage: Path, attrs: dict) -> None:
         """The new store's layout, in its staging directory (see create_atomically)."""
         self.root = zarr.open_group(str(stage), mode="w", zarr_format=3)
-        self.root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "dmi_writer": _writer()})
+        self.root.attrs.update(jsonable(attrs) | {"dmi_status": "open", "dmi_writer": writer_info()})
         # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
         # near disk speed and shrinks the fill of partial tail chunks
         compressors = {"none": None, "zstd": "auto", "lz4": BloscCodec(**LZ4)}[self.plan.compression]
@@ -585,20 +248,20 @@ class ZarrExporter:
     def _reopen(self, path: Path, attrs: dict) -> None:
         """Resume: append after the committed steps of an existing store (crashed or closed)."""
         self.path = path
-        meta = check_resumable(path, _jsonable(attrs), self.plan.hook_file)
+        meta = check_resumable(path, jsonable(attrs), self.plan.hook_file)
         stored = meta["attributes"]
         mark = stored["dmi_committed"]
         for p in path.rglob(f"*{TMP_SUFFIX}"):      # temp files of a killed writer
-            _unlink([p])
+            unlink_all([p])
         try:
             meta.pop("consolidated_metadata", None)  # stale as soon as anything is appended
-            _write_atomic(path / "zarr.json", json.dumps(meta, indent=2).encode())
+            write_atomic(path / "zarr.json", json.dumps(meta, indent=2).encode())
             self.root = zarr.open_group(str(path), mode="r+", use_consolidated=False)
             resumed = list(stored.get("resumed") or []) + [
                 {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
-            self.root.attrs.update({"dmi_status": "open", "dmi_writer": _writer(), "resumed": resumed})
-            _reserve(path)
+            self.root.attrs.update({"dmi_status": "open", "dmi_writer": writer_info(), "resumed": resumed})
+            reserve(path)
             for g in self._all:
                 self._open_files(g)
                 if g.sites:
@@ -622,7 +285,7 @@ class ZarrExporter:
         self.committed_step = int(mark["step"])
         self.next_step = int(mark["next_step"])
         self.stored_request_ids = stored_request_ids(path)
-        self.store_bytes = _du(path)
+        self.store_bytes = disk_usage(path)
 
     def _restore(self, g: GroupBuffer, n: int) -> None:
         """Truncate a group to its committed rows and reload the rows of its partial last chunk."""
@@ -735,7 +398,7 @@ class ZarrExporter:
         req = tokens.request[sel]
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
         cols = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
-                "phase": _PHASES[tokens.phase[sel]]}
+                "phase": PHASE_NAMES[tokens.phase[sel]]}
         srcs: dict[str, list] = {o.name: [None] * len(g.sites) for o in g.sites[0].outputs}
         for li, arrays in self._records(g, n, got, entry):    # a dropped layer's rows stay NaN / -1
             for name, a in arrays.items():
@@ -788,9 +451,9 @@ class ZarrExporter:
         jobs, self._jobs = self._jobs, []
         if self._copy_pool is not None and self._job_bytes >= COPY_PARALLEL_BYTES and len(jobs) > 1:
             n = min(self._workers, len(jobs))
-            list(self._copy_pool.map(_copy_all, [jobs[k::n] for k in range(n)]))
+            list(self._copy_pool.map(copy_all, [jobs[k::n] for k in range(n)]))
         else:
-            _copy_all(jobs)
+            copy_all(jobs)
         self._job_bytes = 0
         sealed, self._sealed = self._sealed, []
         for g, i, bufs, end in sealed:
@@ -856,10 +519,10 @@ class ZarrExporter:
         except StoreError:
             raise
         except OSError as e:
-            raise (_store_gone(self.path) or
+            raise (store_gone(self.path) or
                    StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")) from e
         finally:
-            _unlink(tmps)
+            unlink_all(tmps)
             if recycle:
                 with self._lock:
                     if self._free_bytes + g.chunk_nbytes <= FREE_BYTES:
@@ -932,7 +595,7 @@ class ZarrExporter:
             return
         self.committed_step = last.step
         try:
-            gone = _store_gone(self.path)
+            gone = store_gone(self.path)
             if gone is not None:
                 raise gone
             for g, n in zip(self._all, last.cum.tolist()):
@@ -944,7 +607,7 @@ class ZarrExporter:
         except (OSError, StoreError) as e:
             with self._lock:
                 if self.error is None:
-                    self.error = e if isinstance(e, StoreError) else (_store_gone(self.path) or StoreError(
+                    self.error = e if isinstance(e, StoreError) else (store_gone(self.path) or StoreError(
                         f"{self.path}: committing step {last.step} failed: {e}. {_FIX_IO}"))
             self._on_failure()
 
@@ -995,7 +658,7 @@ class ZarrExporter:
             else:
                 self._acc["dropped"][d.site] += d.rows
         self._append_drops(new)
-        release = getattr(ring_drops, "release", None)     # (dmi.ring.DropLog: written, so forgotten there)
+        release = getattr(ring_drops, "release", None)     # (dmi.ring.budget.DropLog: written, so forgotten there)
         if release is not None:
             release(self._ring_pos)
 
@@ -1072,17 +735,17 @@ class ZarrExporter:
             self.finish()
         except StoreError:
             clean = False
-        gone = _store_gone(self.path)
+        gone = store_gone(self.path)
         if gone is not None:      # removed under the run: nothing more is written (zarr would recreate a half store)
             self._shutdown(wait=False)
-            _unlink([reserve_path(self.path)])
+            unlink_all([reserve_path(self.path)])
             with self._lock:
                 if self.error is None:
                     self.error = gone
             raise gone
         try:
-            _unlink([reserve_path(self.path)])    # its space is for what follows, should the disk be full
-            attrs = _jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
+            unlink_all([reserve_path(self.path)])    # its space is for what follows, should the disk be full
+            attrs = jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
                                           "store_error": None if self.error is None else str(self.error)}
             if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
                 try:                          # the status and the error first, should the drops table fill the disk
@@ -1118,13 +781,5 @@ class ZarrExporter:
             self._copy_pool.shutdown(wait=wait)
 
 
-def _writer() -> dict:
+def writer_info() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname()}
-
-
-def _du(path: Path) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def _jsonable(d: dict) -> dict:
-    return json.loads(json.dumps(d, default=str))

@@ -1,6 +1,6 @@
 """Summaries of a dmi store: what ``dmi inspect`` (and ``dmi capture``) print, reusable from Python.
 
-    from dmi.inspect_store import summarize, format_summary
+    from dmi.store.inspect import summarize, format_summary
     info = summarize("out.zarr")        # a plain, JSON-serializable dict
     print(format_summary(info))
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StoreError
+from ..errors import StoreError
+
 
 COORD_NAMES = ("request", "position", "step", "phase", "layer", "head")
 MAX_IDS = 5
@@ -27,7 +28,7 @@ MAX_IDS = 5
 def _open_root(path: str | Path):
     import zarr
 
-    from . import zdtype
+    from .. import zdtype
     zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
     p = Path(path)
     if not p.exists():
@@ -68,7 +69,7 @@ def _ordered_unique(values: np.ndarray) -> list[str]:
     return [str(u) for u in uniq[np.argsort(first, kind="stable")]]
 
 
-def _layers_text(layers: list[int]) -> str:
+def layers_text(layers: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     if not layers:
         return "-"
@@ -290,17 +291,17 @@ def format_summary(info: dict) -> str:
         w = max(len(s["group"]) for s in info["sites"])
         lines.append(f"  {'group':<{w}}  {'tokens':>7}  {'layers':<8}  {'bytes':>10}  arrays")
         for s in info["sites"]:
-            layers = _layers_text(s["layers"]) if s["layers"] is not None else "-"
+            layers = layers_text(s["layers"]) if s["layers"] is not None else "-"
             arrays = "; ".join(f"{a['name']} {_shape(a)} {a['dtype']}" for a in s["arrays"])
             lines.append(f"  {s['group']:<{w}}  {s['tokens']:>7}  {layers:<8}  {human_bytes(s['bytes']):>10}  {arrays}")
     if info.get("vllm"):
-        lines.append(_vllm_line(info["vllm"]))
+        lines.append(vllm_line(info["vllm"]))
     if any(a["dtype"] == "bfloat16" for s in info["sites"] for a in s["arrays"]):
         lines.append("readers   bfloat16 arrays: dmi.open reads them; plain zarr-python or xarray after `import dmi.zdtype`")
     return "\n".join(lines)
 
 
-def _vllm_line(v: dict) -> str:
+def vllm_line(v: dict) -> str:
     """What the vLLM engine's scheduling did to capture, and dmi's host time per engine step."""
     text = (f"vllm      {v.get('padded_steps', 0)} graph-padded steps ({v.get('padding_rows_skipped', 0)} padding rows "
             f"never copied), {v.get('recomputed_rows_skipped', 0)} recomputed rows skipped, "

@@ -4,26 +4,26 @@ The exporter's Python work (row bookkeeping, chunk assembly, commits) holds the 
 long as it runs, and on a GPU host the model's thread wants the GIL back every few microseconds
 (every torch call hands it over): measured on an H200, the in-process exporter took 1.8 ms of
 CPU per Qwen3-8B decode step and the step grew from 15 to 25 ms (perf/RESULTS.md). Here the
-:class:`~dmi.exporter.ZarrExporter` runs unchanged in a child process with its own interpreter;
+:class:`~dmi.store.exporter.ZarrExporter` runs unchanged in a child process with its own interpreter;
 the model's process keeps one copy per record into a shared-memory handoff buffer and one small
 message per step.
 
 Parent (:class:`ProcessExporter`, the same interface as the exporter for :class:`dmi.run.Run`):
 each drained step's bytes go into the handoff buffer (a file in ``/dev/shm``, reserved in step
-order as a :class:`~dmi.ring.ByteRing`), then ``("step", ...)`` on a socket; the child answers each
+order as a :class:`~dmi.ring.bytering.ByteRing`), then ``("step", ...)`` on a socket; the child answers each
 step with ``done`` once the exporter copied its rows, which frees the buffer. A reader thread
 takes the answers. Failures keep the exporter's semantics: the child's first ``StoreError`` comes
 back and is raised once by the next call of the exporter thread (``policy.on_store_error: raise``),
 within ``TICK_S``.
 
-The child is ``python -m dmi.writer FD PATH`` (a plain subprocess: no ``multiprocessing`` spawn,
+The child is ``python -m dmi.store.writer FD PATH`` (a plain subprocess: no ``multiprocessing`` spawn,
 which would re-run the user's main module). If the model's process dies (``kill -9``) the child
 reads end-of-file, commits what it holds and exits, leaving the store ``open`` as a crashed
 in-process writer would (resume works the same).
 
 If the child dies (say OOM-killed): under ``policy.on_store_error: raise`` capture stops with a
 ``StoreError`` naming it. Under ``drop`` (best_effort's default) the model keeps serving: a
-:class:`~dmi.exporter.ZarrExporter` in this process resumes the store from its last commit and
+:class:`~dmi.store.exporter.ZarrExporter` in this process resumes the store from its last commit and
 takes over (:meth:`ProcessExporter._failover`). The steps the child had been sent but had not
 committed are lost; each of their captures is recorded in the drops table with reason
 ``writer``, so rows stored + dropped still equal rows selected.
@@ -46,10 +46,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CaptureError, StoreError
-from .exporter import TICK_S, lower_priority, sink_policy
-from .ring import META_DTYPE, ByteRing, DropLog, slot_views
-from .ringshare import map_shared, shared_file
+from .. import settings
+from ..errors import CaptureError, StoreError
+from ..ring.budget import DropLog
+from ..ring.bytering import ByteRing
+from ..ring.layout import slot_views
+from ..ring.records import META_DTYPE
+from ..ring.share import map_shared, shared_file
+from .chunks import lower_priority
+from .exporter import TICK_S, sink_policy
+
 
 log = logging.getLogger("dmi")
 START_TIMEOUT_S = 120      # the child imports numpy, zarr and dmi before it answers
@@ -64,7 +70,7 @@ STORE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_
 
 
 class ProcessExporter:
-    """:class:`~dmi.exporter.ZarrExporter` in a child process (see the module doc)."""
+    """:class:`~dmi.store.exporter.ZarrExporter` in a child process (see the module doc)."""
 
     def __init__(self, path, plan, capture_dtype: str, attrs: dict, overwrite: bool = False, resume: bool = False,
                  handoff_bytes: int | None = None):
@@ -97,7 +103,7 @@ class ProcessExporter:
         here = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
                    **STORE_MALLOC)
-        self._proc = subprocess.Popen([sys.executable, "-m", "dmi.writer", str(theirs.fileno()), self._buf_path],
+        self._proc = subprocess.Popen([sys.executable, "-m", "dmi.store.writer", str(theirs.fileno()), self._buf_path],
                                       pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True, env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -158,7 +164,7 @@ class ProcessExporter:
             self._unsettled.append((ctrl.step, ctrl, [(slot, rec, range(len(data))) for slot, rec, data in records]))
         self._forget_drops(ring_drops)
 
-    # --- policy.drain: process (dmi.ringshare): the child drains the ring itself ------------------------
+    # --- policy.drain: process (dmi.ring.share): the child drains the ring itself ------------------------
     def attach_ring(self, info: dict) -> None:
         """The child maps the ring ``info`` describes and drains it from now on (no failover then:
         a store resumed here could not reach the steps the child held)."""
@@ -170,7 +176,7 @@ class ProcessExporter:
                                f"{reply[0] if reply else 'it exited'}. Fix: use policy.drain: thread")
 
     def send_steps(self, descs: list, request_ids: list[str], ring_drops) -> None:
-        """Ended steps' descriptors (:class:`dmi.ringshare.StepSender`), in step order."""
+        """Ended steps' descriptors (:class:`dmi.ring.share.StepSender`), in step order."""
         self._raise_once()
         self._send(("steps", descs, self._new_ids(request_ids), self._new_drops(ring_drops)))
         self._forget_drops(ring_drops)
@@ -224,7 +230,7 @@ class ProcessExporter:
         return new
 
     def _forget_drops(self, ring_drops) -> None:
-        """Release from the ring's log (``dmi.ring.DropLog``) the drops the child has: all sent ones,
+        """Release from the ring's log (``dmi.ring.budget.DropLog``) the drops the child has: all sent ones,
         or, where this process may take the store over after the child dies, those of the steps the
         child committed (a failover counts them, :func:`_drops_through`)."""
         release = getattr(ring_drops, "release", None)
@@ -365,7 +371,7 @@ class ProcessExporter:
 
 
 def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
-    """The shared handoff buffer (:func:`dmi.ringshare.shared_file`), or a StoreError with the fix."""
+    """The shared handoff buffer (:func:`dmi.ring.share.shared_file`), or a StoreError with the fix."""
     try:
         return shared_file(size, "dmi-handoff-")
     except OSError as e:
@@ -472,7 +478,7 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
 
 class _Drain:
     """The child's drain of a ring shared by the model's process (``policy.drain: process``,
-    :mod:`dmi.ringshare`): ready steps are copied out and written in batches; after each, the
+    :mod:`dmi.ring.share`): ready steps are copied out and written in batches; after each, the
     progress words free their ring space and a ``state`` message goes back if the store's state
     changed. A failure to drain (not the store's: the exporter accounts those) stops draining and
     goes back as ``drain_error``; the model's process then stops capturing."""
@@ -489,7 +495,8 @@ class _Drain:
         return self.reader is not None and not self.failed and bool(self.reader.pending)
 
     def open(self, info: dict, host_bytes: int) -> str | None:
-        from .ringshare import StepReceiver, open_reader
+        from ..ring.share import StepReceiver
+        from ..ring.factory import open_reader
         try:
             self.reader, self.receiver = open_reader(info, host_bytes), StepReceiver()
             return None
@@ -537,7 +544,7 @@ def _load_plugins() -> None:
     (instrumentation that must reach the store writer's process too, e.g. perf/common/vllm_plugins.py's
     host sink under ``policy.drain: process``)."""
     import importlib
-    for entry in filter(None, os.environ.get("DMI_WRITER_PLUGINS", "").split(",")):
+    for entry in filter(None, (settings.get("DMI_WRITER_PLUGINS") or "").split(",")):
         module, _, fn = entry.strip().partition(":")
         getattr(importlib.import_module(module), fn or "register")()
 

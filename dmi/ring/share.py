@@ -4,7 +4,7 @@ In-process, a drain thread copies each ended step out of the ring and an export 
 both are Python on the model process's GIL, which a serving engine's thread needs between its
 kernel launches (a fixed piece of Python on vLLM's engine thread runs slower while they run:
 ``perf/online.py --probe``). With ``policy.drain: process`` the store writer's child
-process (:mod:`dmi.writer`) does both: it polls the meta ring, copies each step's block to its own
+process (:mod:`dmi.store.writer`) does both: it polls the meta ring, copies each step's block to its own
 host memory, writes it, and tells the model's process which ring space is free again.
 
 The model's process keeps everything that decides (reservations, backpressure, ``best_effort``
@@ -20,7 +20,7 @@ drops, the bandwidth cap, the device side). What the two processes share:
 
 The progress words are each monotonic and written once the copy they announce is complete, so
 the model's process reads them at any moment, in any order, without a lock across processes
-(:meth:`dmi.ring.Ring.reclaim`): a stale word only frees less.
+(:meth:`dmi.ring.protocol.Ring.reclaim`): a stale word only frees less.
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .ring import META_DTYPE, Ring, SiteSlot, StepControl, StepLayout, _LaidOutSlots, align_up
+from .layout import LaidOutSlots, SiteSlot, StepControl, StepLayout
+from .protocol import Ring
+from .records import CAPTURED, DRAINED, EXPORTED, FREED_SEQ, META_DTYPE, NOT_RUN, RECORDS, TAIL, WORDS, align_up
 
-# progress words (int64, the child writes, the model's process reads)
-FREED_SEQ, TAIL, EXPORTED, RECORDS, DRAINED, CAPTURED, NOT_RUN = range(7)
-WORDS = 8
+
 HEADER = 4096                  # words, then the meta ring from here, then the CPU ring's payload
 LAYOUTS_SENT = 256             # layouts the child remembers by number (an engine's batch shapes come and go)
 
@@ -127,7 +127,7 @@ class StepSender:
     def describe(self, ctrl: StepControl) -> tuple:
         head = (ctrl.step, ctrl.tokens, ctrl.end_seq, ctrl.block_end, ctrl.first_seq, ctrl.base, ctrl.nbytes)
         slots = ctrl.slots
-        if isinstance(slots, _LaidOutSlots):
+        if isinstance(slots, LaidOutSlots):
             L = slots.layout
             known = self._layouts.get(id(L))
             if known is not None and known[1] is L:
@@ -158,13 +158,13 @@ class StepReceiver:
                 _, number, site_ids, src, sels, site_bytes = slots
                 self._layouts[number] = StepLayout.of_arrays(site_ids, src, [(s, None) for s in sels], site_bytes,
                                                              [0] * len(site_ids))
-            built = _LaidOutSlots(self._layouts[slots[1]], base, first_seq)
+            built = LaidOutSlots(self._layouts[slots[1]], base, first_seq)
         return StepControl(step, tokens, None, built, end_seq, block_end, first_seq, ended=True, base=base,
                            nbytes=nbytes)
 
 
 class ChildSide:
-    """Mixin of the child's ring readers (a :class:`dmi.ring.Ring` subclass after it): steps taken
+    """Mixin of the child's ring readers (a :class:`dmi.ring.protocol.Ring` subclass after it): steps taken
     from descriptors, progress published into the shared words."""
 
     share: RingShare
@@ -197,7 +197,7 @@ class ChildSide:
 
 
 class CpuRingReader(ChildSide, Ring):
-    """The child's side of a :class:`dmi.ring.CpuRing` drained in another process: payload and meta
+    """The child's side of a :class:`dmi.ring.cpu.CpuRing` drained in another process: payload and meta
     ring both in the shared file (CI runs the whole protocol with it)."""
 
     def __init__(self, info: dict, share: RingShare):
@@ -211,11 +211,3 @@ class CpuRingReader(ChildSide, Ring):
     def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         return self.share.payload[offset:offset + nbytes].copy()     # (the space is freed right after)
 
-
-def open_reader(info: dict, host_bytes: int):
-    """The drain process's reader of the ring ``info`` describes (its ``drain_info()``)."""
-    share = RingShare.attach(info)
-    if info["kind"] == "cuda":
-        from .kernels.cuda_ring import CudaRingReader
-        return CudaRingReader(info, share, host_bytes)
-    return CpuRingReader(info, share)

@@ -15,13 +15,10 @@ Protocol, shared by every backend (CPU here, CUDA in ``dmi.kernels``):
    and hands the step to the exporter. A planned record that was never published (its module did
    not run) is counted, never waited for.
 
-Backends implement the hooks marked below: ``CpuRing`` (here: payload and meta in host memory,
+Backends implement the hooks marked below: ``CpuRing`` (:mod:`dmi.ring.cpu`: payload and meta in host memory,
 the capture runs ``dmi.gather`` in torch) and ``dmi.kernels.cuda_ring.CudaRing`` (payload in
 device memory, meta in mapped pinned host memory, a Triton kernel per capture). Both share this
 class's reservation, drop and drain bookkeeping.
-
-A record is read ``seq`` first, then the rest: the writer stores ``seq`` last (after a fence on
-the GPU), so a matching ``seq`` means the fields are complete.
 """
 from __future__ import annotations
 
@@ -30,242 +27,16 @@ import collections.abc
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from .errors import CaptureError, PolicyError
-from .plan import RING_ALIGN
-from .stall import DEFAULT_STALL_TIMEOUT_S, Stall
-
-ALIGN = RING_ALIGN       # the plan's budget checks round each site's block the same way
-META_DTYPE = np.dtype([("seq", "<u8"), ("step", "<i8"), ("site", "<i4"), ("flags", "<i4"),
-                       ("offset", "<i8"), ("nbytes", "<i8"), ("rows", "<i8"), ("src_seq", "<i8")])
-META_WORDS = META_DTYPE.itemsize // 8      # a record as int64 words: seq, step, site|flags<<32, offset, ...
-END_MARKER = -1
-FLAG_ABORTED = 1
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-class ByteRing:
-    """Bookkeeping of a byte ring: absolute head/tail counters, contiguous reservations, wrap-around."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.head = 0   # absolute bytes ever reserved (incl. wrap padding)
-        self.tail = 0   # absolute bytes ever freed
-
-    @property
-    def used(self) -> int:
-        return self.head - self.tail
-
-    def try_reserve(self, nbytes: int) -> tuple[int, int] | None:
-        """(offset within the ring, absolute end) of a contiguous block, or None if it does not fit now."""
-        nbytes = align_up(max(nbytes, 1))
-        if nbytes > self.capacity:
-            return None
-        start = self.head
-        pos = start % self.capacity
-        floor = self.tail
-        if pos + nbytes > self.capacity:          # does not fit before the end: skip to the start
-            start += self.capacity - pos
-            pos = 0
-            if self.tail == self.head:            # empty ring: the skipped tail holds nothing, so a block
-                floor = start                     # up to the whole capacity fits (else it never would)
-        end = start + nbytes
-        if end - floor > self.capacity:
-            return None
-        self.head = end
-        return pos, end
-
-    def release(self, upto: int) -> None:
-        assert self.tail <= upto <= self.head, (self.tail, upto, self.head)
-        self.tail = upto
-
-
-@dataclass(slots=True)
-class SiteSlot:
-    """Where one site of one step writes: filled at begin_step, read by the capture op."""
-    site: int
-    offset: int               # byte offset in the payload ring
-    capacity: int             # bytes reserved
-    sel: np.ndarray           # int64 indices into StepTokens of the rows kept
-    rows: np.ndarray          # int64 flat rows b*seq+s of those
-    seq: int                  # meta sequence number of this capture
-
-
-@dataclass
-class StepControl:
-    """Everything the device side needs for one step, and the host's memory of it."""
-    step: int
-    tokens: object            # StepTokens
-    pad: np.ndarray           # left-padding columns per batch row (for key-indexed sites)
-    slots: dict[int, SiteSlot]
-    end_seq: int
-    block_end: int            # absolute ring position freed when the step is drained
-    first_seq: int
-    ended: bool = False
-    layout: "StepLayout | None" = None    # set when the step reused a layout (fast path)
-    base: int = 0             # the step's block in the payload ring: offset and reserved bytes
-    nbytes: int = 0
-    copied: object = None     # backends that copy a step out early mark it here (CudaRing)
-    dev_rows: dict = field(default_factory=dict)   # kernel rings: rows start -> its device view (eager captures)
-    ranges: dict = field(default_factory=dict)     # kernel rings: what a rows array is as a row range (copied_as_range)
-    stream: "_Stream | None" = None    # a step larger than the ring: this is one of its parts (Ring.stream_slot)
-    block_start: int = 0      # a part's block: absolute ring position of its start
-    partial: bool = False     # a part that is not the step's last: the run merges it with the rest before export
-    keys: int = 0             # the step's key columns (past + seq, padding included; dmi.gather.key_shift)
-
-
-class _Stream:
-    """A step whose captures do not fit the ring at once (``full`` mode): it goes through the ring
-    in parts. Each part reserves a block of at most half the ring; a capture takes the next place
-    in the open part as it comes (any order), and one that does not fit ends the part (its end
-    marker follows its captures on the device) and opens the next, waiting for the drain to free
-    room. The drain copies each ended part out while the forward goes on; the run merges the parts
-    into one step before the store sees it."""
-    __slots__ = ("wanted", "left", "parts", "keys")
-
-    def __init__(self, wanted: dict, left: int, keys: int):
-        self.wanted = wanted      # site -> (capture tuple, aligned bytes): not captured yet
-        self.left = left          # their bytes
-        self.parts = 0
-        self.keys = keys          # the step's key columns (StepControl.keys)
-
-
-class StepLayout:
-    """A step's captures laid out in its block, computed once and reused by every step that wants
-    exactly the same captures (decode steps of one batch): the per-step host work is then one
-    reservation and a few vector ops, not a loop over the sites (kept off the critical path: the
-    GPU waits for it between decode steps).
-
-    Captures are held as columns: the sites with rows (``site_ids``, in capture order), each one's
-    bytes, aligned size and place in the block (``nbytes``, ``sizes``, ``rel``), and which of the
-    step's row arrays it reads (``src``: an index into ``arrays``, the distinct ``(sel, rows)``
-    pairs; sites of one token filter share theirs). :meth:`of_arrays` builds one from those with
-    whole-array operations: an engine's mixed steps lay out a fresh layout every step, with up to
-    hundreds of sites. ``wanted`` (the per-capture tuples of :meth:`Ring.begin_step`'s general
-    path) is built only when read."""
-    __slots__ = ("site_ids", "src", "arrays", "nbytes", "sizes", "rel", "total", "priority", "cache",
-                 "_wanted", "_index", "_ids")
-
-    def __init__(self, wanted: list[tuple[int, np.ndarray, np.ndarray, int, int]]):
-        """From per-capture tuples (site, sel, rows, bytes, priority); captures sharing one
-        ``(sel, rows)`` pair by identity share its entry of ``arrays``."""
-        arrays, at, src = [], {}, []
-        for w in wanted:
-            key = (id(w[1]), id(w[2]))
-            j = at.get(key)
-            if j is None:
-                j = at[key] = len(arrays)
-                arrays.append((w[1], w[2]))
-            src.append(j)
-        site_ids, _, _, nbytes, priority = zip(*wanted) if wanted else ((),) * 5    # columns (C-level transpose)
-        self._set(np.array(site_ids, np.int64), np.array(src, np.int64), arrays, np.array(nbytes, np.int64),
-                  list(priority))
-        self._wanted = wanted
-
-    @classmethod
-    def of_arrays(cls, site_ids: np.ndarray, src: np.ndarray, arrays: list, nbytes: np.ndarray,
-                  priority) -> "StepLayout":
-        """From columns (module doc; ``priority``: a sequence, or a callable giving it when the
-        general path reads ``wanted``)."""
-        layout = cls.__new__(cls)
-        layout._set(site_ids, src, arrays, nbytes, priority)
-        layout._wanted = None
-        return layout
-
-    def _set(self, site_ids, src, arrays, nbytes, priority) -> None:
-        self.site_ids, self.src, self.arrays, self.nbytes, self.priority = site_ids, src, arrays, nbytes, priority
-        sizes = (nbytes + (ALIGN - 1)) // ALIGN * ALIGN
-        self.sizes = sizes
-        self.rel = np.cumsum(sizes) - sizes
-        self.total = int(sizes.sum())
-        self.cache: dict = {}                  # backends keep what they derive from the layout here
-        self._index = self._ids = None
-
-    def __len__(self) -> int:
-        return len(self.site_ids)
-
-    @property
-    def ids(self) -> list[int]:
-        """``site_ids`` as a list of ints."""
-        if self._ids is None:
-            self._ids = self.site_ids.tolist()
-        return self._ids
-
-    @property
-    def index(self) -> dict[int, int]:
-        """site -> its capture's position."""
-        if self._index is None:
-            self._index = dict(zip(self.ids, range(len(self.site_ids))))
-        return self._index
-
-    def capture(self, i: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(site, sel, rows) of capture ``i``."""
-        sel, rows = self.arrays[self.src[i]]
-        return self.ids[i], sel, rows
-
-    @property
-    def wanted(self) -> list[tuple[int, np.ndarray, np.ndarray, int, int]]:
-        """(site, sel, rows, bytes, priority) of each capture, as :meth:`Ring.begin_step` takes them."""
-        if self._wanted is None:
-            arrays, priority = self.arrays, self.priority
-            if callable(priority):
-                priority = self.priority = priority()
-            self._wanted = [(s, *arrays[j], nb, p) for s, j, nb, p in
-                            zip(self.ids, self.src.tolist(), self.nbytes.tolist(), priority)]
-        return self._wanted
-
-
-class _LaidOutSlots(collections.abc.Mapping):
-    """``StepControl.slots`` of a step begun from a :class:`StepLayout`, built when first read
-    (by the drain thread, off the model's critical path)."""
-    __slots__ = ("layout", "base", "first", "_slots")
-
-    def __init__(self, layout: StepLayout, base: int, first: int):
-        self.layout, self.base, self.first, self._slots = layout, base, first, None
-
-    def _built(self) -> dict[int, SiteSlot]:
-        if self._slots is None:
-            L, base, first = self.layout, self.base, self.first
-            arrays = L.arrays
-            self._slots = {site: SiteSlot(site, base + r, size, *arrays[j], first + i)
-                           for i, (site, j, r, size) in enumerate(zip(L.ids, L.src.tolist(), L.rel.tolist(),
-                                                                      L.sizes.tolist()))}
-        return self._slots
-
-    def __getitem__(self, site: int) -> SiteSlot:
-        if self._slots is not None:
-            return self._slots[site]
-        # one slot, not all of them: the model's thread reads single sites in eager launches (vLLM's
-        # logits site, every step); the drain thread builds the rest
-        L = self.layout
-        i = L.index[site]
-        _, sel, rows = L.capture(i)
-        return SiteSlot(site, self.base + int(L.rel[i]), int(L.sizes[i]), sel, rows, self.first + i)
-
-    def __iter__(self):
-        return iter(self._built())
-
-    def __len__(self) -> int:
-        return len(self.layout)
-
-    def __contains__(self, site) -> bool:
-        return site in self.layout.index
-
-    def views(self) -> list[SiteView]:
-        """Each capture's (site, sel) in seq order, made once per layout and shared by its steps."""
-        views = self.layout.cache.get("views")
-        if views is None:
-            L = self.layout
-            sels = [a[0] for a in L.arrays]
-            views = L.cache["views"] = [SiteView(site, sels[j]) for site, j in zip(L.ids, L.src.tolist())]
-        return views
+from ..errors import CaptureError, PolicyError
+from ..stall import DEFAULT_STALL_TIMEOUT_S, Stall
+from .budget import Drop, Stats, TokenBucket
+from .bytering import ByteRing
+from .layout import LaidOutSlots, SiteSlot, StepControl, StepLayout, StreamedStep, slot_views
+from .records import CAPTURED, DRAINED, FLAG_ABORTED, FREED_SEQ, META_WORDS, NOT_RUN, RECORDS, TAIL, align_up
 
 
 class _AheadUndo(NamedTuple):
@@ -276,151 +47,6 @@ class _AheadUndo(NamedTuple):
     bucket: "TokenBucket | None"     # the bandwidth bucket it spent from, and how much
     spent: int
     drops: tuple | None        # the drops a bandwidth cap made from it (``_record_laid_out_drops`` args)
-
-
-class SiteView(NamedTuple):
-    """What a drained record's consumers (exporter, writer process) read of its :class:`SiteSlot`."""
-    site: int
-    sel: np.ndarray
-
-
-def slot_views(slots) -> list:
-    """A step's captures in seq order as objects with ``site`` and ``sel``: for a laid-out step the
-    layout's shared :class:`SiteView` list (the drain builds no per-step :class:`SiteSlot`)."""
-    return slots.views() if isinstance(slots, _LaidOutSlots) else list(slots.values())
-
-
-@dataclass
-class Drop:
-    step: int
-    site: int
-    requests: tuple[int, ...]
-    rows: int
-    bytes: int
-    reason: str
-
-
-class DropLog:
-    """The captures a ring dropped, in order: the model's thread appends, the store's writer takes
-    them by absolute position (``len``, ``log[i]``, ``log[i:]`` count every drop since the start)
-    and releases those it has written (:meth:`release`), so a long ``best_effort`` run under a tight
-    cap keeps memory flat. The counts the run reports (captures, bytes, per reason) cover every
-    drop, released or not. Iteration yields the drops still held."""
-
-    def __init__(self) -> None:
-        self._held: list[Drop] = []
-        self._base = 0                  # absolute position of _held[0]
-        self._lock = threading.Lock()   # (release against positional reads from another thread)
-        self.bytes = 0
-        self.by_reason: dict[str, int] = {}
-
-    def append(self, drop: Drop) -> None:
-        self._held.append(drop)
-        self.bytes += drop.bytes
-        self.by_reason[drop.reason] = self.by_reason.get(drop.reason, 0) + 1
-
-    def extend(self, drops) -> None:
-        drops = list(drops)
-        self._held.extend(drops)
-        self.bytes += sum(d.bytes for d in drops)
-        for d in drops:
-            self.by_reason[d.reason] = self.by_reason.get(d.reason, 0) + 1
-
-    def __len__(self) -> int:
-        with self._lock:
-            return self._base + len(self._held)
-
-    def __getitem__(self, key):
-        with self._lock:
-            if isinstance(key, slice):
-                start = self._base if key.start is None else key.start
-                if start < self._base or key.stop is not None or key.step is not None:
-                    raise IndexError(f"DropLog[{key}]: drops before {self._base} were released (only [start:] with "
-                                     f"start >= {self._base} can be read)")
-                return self._held[start - self._base:]
-            if key < self._base:
-                raise IndexError(f"DropLog[{key}]: released (the first held drop is {self._base})")
-            return self._held[key - self._base]
-
-    def __iter__(self):
-        return iter(list(self._held))
-
-    def through(self, step: int) -> int:
-        """The absolute position after the last drop of a step up to ``step`` (drops come in step
-        order); released drops count as such (only written ones are released)."""
-        with self._lock:
-            n = 0
-            for d in self._held:
-                if d.step > step:
-                    break
-                n += 1
-            return self._base + n
-
-    def release(self, upto: int) -> None:
-        """Forget the drops before absolute position ``upto`` (written to the store)."""
-        with self._lock:
-            k = max(0, min(upto - self._base, len(self._held)))
-            if k:
-                del self._held[:k]
-                self._base += k
-
-
-@dataclass
-class Stats:
-    steps: int = 0
-    records: int = 0
-    bytes_captured: int = 0
-    bytes_drained: int = 0
-    stall_seconds: float = 0.0               # steps held back (full): ring/meta space or the bandwidth cap
-    stall_bandwidth_seconds: float = 0.0     # of which waiting for policy.d2h_bytes_per_s
-    not_run: int = 0
-    streamed_steps: int = 0                  # steps larger than the ring, captured in parts (full)
-    stream_parts: int = 0
-    drops: DropLog = field(default_factory=DropLog)
-
-
-class TokenBucket:
-    """``policy.d2h_bytes_per_s`` as a token bucket on the bytes each step reserves.
-
-    It fills at ``rate`` bytes/s up to ``burst`` (one second of rate) and starts full. A step may
-    start when the bucket holds its bytes. A step larger than the burst may start once the bucket is
-    full: it then drives the level negative and later steps wait until that debt is paid back at
-    ``rate``. Without that exception such a step could never start (``full`` would wait forever,
-    ``best_effort`` would drop it every time) although the cap is an average, and the long-run
-    average still never exceeds ``rate``: over any interval T at most ``burst + rate * T`` plus one
-    step's overshoot goes through."""
-
-    def __init__(self, rate: float, burst: float | None = None, clock=time.monotonic):
-        self.rate = float(rate)
-        self.burst = float(rate if burst is None else burst)
-        self.clock = clock
-        self.level = self.burst
-        self.t = clock()
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self.level = min(self.burst, self.level + (now - self.t) * self.rate)
-        self.t = now
-
-    def wait_for(self, nbytes: int) -> float:
-        """Seconds until a step of ``nbytes`` may start (0.0: now; a step that copies nothing never waits)."""
-        if nbytes <= 0:
-            return 0.0
-        self._refill()
-        return max(0.0, (min(nbytes, self.burst) - self.level) / self.rate)
-
-    def fits(self, needs: np.ndarray) -> np.ndarray:
-        """``wait_for(n) == 0`` for each of ``needs`` at once (one refill)."""
-        self._refill()
-        return (needs <= 0) | (np.minimum(needs, self.burst) <= self.level)
-
-    def spend(self, nbytes: int) -> None:
-        self._refill()
-        self.level -= nbytes
-
-    def refund(self, nbytes: int) -> None:
-        """Give back what a step that never ran spent (:meth:`Ring.retract_ahead`)."""
-        self.level = min(self.burst, self.level + nbytes)
 
 
 class Ring:
@@ -446,7 +72,7 @@ class Ring:
         self.hurry = False
         # the last step begun ahead of its forward: what retract_ahead restores, take_ahead records
         self._ahead_undo: _AheadUndo | None = None
-        # policy.drain process (dmi.ringshare): the child's progress words, and what was taken of them
+        # policy.drain process (dmi.ring.share): the child's progress words, and what was taken of them
         self.share = None
         self._seen = None
         self.stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S    # policy.stall_timeout_s
@@ -537,7 +163,7 @@ class Ring:
         count once the forward takes the step (:meth:`take_ahead`) and vanish with a retracted one."""
         self._before_step()
         if self.mode == "best_effort" and keys:        # a key site's rows wider than its max_keys: dropped
-            from .gather import over_max_keys
+            from ..gather import over_max_keys
             over, listed = over_max_keys(getattr(self, "plan", None), wanted, pad, keys, tokens.seq)
             if over and ahead:
                 return None
@@ -641,7 +267,7 @@ class Ring:
     # --- steps larger than the ring (full mode): in parts ---------------------------------------
     def _begin_stream(self, step: int, tokens, pad: np.ndarray, wanted: list, sizes: list[int],
                       keys: int = 0) -> StepControl:
-        """begin_step of a step whose captures exceed the ring (:class:`_Stream`): its first part."""
+        """begin_step of a step whose captures exceed the ring (:class:`StreamedStep`): its first part."""
         too_big = [(w, z) for w, z in zip(wanted, sizes) if z > self.bytes.capacity]
         if too_big:
             (site, sel, *_), z = too_big[0]
@@ -659,10 +285,10 @@ class Ring:
         self.raise_if_failed()
         if self.current is not None and not self.current.ended:
             self.end_step(aborted=True)
-        stream = _Stream({w[0]: (w, z) for w, z in zip(wanted, sizes)}, sum(sizes), keys)
+        stream = StreamedStep({w[0]: (w, z) for w, z in zip(wanted, sizes)}, sum(sizes), keys)
         return self._open_part(step, tokens, pad, stream, 0)
 
-    def _open_part(self, step: int, tokens, pad: np.ndarray, stream: _Stream, at_least: int) -> StepControl:
+    def _open_part(self, step: int, tokens, pad: np.ndarray, stream: StreamedStep, at_least: int) -> StepControl:
         """The next part of a streamed step: a block of half the ring (or what is left of the step,
         and at least ``at_least`` bytes), waiting for the drain to free it."""
         want = max(at_least, min(self.bytes.capacity // 2, stream.left))
@@ -782,7 +408,7 @@ class Ring:
             base, block_end = block
             first = self.next_seq
             self.next_seq += n + 1
-            ctrl = StepControl(step, tokens, pad, _LaidOutSlots(layout, base, first), first + n, block_end, first,
+            ctrl = StepControl(step, tokens, pad, LaidOutSlots(layout, base, first), first + n, block_end, first,
                                layout=layout, base=base, nbytes=layout.total, keys=keys)
             if ahead:
                 self._ahead_undo = _AheadUndo(ctrl, head, self.current, self.bucket, layout.total, drops)
@@ -926,12 +552,11 @@ class Ring:
         return 0.05 if self.share is None else 0.0005
 
     def reclaim(self) -> bool:
-        """``policy.drain: process`` (:mod:`dmi.ringshare`), under ``cond``: take the child's
+        """``policy.drain: process`` (:mod:`dmi.ring.share`), under ``cond``: take the child's
         progress: the ring space and meta slots it freed (True if any), the pending steps it is
         done with, its counts. False, and nothing, for a ring drained in this process."""
         if self.share is None:
             return False
-        from .ringshare import CAPTURED, DRAINED, FREED_SEQ, NOT_RUN, RECORDS, TAIL
         w = self.share.words.copy()
         seen, self._seen = (np.zeros_like(w) if self._seen is None else self._seen), w
         st = self.stats
@@ -1022,117 +647,3 @@ class Ring:
                     return False
                 self.cond.wait(0.05 if left is None else min(left, 0.05))
         return not self.pending
-
-
-class CpuRing(Ring):
-    """Ring² with the payload and the meta ring in host memory; the capture op runs in torch
-    (``dmi.gather`` on the model's device, then a copy to host memory). It is the reference path:
-    every other backend must store the same bytes."""
-
-    def __init__(self, capacity: int, meta_records: int, mode: str = "full", share=None):
-        """``share``: a :class:`dmi.ringshare.RingShare` (``policy.drain: process``) holding the
-        payload and the meta ring, which the drain's process maps too."""
-        super().__init__(capacity, meta_records, mode)
-        import torch
-        self.share = share
-        if share is None:
-            self.payload = torch.empty(capacity, dtype=torch.uint8)
-            self.meta = np.zeros(meta_records, META_DTYPE)
-        else:
-            self.payload = torch.from_numpy(share.payload)
-            self.meta = share.meta
-        self._payload_np = self.payload.numpy()
-        self._rows: dict = {}
-        self._pad, self._keys = None, 0
-
-    def meta_view(self) -> np.ndarray:
-        return self.meta
-
-    def publish_control(self, ctrl: StepControl) -> None:
-        import torch
-        device = getattr(self, "device", None) or "cpu"
-        self._rows = {i: torch.from_numpy(slot.rows).to(device) for i, slot in ctrl.slots.items()}
-        self._pad = torch.from_numpy(np.asarray(ctrl.pad, np.int64)).to(device)
-        self._keys = ctrl.keys
-
-    def capture(self, site, x, addend=None, side: bool = False) -> None:
-        ctrl = self.current
-        if ctrl is not None and ctrl.stream is not None and not ctrl.ended:
-            self.stream_slot(site.index)
-            ctrl = self.current
-        if ctrl is None or ctrl.ended or site.index not in ctrl.slots:
-            return                  # (null mode, nothing selected: before the imports, once per site and step)
-        import torch
-        from .gather import gather
-        if addend is not None:
-            x = x + addend
-        slot = ctrl.slots[site.index]
-        with torch.no_grad():
-            outs, src_seq = gather(x.detach(), site, self._rows[site.index], ctrl.tokens.seq, ctrl.tokens.batch,
-                                   self._pad, self.dtype, self._keys)
-        n = outs[0].shape[0]
-        flat = torch.cat([o.contiguous().reshape(-1).view(torch.uint8).cpu() for o in outs])
-        if flat.numel() > slot.capacity:
-            raise CaptureError(f"{site.name}: {flat.numel()} bytes exceed the {slot.capacity} reserved")
-        self.payload[slot.offset:slot.offset + flat.numel()].copy_(flat)
-        self.publish_record(slot.seq, ctrl.step, site.index, slot.offset, flat.numel(), n, src_seq)
-        self.stats.bytes_captured += flat.numel()
-
-    def publish_end(self, ctrl: StepControl, flags: int = 0) -> None:
-        self.publish_record(ctrl.end_seq, ctrl.step, END_MARKER, 0, 0, 0, 0, flags)
-
-    def copy_out(self, offset: int, nbytes: int) -> np.ndarray:
-        return self._payload_np[offset:offset + nbytes].copy()
-
-    def drain_info(self) -> dict:
-        """What the drain's process needs to open this ring (``policy.drain: process``)."""
-        return {"kind": "cpu", "capacity": self.bytes.capacity, "mode": self.mode, **self.share.describe()}
-
-
-TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced ops (DMI_TRACED; KernelRing)
-
-
-def trace_mode(traced: str | None) -> str:
-    """``traced``, or ``DMI_TRACED`` where None (unset: ``0``), refused unless one of TRACE_MODES."""
-    import os
-    mode = traced if traced is not None else os.environ.get("DMI_TRACED", "0")
-    if mode not in TRACE_MODES:
-        raise PolicyError(f"DMI_TRACED={mode!r} is not one of {', '.join(TRACE_MODES)}",
-                          fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled forward) "
-                              "or range (traced where an engine's compile pass rewrites the op)")
-    return mode
-
-
-def make_ring(policy, device, *, kind: str | None = None, traced: str | None = None) -> Ring:
-    """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
-
-    ``kind`` (or the environment variable ``DMI_RING``): ``cpu`` forces the reference path (on a GPU
-    too: captures go through ``dmi.gather`` and a host copy), ``cuda`` forces the CUDA ring,
-    ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests).
-    ``traced``: where compiled code captures as traced ops (kernel rings: ``KernelRing``'s ``traced``)."""
-    import os
-    traced = trace_mode(traced)          # (checked for every ring: the CPU ring has no traced captures)
-    kind = kind or os.environ.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
-    remote, share = getattr(policy, "drain", "thread") == "process", None
-    if remote and kind in ("cpu", "cuda"):
-        from .ringshare import RingShare
-        try:
-            share = RingShare.create(policy.meta_records, policy.ring_bytes if kind == "cpu" else 0)
-        except OSError as e:
-            raise PolicyError(f"policy.drain: process: no room for the ring's shared file ({e})", key="policy.drain",
-                              fix="free space in /dev/shm (or the temp directory), lower policy.meta_records (and, "
-                                  "on CPU, policy.ring_bytes), or use policy.drain: thread") from e
-    if kind == "cpu":
-        return CpuRing(policy.ring_bytes, policy.meta_records, policy.mode, share=share)
-    if kind == "cuda":
-        from .kernels.cuda_ring import CudaRing
-        return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                        max_step_tokens=policy.max_step_tokens, device=device, share=share, traced=traced)
-    if remote:
-        raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (DMI_RING)",
-                          key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
-    if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
-        from .kernels.cuda_ring import InterpretRing
-        return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                             max_step_tokens=policy.max_step_tokens, traced=traced)
-    raise ValueError(f"unknown ring backend {kind!r} (DMI_RING): use 'cpu', 'cuda' or 'interpret'")

@@ -50,9 +50,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DmiError, StoreError
-from .exporter import (DROP_CHUNK, DROP_COLUMNS, _PHASES, ArrayFile, ZarrExporter, _copy_rows,
-                       _jsonable, _write_atomic, _writer, check_writable, create_atomically, storage_dtype)
+from ..errors import DmiError, StoreError
+from .chunks import ArrayFile, storage_dtype, write_atomic
+from .exporter import DROP_CHUNK, DROP_COLUMNS, ZarrExporter, writer_info
+from .preflight import check_writable, create_atomically, jsonable
+from .rows import PHASE_NAMES, copy_rows
+
 
 SPLIT_DIMS = ("head", "kv_head", "mlp")       # canonical dims vLLM's parallel linears split
 COORDS = ("request", "position", "step", "phase")
@@ -121,11 +124,11 @@ class TPLayout:
     def derive(cls, arch, config: Any, world: int) -> "TPLayout":
         """From the architecture spec (a :class:`dmi.spec.Document`) and the model config.
         Split dims: those vLLM's parallel linears shard (``SPLIT_DIMS``)."""
-        from .plan import _config_dim
+        from ..plan import config_dim
         data = arch.data
         if world < 1:
             raise DmiError(f"tensor parallel size must be >= 1, got {world}")
-        dims = {d: _config_dim(config, attr, arch, d) for d, attr in data["dims"].items()}
+        dims = {d: config_dim(config, attr, arch, d) for d, attr in data["dims"].items()}
         sites = {c: _split(c, tuple(s["dims"][1:]), dims, world) for c, s in data["sites"].items()}
         return cls(world, sites, dims)
 
@@ -331,7 +334,7 @@ def _token_chunk(plan, layout: TPLayout, sites: list, chunk_rows: int | None, fl
 def create_store(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, *, overwrite: bool = False,
                  chunk_rows: int | None = None):
     """Rank 0, once, before any rank writes: the merged store's layout — the same groups, arrays,
-    dimension names, coordinates and ``drops`` group as :class:`dmi.exporter.ZarrExporter` makes for
+    dimension names, coordinates and ``drops`` group as :class:`dmi.store.exporter.ZarrExporter` makes for
     the unsharded ``plan``, split arrays chunked at shard boundaries, the ``tp`` layout in the root
     and array attributes, and one ``tp/rank<r>`` group per rank (its notes: only that rank writes
     them). Token extents start at 0 and only :func:`commit` grows them. Returns the root group."""
@@ -347,7 +350,7 @@ def _lay_out(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, chun
     """create_store's layout, in its staging directory."""
     import zarr
     root = zarr.open_group(str(path), mode="w", zarr_format=3)
-    root.attrs.update(_jsonable(attrs) | {"dmi_status": "open", "tp": layout.describe()})
+    root.attrs.update(jsonable(attrs) | {"dmi_status": "open", "tp": layout.describe()})
     float_dtype = storage_dtype(plan, capture_dtype)
     compressors = _compressors(plan)
     for name, sites in _groups(plan).items():
@@ -410,7 +413,7 @@ def chunk_key(meta: dict, coords: tuple[int, ...]) -> str:
 @dataclass
 class _Group:
     name: str
-    files: dict                                   # array name -> dmi.exporter.ArrayFile (codecs, fill)
+    files: dict                                   # array name -> dmi.store.exporter.ArrayFile (codecs, fill)
     buf: dict                                     # array name -> the open token chunk, this rank's part
     runs: list[tuple[int, int, int]]              # split axis: (stored start, stored stop, buffer start)
     axis: int | None                              # split axis in the stored array ([token, (layer,) ...])
@@ -430,7 +433,7 @@ class ShardWriter:
     heads/columns in stored order (what its :meth:`TPLayout.local_plan` captures); ``coords`` the
     token coordinates, only on the group's coordinate rank (:meth:`writes_coords`). Rows fill an
     open token chunk; a full chunk is encoded as zarr-python would store it
-    (:class:`dmi.exporter.ArrayFile`) and written as whole chunk files — temp file + ``os.replace``
+    (:class:`dmi.store.exporter.ArrayFile`) and written as whole chunk files — temp file + ``os.replace``
     — of this rank's region only. No rank touches an array's ``zarr.json``: :func:`commit` (rank 0)
     grows the extents over rows every writer has on disk (``checkpoint`` records them)."""
 
@@ -517,7 +520,7 @@ class ShardWriter:
             for key, block in parts:
                 path = f.dir / chunk_key(f.meta, key)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                _write_atomic(path, bytes(memoryview(f.encode(np.ascontiguousarray(block)))))
+                write_atomic(path, bytes(memoryview(f.encode(np.ascontiguousarray(block)))))
                 seen.add(key)
 
     def checkpoint(self, notes: dict | None = None) -> dict:
@@ -538,8 +541,8 @@ class ShardWriter:
     def _note(self, fields: dict) -> dict:
         meta_path = self.path / "tp" / f"rank{self.rank}" / "zarr.json"
         meta = json.loads(meta_path.read_text())
-        meta.setdefault("attributes", {}).update(_jsonable(fields))
-        _write_atomic(meta_path, json.dumps(meta, indent=2).encode())
+        meta.setdefault("attributes", {}).update(jsonable(fields))
+        write_atomic(meta_path, json.dumps(meta, indent=2).encode())
         return meta["attributes"]
 
 
@@ -590,7 +593,7 @@ def finalize(path, summary: dict | None = None, clean: bool = True) -> dict[str,
     ok = clean and not mismatch and not open_ranks
     root = zarr.open_group(str(path), mode="r+")
     extra = {"tp_errors": {"rows": mismatch, "open_ranks": open_ranks}} if mismatch or open_ranks else {}
-    root.attrs.update(_jsonable(summary or {}) | {"dmi_status": "closed" if ok else "failed"} | extra)
+    root.attrs.update(jsonable(summary or {}) | {"dmi_status": "closed" if ok else "failed"} | extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(str(path))
@@ -628,7 +631,7 @@ def wait_closed(path, timeout_s: float, poll_s: float = 0.05) -> list[int]:
 
 
 class ShardedExporter(ZarrExporter):
-    """:class:`dmi.exporter.ZarrExporter` for one tensor parallel rank: ``plan`` is the rank's local
+    """:class:`dmi.store.exporter.ZarrExporter` for one tensor parallel rank: ``plan`` is the rank's local
     plan (:meth:`TPLayout.local_plan`), ``tp.plan`` the store's. Rank 0 lays the store out
     (:func:`create_store`), every rank waits at ``tp.barrier``, then writes its rows through a
     :class:`ShardWriter` (chunk files of its own region, synchronously on the exporter thread). The
@@ -659,7 +662,7 @@ class ShardedExporter(ZarrExporter):
         if tp.rank == 0:
             try:
                 self.root = create_store(path, tp.plan, tp.layout, self.capture_dtype,
-                                         dict(attrs) | {"dmi_writer": _writer()}, overwrite=overwrite)
+                                         dict(attrs) | {"dmi_writer": writer_info()}, overwrite=overwrite)
             except BaseException:
                 tp.barrier()           # the other ranks wait there: let them go (they fail reading the store)
                 raise
@@ -691,7 +694,7 @@ class ShardedExporter(ZarrExporter):
         req = tokens.request[sel]
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
         coords = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
-                  "phase": _PHASES[tokens.phase[sel]]}
+                  "phase": PHASE_NAMES[tokens.phase[sel]]}
         outputs = g.sites[0].outputs
         per_layer = g.per_layer
         blocks = {}
@@ -701,7 +704,7 @@ class ShardedExporter(ZarrExporter):
             blocks[o.name] = np.full(shape, -1 if o.kind == "int32" else np.nan, dt)
         for li, arrays in self._records(g, n, got, entry):    # dropped / not computed: rows stay NaN / -1
             for o in outputs:
-                _copy_rows(blocks[o.name][:, li] if per_layer else blocks[o.name], arrays[o.name])
+                copy_rows(blocks[o.name][:, li] if per_layer else blocks[o.name], arrays[o.name])
         entry.reqs[g.name] = req
         w = self.writer
         w.write(g.name, w.groups[g.name].rows, blocks, coords if w.writes_coords(g.name) else None)

@@ -1,0 +1,10 @@
+"""The Zarr store: from drained steps to chunk files that ``xarray.open_datatree`` opens.
+
+* ``preflight``: whether a path may be written or resumed (before the model loads), atomic creation;
+* ``chunks``: one array's chunk files encoded and written atomically (``ArrayFile``), codecs, dtypes;
+* ``rows``: a drained record's bytes as named output arrays, rows copied into chunk buffers;
+* ``exporter``: the writer of a run's steps (``ZarrExporter``: chunking, commits, drops, close);
+* ``writer``: that exporter in a child process (``store.writer: process``, ``policy.drain: process``);
+* ``shards``: tensor-parallel ranks writing their shards of one store;
+* ``inspect``: a store's summary (``dmi inspect``).
+"""
