@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels a GPU machine with torch, transformers, triton and cuda-python may lack (zarr,
 # jsonschema, xarray, ml_dtypes, py-spy), downloaded into .whl (git-ignored) for a machine without
-# a package index: scripts/gpu_session.sh and scripts/gpu_vllm.sh install them with pip --no-index.
+# a package index: scripts/gpu.sh and scripts/gpu_vllm.sh install them with pip --no-index.
 #   bash scripts/fetch_wheels.sh
 set -eu
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 
 A run killed by its time limit (``timeout``) never reaches the end of pytest's session, where
 pytest prints its failures: a test that failed before the limit would leave no traceback.
-scripts/gpu_session.sh and scripts/gpu_vllm.sh set the variable per step and print the file after it.
+scripts/gpu.sh and scripts/gpu_vllm.sh set the variable per step and print the file after it.
 Loaded by tests/conftest.py; ``python -m pytest -p failure_log`` (tests/ on the path) elsewhere.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ Protocol, shared by every backend (CPU here, CUDA in ``dmi.kernels``):
 2. ``capture`` (device side, inside the model's forward): copy the selected rows of a site into
    the reserved offset, then publish a meta record whose ``seq`` field is written last.
 3. ``end_step`` (device side, after the forward): publish the end marker record.
-4. The drain thread polls the meta ring (no device calls) for the oldest open step's end marker,
+4. The drain thread polls the meta ring (no CUDA calls) for the oldest open step's end marker,
    then copies each published record's bytes to host staging, frees the block and the meta slots,
    and hands the step to the exporter. A planned record that was never published (its module did
    not run) is counted, never waited for.

@@ -169,7 +169,7 @@ def timed(fn) -> float:
 def gpu_profile(fn, steps: int) -> dict:
     """One run of ``fn`` under torch.profiler, per step: wall ms, GPU busy ms (the union of kernel
     and copy intervals, all streams), the same without copies (compute), device events, the host
-    µs of Dynamo's cache lookups, and device time by kernel name. GPU busy time is the stable
+    µs of Dynamo's cache lookups, and GPU time by kernel name. GPU busy time is the stable
     measure of what a configuration costs the device, where the wall time of HF's compiled
     generate is host-bound and jitters by several percent between identical runs."""
     from torch.autograd import DeviceType

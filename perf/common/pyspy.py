@@ -10,7 +10,7 @@ outside (``--nonblocking``: the target is never paused).
 
 FILEs are ``py-spy record --format raw --threads --full-filenames`` output (lines
 ``thread (TID): NAME;frame;...;frame COUNT``); :func:`record` starts one. py-spy is carried to the
-GPU machine as a wheel in ``.whl`` (scripts/gpu_session.sh installs it); it needs ptrace rights on
+GPU machine as a wheel in ``.whl`` (scripts/gpu.sh installs it); it needs ptrace rights on
 the target (root, or the same user with ptrace_scope 0).
 """
 from __future__ import annotations

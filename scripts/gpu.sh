@@ -3,13 +3,13 @@
 # (scripts/fetch_wheels.sh; for a machine that lacks zarr & co), then runs a part. Full logs go to
 # $OUT; the tail of each is printed.
 #
-#   bash scripts/gpu_session.sh [check]          GPU tests, drain throughput, a quick offline run
-#   bash scripts/gpu_session.sh tests [ARGS]     the GPU tests (pytest -m gpu tests/gpu ARGS)
-#   bash scripts/gpu_session.sh headline [ARGS]  perf/offline.py --headline ARGS (default: Qwen3-8B, batch 32, compiled)
-#   bash scripts/gpu_session.sh perf [ARGS]      perf/offline.py ARGS (the diagnostic matrix)
-#   bash scripts/gpu_session.sh budget [ARGS]    perf/budget.py ARGS
-#   bash scripts/gpu_session.sh drain [ARGS]     perf/drain_bench.py ARGS
-#   bash scripts/gpu_session.sh vllm ...         scripts/gpu_vllm.sh ... (vLLM's GPU tests, perf/online.py)
+#   bash scripts/gpu.sh [check]          GPU tests, drain throughput, a quick offline run
+#   bash scripts/gpu.sh tests [ARGS]     the GPU tests (pytest -m gpu tests/gpu ARGS)
+#   bash scripts/gpu.sh headline [ARGS]  perf/offline.py --headline ARGS (default: Qwen3-8B, batch 32, compiled)
+#   bash scripts/gpu.sh perf [ARGS]      perf/offline.py ARGS (the diagnostic matrix)
+#   bash scripts/gpu.sh budget [ARGS]    perf/budget.py ARGS
+#   bash scripts/gpu.sh drain [ARGS]     perf/drain_bench.py ARGS
+#   bash scripts/gpu.sh vllm ...         scripts/gpu_vllm.sh ... (vLLM's GPU tests, perf/online.py)
 set -u
 cd "$(dirname "$0")/.."
 [ "${1:-}" = vllm ] && { shift; exec bash scripts/gpu_vllm.sh "$@"; }
@@ -63,6 +63,6 @@ case "$part" in
     TAIL=20 step drain "${PERF_LIMIT:-120}" python3 perf/drain_bench.py "$@"
     ;;
   *)
-    echo "usage: gpu_session.sh [check|tests|headline|perf|budget|drain|vllm] [ARGS]"; exit 2
+    echo "usage: gpu.sh [check|tests|headline|perf|budget|drain|vllm] [ARGS]"; exit 2
     ;;
 esac
