@@ -100,7 +100,7 @@ class ProcessExporter:
         self._buf = np.frombuffer(self._map, np.uint8)
         ours, theirs = socket.socketpair()
         # the child imports this same dmi (a checkout put on sys.path by a script is not on the child's)
-        here = str(Path(__file__).resolve().parents[1])
+        here = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
                    **STORE_MALLOC)
         self._proc = subprocess.Popen([sys.executable, "-m", "dmi.store.writer", str(theirs.fileno()), self._buf_path],
