@@ -458,7 +458,7 @@ class StepClock:
             if self.session is None:
                 return None
             run = self.session.run
-            self.thread_clocks = [time.pthread_getcpuclockid(t.ident) for t in (run._drain, run._export) if t.ident]
+            self.thread_clocks = [time.pthread_getcpuclockid(t.ident) for t in (run.threads.drain, run.threads.export) if t.ident]
         wall = self.session.clock.wall
         try:
             threads = sum(time.clock_gettime(c) for c in self.thread_clocks)
