@@ -26,7 +26,6 @@ class Setting:
     default: str | None        # as the environment would give it; None: unset
     doc: str
     choices: tuple[str, ...] | None = None     # the values it takes (None: any, or checked where it is used)
-    fix: str = ""                               # what to set instead of an unknown value
 
 
 SETTINGS = {s.name: s for s in (
@@ -46,12 +45,9 @@ SETTINGS = {s.name: s for s in (
                                           "unset: range under vLLM's CUDA graphs where no step can outgrow the ring, "
                                           "else 0"),
     Setting("DMI_SIDE", "engine", "full", "capture kernels on a side stream: full (in full CUDA graphs), 1 (in every "
-                                          "CUDA graph) or 0 (on the model's stream)", ("0", "1", "full"),
-            "full (the default: capture kernels on a side stream in full CUDA graphs only), 1 (in every CUDA graph) "
-            "or 0 (on the model's stream)"),
+                                          "CUDA graph) or 0 (on the model's stream)", ("0", "1", "full")),
     Setting("DMI_CONSTANT_SITES", "engine", "1", "1: generate()'s compiled forward names its sites as constants; 0: "
-                                                 "through their handles", ("0", "1"),
-            "1 (the default: sites as constants of generate()'s compiled forward) or 0 (through their handles)"),
+                                                 "through their handles", ("0", "1")),
     Setting("DMI_PDL", "engine", "1", "0: no programmatic dependent launch of the capture kernels (Hopper and later)"),
     Setting("DMI_PYDLL", "engine", "1", "0: the CUDA ring's non-blocking calls through cuda-python (which lets the GIL "
                                         "go) instead of libcuda with the GIL held"),
@@ -77,7 +73,8 @@ def get(name: str) -> str | None:
     setting = SETTINGS[name]
     value = os.environ.get(name) or setting.default
     if setting.choices is not None and value is not None and value not in setting.choices:
-        raise DmiError(f"{name}={value!r}: unknown. Fix: {setting.fix}")
+        others = "".join(f", {c}" for c in setting.choices if c != setting.default)
+        raise DmiError(f"{name}={value!r}: unknown. Fix: {setting.default} (the default){others}; {setting.doc}")
     return value
 
 
