@@ -4,6 +4,8 @@
     dmi capture --model Qwen/Qwen3-0.6B --spec hooks.yaml --prompts prompts.jsonl --out out.zarr
     dmi capture --resume --out out.zarr --prompts more.jsonl   # append after the last committed step
     dmi inspect out.zarr [--json]
+    dmi plot attention out.zarr --request r0 --layer 1 --head 0 -o attn.png
+    dmi plot logit-lens out.zarr --model tiny-qwen3 -o lens.png
     dmi specs list
     dmi specs validate hooks.yaml [--arch qwen3 | --arch-spec FILE | --model NAME]
     dmi capture --model <dir> --arch-spec my_family.yaml --out out.zarr
@@ -251,6 +253,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print(format_summary(info))
     return EXIT_OK
+
+
+# --- plot -----------------------------------------------------------------------------------------
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import plot
+    from .api import open_store
+    tree = open_store(args.store)
+    tok = _load_tokenizer(args.tokenizer or args.model) if (args.tokenizer or args.model) else None
+    if args.plot_command == "attention":
+        plot.attention(tree, request=args.request, layer=args.layer, head=args.head, tokenizer=tok, out=args.out)
+    elif args.plot_command == "resid-norms":
+        plot.resid_norms(tree, site=args.site, out=args.out)
+    else:
+        if not args.model:
+            raise UsageError("logit-lens needs the model's final norm and unembedding. Fix: pass --model (the "
+                             "built-in name and --seed, or the local path the store was captured with)")
+        plot.logit_lens(tree, _plot_model(args.model, args.seed), request=args.request, tokenizer=tok, out=args.out)
+    print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _plot_model(name: str, seed: int):
+    from .models import BUILTIN, build_tiny_model
+    if name in BUILTIN:
+        return build_tiny_model(name, seed=seed)
+    _check_model(name)
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {name}: cannot load it: {_first_line(e)}. Fix: pass a built-in model name or "
+                         f"the local path the store was captured with") from None
 
 
 # --- specs ----------------------------------------------------------------------------------------
@@ -507,6 +542,29 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("store", help="path of the Zarr store")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.set_defaults(func=cmd_inspect)
+
+    pl = sub.add_parser("plot", help="draw a picture of a store as a PNG: attention, resid-norms, logit-lens",
+                        description="Pictures of a store (needs matplotlib: pip install 'dmi[plot]'). Token text on "
+                                    "the axes comes from the store's token ids and --tokenizer (or --model's).")
+    psub = pl.add_subparsers(dest="plot_command", metavar="PICTURE", parser_class=_Parser)
+    pa = psub.add_parser("attention", help="one request's attention pattern of one layer and head")
+    pa.add_argument("--layer", type=int, default=0, help="layer (default 0)")
+    pa.add_argument("--head", type=int, default=0, help="head (default 0)")
+    pr = psub.add_parser("resid-norms", help="mean residual-stream norm per layer, one line per request")
+    pr.add_argument("--site", default="resid_post", help="resid_post (default), resid_pre or resid_mid")
+    pn = psub.add_parser("logit-lens", help="each layer's resid_post through the final norm and unembedding")
+    for q in (pa, pr, pn):
+        q.add_argument("store", help="path of the Zarr store")
+        q.add_argument("--out", "-o", required=True, help="the PNG file to write")
+        q.set_defaults(func=cmd_plot)
+    for q in (pa, pn):
+        q.add_argument("--request", help="the request id (default: the first in the store)")
+        q.add_argument("--tokenizer", help="built-in model name or local path whose tokenizer names the tokens")
+    pa.set_defaults(model=None, seed=0)
+    pr.set_defaults(model=None, tokenizer=None, seed=0)
+    pn.add_argument("--model", help="the model the store was captured from (built-in name or local path)")
+    pn.add_argument("--seed", type=int, default=0, help="seed of a built-in model's weights (default 0)")
+    pl.set_defaults(func=None, _help=pl)
 
     s = sub.add_parser("specs", help="list built-in architecture specs, validate a spec file",
                        description="Architecture specs (one per model family) and hook specs (yours).")
