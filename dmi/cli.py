@@ -115,7 +115,8 @@ def _load_tokenizer(model: str):
     try:
         tok = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot load a tokenizer for {model!r}: {_first_line(e)}. "
+        from .models import load_failure
+        raise UsageError(f"cannot load a tokenizer for {model!r}: {load_failure(model, e)}. "
                          f"Fix: pass a built-in model name or a local path / hub id with a tokenizer") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -158,6 +159,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
     else:
         check_writable(out, args.overwrite)
 
+    if args.quiet:
+        quiet_libraries()
     import torch
     from . import load
     from .models import BUILTIN
@@ -174,7 +177,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         from .errors import DmiError
         if isinstance(e, DmiError):
             raise
-        raise UsageError(f"cannot load model {args.model!r}: {_first_line(e)}. Fix: pass a built-in model "
+        from .models import load_failure
+        raise UsageError(f"cannot load model {args.model!r}: {load_failure(args.model, e)}. Fix: pass a built-in model "
                          f"({', '.join(sorted(BUILTIN))}) or a local path / hub id") from None
 
     device = next(run.model.parameters()).device
@@ -184,19 +188,20 @@ def cmd_capture(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     failed: BaseException | None = None
     done = 0
-    from tqdm import tqdm
-    bar = tqdm(total=len(prompts), unit="prompt", desc="capture", file=sys.stderr, disable=args.quiet,
-               dynamic_ncols=True)
+    bar = PromptProgress(len(prompts), args.max_new_tokens, disable=args.quiet)
+    if not args.quiet:
+        gen["logits_processor"] = bar.processors()
     try:
         for i in range(0, len(prompts), args.batch_size):
             batch = prompts[i:i + args.batch_size]
             enc = tok([p.text for p in batch], return_tensors="pt", padding=True)
             enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             run.set_request_ids([p.id for p in batch])
+            bar.batch(len(batch))
             with torch.inference_mode():
                 run.model.generate(**enc, **gen)
-            bar.update(len(batch))
             done += len(batch)
+            bar.done(done)
     except BaseException as e:    # close the run (flushes what was captured) before reporting
         failed = e
     finally:
@@ -224,6 +229,58 @@ def cmd_capture(args: argparse.Namespace) -> int:
     except (DmiError, OSError) as e:
         _warn(f"cannot summarize {run.store}: {e}")
     return EXIT_OK
+
+
+class PromptProgress:
+    """The capture's progress bar, in prompts, moving with every generated token: a batch of b
+    prompts adds b / max_new_tokens a decode step (counted by a logits processor, which runs on the
+    model's thread without a device sync), and the bar is set to the prompts done after each batch
+    (one that stopped early at its eos token included)."""
+
+    def __init__(self, total: int, max_new_tokens: int, disable: bool):
+        from tqdm import tqdm
+        self.per_step = self.limit = 0.0
+        self.max_new_tokens = max_new_tokens
+        self.bar = tqdm(total=total, unit="prompt", desc="capture", file=sys.stderr, disable=disable,
+                        dynamic_ncols=True, mininterval=0.2,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} prompts [{elapsed}<{remaining}]")
+
+    def processors(self):
+        from transformers import LogitsProcessor, LogitsProcessorList
+        progress = self
+
+        class _Step(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                progress.step()
+                return scores
+        return LogitsProcessorList([_Step()])
+
+    def batch(self, prompts: int) -> None:
+        self.per_step = prompts / self.max_new_tokens
+        self.limit = self.bar.n + prompts           # (float steps never run past the batch)
+
+    def step(self) -> None:
+        k = min(self.per_step, self.limit - self.bar.n)
+        if k > 0:
+            self.bar.update(k)
+
+    def done(self, prompts: int) -> None:
+        self.bar.n = prompts
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def quiet_libraries() -> None:
+    """-q: no progress bar of transformers (weight loading) or huggingface_hub (downloads) either."""
+    from transformers.utils import logging as tf_logging
+    tf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    except ImportError:
+        pass
 
 
 def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:
@@ -284,7 +341,8 @@ def _plot_model(name: str, seed: int):
     try:
         return AutoModelForCausalLM.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--model {name}: cannot load it: {_first_line(e)}. Fix: pass a built-in model name or "
+        from .models import load_failure
+        raise UsageError(f"--model {name}: cannot load it: {load_failure(name, e)}. Fix: pass a built-in model name or "
                          f"the local path the store was captured with") from None
 
 
@@ -362,7 +420,8 @@ def _config_for(family: str, model: str | None):
         try:
             return AutoConfig.from_pretrained(model), model
         except (OSError, ValueError) as e:
-            raise UsageError(f"--model {model}: cannot load its config: {_first_line(e)}. "
+            from .models import load_failure
+            raise UsageError(f"--model {model}: cannot load its config: {load_failure(model, e)}. "
                              f"Fix: pass a built-in model name or a local path / hub id") from None
     from .models import tiny_config
     try:
@@ -534,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "dtype otherwise)")
     c.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs (default: where it loads, cpu)")
     c.add_argument("--seed", type=int, default=0, help="random seed (weights of built-in models; default 0)")
-    c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars (the capture's, and transformers' and the hub's while the model loads)")
     c.set_defaults(func=cmd_capture)
 
     i = sub.add_parser("inspect", help="summarize a store: model, sites, arrays, requests, bytes, drops",
