@@ -69,6 +69,12 @@ def _memory_budget(hook) -> int:
     """store.memory_bytes (the in-memory result's budget), refused past the host's memory."""
     from .spec import parse_bytes
     from .store.memory import DEFAULT_MEMORY_BYTES, KEY, host_memory_bytes
+    for path, value in ((("policy", "drain"), hook.data.get("policy", {}).get("drain")),
+                        (("store", "writer"), hook.data.get("store", {}).get("writer"))):
+        if value == "process":       # before the model loads
+            raise hook.error(path, f"{'.'.join(path)}: process writes a store from another process; an in-memory "
+                                   f"result (no store path) is written by this one",
+                             fix=f"remove {'.'.join(path)}, or pass a store path to dmi.load")
     value = hook.data.get("store", {}).get("memory_bytes")
     budget = DEFAULT_MEMORY_BYTES if value is None else parse_bytes(value)
     host = host_memory_bytes()

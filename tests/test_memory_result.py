@@ -75,3 +75,10 @@ def test_memory_budget_refused_past_host_memory(encoded):
     model, _ = model_pair("qwen3")
     with pytest.raises(dmi.SpecError, match=r"store\.memory_bytes.*more than this host's memory"):
         dmi.load(model, hook_spec={**SPEC, "store": {"memory_bytes": "1000TiB"}})
+
+
+@pytest.mark.parametrize("section, key", [("policy", "drain"), ("store", "writer")])
+def test_memory_result_refuses_a_writer_process(section, key):
+    model, _ = model_pair("qwen3")
+    with pytest.raises(dmi.SpecError, match=rf"{section}\.{key}: process writes a store from another process"):
+        dmi.load(model, hook_spec={**SPEC, section: {key: "process"}})

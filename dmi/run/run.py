@@ -51,12 +51,12 @@ class Run(EngineHooks):
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
                             "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
                             fix="remove policy.drain or set it to thread")
-        self.ring = ring or make_ring(plan.policy, device, traced=traced)
-        self.ring.setup(plan, self.dtype, device)
         if memory_bytes is not None and (remote or plan.writer == "process" or tp is not None):
             raise SpecError("an in-memory result (no store path) is written by an exporter thread of this process",
                             file=plan.hook_file or None, key="policy.drain" if remote else "store.writer",
                             fix="remove policy.drain and store.writer, or pass a store path to dmi.load")
+        self.ring = ring or make_ring(plan.policy, device, traced=traced)
+        self.ring.setup(plan, self.dtype, device)
         self.in_memory = memory_bytes is not None
         self._result = None              # the in-memory result, once closed
         if tp is None:
