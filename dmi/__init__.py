@@ -25,6 +25,9 @@ def __getattr__(name: str):
     if name in ("load", "open"):
         from . import api
         return {"load": api.load, "open": api.open_store}[name]
+    if name == "plot":       # matplotlib only when pictures are asked for
+        import importlib
+        return importlib.import_module(".plot", __name__)
     raise AttributeError(f"module 'dmi' has no attribute {name!r}")
 
 __version__ = "0.1.0"

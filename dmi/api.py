@@ -20,6 +20,9 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
 
     model: a transformers model, a ``PretrainedConfig``, a built-in tiny model name (``tiny-qwen3``,
     ``tiny-llama3_1``, ``tiny-qwen3_moe``, ``tiny-mixtral``) or a path / hub id for ``from_pretrained``.
+    store: the Zarr store's directory; None (and no ``store.path`` in the hook spec): the rows are
+    kept for an in-memory result, ``run.result()`` (an ``xarray.DataTree`` shaped as ``dmi.open``
+    gives), bounded by ``store.memory_bytes`` (default 2GiB).
     resume: append to an existing store (one whose run crashed, or a closed one) after its last
     committed step; the hook spec and the model must be the ones it was written with.
     """
@@ -37,15 +40,17 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     from .adapters.hf.engine import HFEngine
     hook = load_hook_spec(hook_spec)
     store = store if store is not None else hook.data.get("store", {}).get("path")
-    if store is None:
-        raise SpecError("no store given", file=hook.file, key="store.path",
-                        line=hook.line_of(("store",)) if "store" in hook.data else None,
-                        fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
+    memory_bytes = None
+    if store is None:                     # an in-memory result: run.result() (dmi.store.memory)
+        if resume:
+            raise SpecError("resume=True needs a store to append to", file=hook.file, key="store.path",
+                            fix="pass the store's path to dmi.load (store='out.zarr')")
+        memory_bytes = _memory_budget(hook)
     if resume and overwrite:
         raise DmiError("dmi.load: resume=True and overwrite=True contradict each other. Fix: pass one of them")
-    if resume:                            # before the model loads: a store that cannot be resumed fails fast
+    if memory_bytes is None and resume:   # before the model loads: a store that cannot be resumed fails fast
         check_resumable(store, {"hook_spec": hook.data}, hook.file)
-    else:
+    elif memory_bytes is None:
         check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
     engine = HFEngine()
     m = engine.resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
@@ -56,7 +61,28 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     check_memory(plan, _device_of(m), hook)      # before the ring is allocated
     from .adapters.hf.probe import check_sites
     check_sites(m, plan, arch)                   # spec mistakes at load, not at the first forward
-    return build_run(engine, m, plan, arch, store, keep_store=resume, overwrite=overwrite, resume=resume)
+    return build_run(engine, m, plan, arch, store, keep_store=resume, overwrite=overwrite, resume=resume,
+                     memory_bytes=memory_bytes)
+
+
+def _memory_budget(hook) -> int:
+    """store.memory_bytes (the in-memory result's budget), refused past the host's memory."""
+    from .spec import parse_bytes
+    from .store.memory import DEFAULT_MEMORY_BYTES, KEY, host_memory_bytes
+    for path, value in ((("policy", "drain"), hook.data.get("policy", {}).get("drain")),
+                        (("store", "writer"), hook.data.get("store", {}).get("writer"))):
+        if value == "process":       # before the model loads
+            raise hook.error(path, f"{'.'.join(path)}: process writes a store from another process; an in-memory "
+                                   f"result (no store path) is written by this one",
+                             fix=f"remove {'.'.join(path)}, or pass a store path to dmi.load")
+    value = hook.data.get("store", {}).get("memory_bytes")
+    budget = DEFAULT_MEMORY_BYTES if value is None else parse_bytes(value)
+    host = host_memory_bytes()
+    if value is not None and host is not None and budget > host:
+        raise hook.error(("store", "memory_bytes"), f"{KEY} is {budget:,} bytes, more than this host's memory "
+                         f"({host:,} bytes)", fix="lower store.memory_bytes, or pass a store path to dmi.load to "
+                                                  "write a store on disk")
+    return budget
 
 
 def _device_of(model):

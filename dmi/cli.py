@@ -4,6 +4,8 @@
     dmi capture --model Qwen/Qwen3-0.6B --spec hooks.yaml --prompts prompts.jsonl --out out.zarr
     dmi capture --resume --out out.zarr --prompts more.jsonl   # append after the last committed step
     dmi inspect out.zarr [--json]
+    dmi plot attention out.zarr --request r0 --layer 1 --head 0 -o attn.png
+    dmi plot logit-lens out.zarr --model tiny-qwen3 -o lens.png
     dmi specs list
     dmi specs validate hooks.yaml [--arch qwen3 | --arch-spec FILE | --model NAME]
     dmi capture --model <dir> --arch-spec my_family.yaml --out out.zarr
@@ -113,7 +115,8 @@ def _load_tokenizer(model: str):
     try:
         tok = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot load a tokenizer for {model!r}: {_first_line(e)}. "
+        from .models import load_failure
+        raise UsageError(f"cannot load a tokenizer for {model!r}: {load_failure(model, e)}. "
                          f"Fix: pass a built-in model name or a local path / hub id with a tokenizer") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -156,6 +159,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
     else:
         check_writable(out, args.overwrite)
 
+    if args.quiet:
+        quiet_libraries()
     import torch
     from . import load
     from .models import BUILTIN
@@ -172,7 +177,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         from .errors import DmiError
         if isinstance(e, DmiError):
             raise
-        raise UsageError(f"cannot load model {args.model!r}: {_first_line(e)}. Fix: pass a built-in model "
+        from .models import load_failure
+        raise UsageError(f"cannot load model {args.model!r}: {load_failure(args.model, e)}. Fix: pass a built-in model "
                          f"({', '.join(sorted(BUILTIN))}) or a local path / hub id") from None
 
     device = next(run.model.parameters()).device
@@ -182,19 +188,20 @@ def cmd_capture(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     failed: BaseException | None = None
     done = 0
-    from tqdm import tqdm
-    bar = tqdm(total=len(prompts), unit="prompt", desc="capture", file=sys.stderr, disable=args.quiet,
-               dynamic_ncols=True)
+    bar = PromptProgress(len(prompts), args.max_new_tokens, disable=args.quiet)
+    if not args.quiet:
+        gen["logits_processor"] = bar.processors()
     try:
         for i in range(0, len(prompts), args.batch_size):
             batch = prompts[i:i + args.batch_size]
             enc = tok([p.text for p in batch], return_tensors="pt", padding=True)
             enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             run.set_request_ids([p.id for p in batch])
+            bar.batch(len(batch))
             with torch.inference_mode():
                 run.model.generate(**enc, **gen)
-            bar.update(len(batch))
             done += len(batch)
+            bar.done(done)
     except BaseException as e:    # close the run (flushes what was captured) before reporting
         failed = e
     finally:
@@ -224,6 +231,58 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class PromptProgress:
+    """The capture's progress bar, in prompts, moving with every generated token: a batch of b
+    prompts adds b / max_new_tokens a decode step (counted by a logits processor, which runs on the
+    model's thread without a device sync), and the bar is set to the prompts done after each batch
+    (one that stopped early at its eos token included)."""
+
+    def __init__(self, total: int, max_new_tokens: int, disable: bool):
+        from tqdm import tqdm
+        self.per_step = self.limit = 0.0
+        self.max_new_tokens = max_new_tokens
+        self.bar = tqdm(total=total, unit="prompt", desc="capture", file=sys.stderr, disable=disable,
+                        dynamic_ncols=True, mininterval=0.2,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} prompts [{elapsed}<{remaining}]")
+
+    def processors(self):
+        from transformers import LogitsProcessor, LogitsProcessorList
+        progress = self
+
+        class _Step(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                progress.step()
+                return scores
+        return LogitsProcessorList([_Step()])
+
+    def batch(self, prompts: int) -> None:
+        self.per_step = prompts / self.max_new_tokens
+        self.limit = self.bar.n + prompts           # (float steps never run past the batch)
+
+    def step(self) -> None:
+        k = min(self.per_step, self.limit - self.bar.n)
+        if k > 0:
+            self.bar.update(k)
+
+    def done(self, prompts: int) -> None:
+        self.bar.n = prompts
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def quiet_libraries() -> None:
+    """-q: no progress bar of transformers (weight loading) or huggingface_hub (downloads) either."""
+    from transformers.utils import logging as tf_logging
+    tf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    except ImportError:
+        pass
+
+
 def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:
     """--resume: requests must not reuse the store's ids. Made-up ids move on to free p<N>; a
     given id already in the store is refused."""
@@ -251,6 +310,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print(format_summary(info))
     return EXIT_OK
+
+
+# --- plot -----------------------------------------------------------------------------------------
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import plot
+    from .api import open_store
+    tree = open_store(args.store)
+    tok = _load_tokenizer(args.tokenizer or args.model) if (args.tokenizer or args.model) else None
+    if args.plot_command == "attention":
+        plot.attention(tree, request=args.request, layer=args.layer, head=args.head, tokenizer=tok, out=args.out)
+    elif args.plot_command == "resid-norms":
+        plot.resid_norms(tree, site=args.site, out=args.out)
+    else:
+        if not args.model:
+            raise UsageError("logit-lens needs the model's final norm and unembedding. Fix: pass --model (the "
+                             "built-in name and --seed, or the local path the store was captured with)")
+        plot.logit_lens(tree, _plot_model(args.model, args.seed), request=args.request, tokenizer=tok, out=args.out)
+    print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _plot_model(name: str, seed: int):
+    from .models import BUILTIN, build_tiny_model
+    if name in BUILTIN:
+        return build_tiny_model(name, seed=seed)
+    _check_model(name)
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        from .models import load_failure
+        raise UsageError(f"--model {name}: cannot load it: {load_failure(name, e)}. Fix: pass a built-in model name or "
+                         f"the local path the store was captured with") from None
 
 
 # --- specs ----------------------------------------------------------------------------------------
@@ -327,7 +420,8 @@ def _config_for(family: str, model: str | None):
         try:
             return AutoConfig.from_pretrained(model), model
         except (OSError, ValueError) as e:
-            raise UsageError(f"--model {model}: cannot load its config: {_first_line(e)}. "
+            from .models import load_failure
+            raise UsageError(f"--model {model}: cannot load its config: {load_failure(model, e)}. "
                              f"Fix: pass a built-in model name or a local path / hub id") from None
     from .models import tiny_config
     try:
@@ -499,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "dtype otherwise)")
     c.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs (default: where it loads, cpu)")
     c.add_argument("--seed", type=int, default=0, help="random seed (weights of built-in models; default 0)")
-    c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars (the capture's, and transformers' and the hub's while the model loads)")
     c.set_defaults(func=cmd_capture)
 
     i = sub.add_parser("inspect", help="summarize a store: model, sites, arrays, requests, bytes, drops",
@@ -507,6 +602,29 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("store", help="path of the Zarr store")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.set_defaults(func=cmd_inspect)
+
+    pl = sub.add_parser("plot", help="draw a picture of a store as a PNG: attention, resid-norms, logit-lens",
+                        description="Pictures of a store (needs matplotlib: pip install 'dmi[plot]'). Token text on "
+                                    "the axes comes from the store's token ids and --tokenizer (or --model's).")
+    psub = pl.add_subparsers(dest="plot_command", metavar="PICTURE", parser_class=_Parser)
+    pa = psub.add_parser("attention", help="one request's attention pattern of one layer and head")
+    pa.add_argument("--layer", type=int, default=0, help="layer (default 0)")
+    pa.add_argument("--head", type=int, default=0, help="head (default 0)")
+    pr = psub.add_parser("resid-norms", help="mean residual-stream norm per layer, one line per request")
+    pr.add_argument("--site", default="resid_post", help="resid_post (default), resid_pre or resid_mid")
+    pn = psub.add_parser("logit-lens", help="each layer's resid_post through the final norm and unembedding")
+    for q in (pa, pr, pn):
+        q.add_argument("store", help="path of the Zarr store")
+        q.add_argument("--out", "-o", required=True, help="the PNG file to write")
+        q.set_defaults(func=cmd_plot)
+    for q in (pa, pn):
+        q.add_argument("--request", help="the request id (default: the first in the store)")
+        q.add_argument("--tokenizer", help="built-in model name or local path whose tokenizer names the tokens")
+    pa.set_defaults(model=None, seed=0)
+    pr.set_defaults(model=None, tokenizer=None, seed=0)
+    pn.add_argument("--model", help="the model the store was captured from (built-in name or local path)")
+    pn.add_argument("--seed", type=int, default=0, help="seed of a built-in model's weights (default 0)")
+    pl.set_defaults(func=None, _help=pl)
 
     s = sub.add_parser("specs", help="list built-in architecture specs, validate a spec file",
                        description="Architecture specs (one per model family) and hook specs (yours).")

@@ -114,6 +114,11 @@ def model_arg_problem(model) -> tuple[str, str] | None:
         return (f"no such directory: {str(path)!r}",
                 f"check the path, or pass a built-in model ({builtins}) or a hub id (org/name)")
     if "/" in name:
+        top, rest = name.split("/", 1)
+        if Path(top).expanduser().is_dir() and not _in_hub_cache(name):    # a path into a local directory
+            return (f"no such directory: {name!r} (the local directory {top + '/'!r} has no {rest!r})",
+                    f"check the path (a local model's directory holds its config.json); a hub id whose "
+                    f"organization is also a local directory's name loads from another working directory")
         return None            # org/name: a hub id, for from_pretrained
     if _in_hub_cache(name):
         return None
@@ -121,6 +126,16 @@ def model_arg_problem(model) -> tuple[str, str] | None:
     hint = f"did you mean {close[0]!r}? " if close else ""
     return (f"{name!r} is not a built-in model, a local directory or a model in the hub cache",
             f"{hint}built-in models: {builtins}; give a hub model by its full id (org/name)")
+
+
+def load_failure(name, error: BaseException) -> str:
+    """What a failed ``from_pretrained`` of ``name`` says: for a name that is no local directory,
+    that it is none, then the hub's answer (a mistyped local path is not only a hub error)."""
+    from pathlib import Path
+    first = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    if Path(str(name)).expanduser().exists():
+        return first
+    return f"no such directory: {str(name)!r}, and as a hub id: {first}"
 
 
 def _in_hub_cache(repo_id: str) -> bool:

@@ -531,14 +531,15 @@ def test_store_is_checked_before_the_model_loads(tmp_path, monkeypatch):
         dmi.load("tiny-qwen3", hook_spec=GOOD, store=existing)
 
 
-def test_no_store_given(write_spec, load):
+def test_no_store_to_resume(write_spec, load):
+    """No store is an in-memory result (tests/test_memory_result.py), which cannot be resumed."""
     spec = write_spec("""\
         capture:
           - sites: [resid_post]
         policy: {mode: full}
     """)
-    check(load(spec, SpecError, store=None), SpecError, file=spec, key="store.path",
-          says=("no store given", "store.path"))
+    check(load(spec, SpecError, store=None, resume=True), SpecError, file=spec, key="store.path",
+          says=("resume=True needs a store", "store='out.zarr'"))
 
 
 # --- architecture specs -----------------------------------------------------------------------------

@@ -32,8 +32,9 @@ class HFEngine:
             try:
                 out = tf.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto", **hf_kwargs)
             except (OSError, ValueError) as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise DmiError(f"dmi.load: model: cannot load {str(model)!r} with from_pretrained: {first}. Fix: pass a "
+                from ...models import load_failure
+                raise DmiError(f"dmi.load: model: cannot load {str(model)!r} with from_pretrained: "
+                               f"{load_failure(model, e)}. Fix: pass a "
                                f"local model directory or a hub id that is reachable (or a built-in: {sorted(BUILTIN)})"
                                ) from e
         else:

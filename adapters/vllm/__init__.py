@@ -93,8 +93,8 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     hook = load_hook_spec(hook_spec)                  # errors before the engine starts
     store = store if store is not None else hook.data.get("store", {}).get("path")
     if store is None:
-        raise SpecError("no store given", file=hook.file, key="store.path",
-                        fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
+        raise SpecError("no store given (an in-memory result, store=None, is for backend='hf')", file=hook.file,
+                        key="store.path", fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
     check_writable(store, overwrite)
     check_parallel_kwargs(llm_kwargs)                 # refused here, not as "WorkerProc initialization failed"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here

@@ -38,7 +38,7 @@ class Run(EngineHooks):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
                  attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None,
-                 traced: str | None = None):
+                 traced: str | None = None, memory_bytes: int | None = None):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -51,12 +51,23 @@ class Run(EngineHooks):
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
                             "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
                             fix="remove policy.drain or set it to thread")
+        if memory_bytes is not None and (remote or plan.writer == "process" or tp is not None):
+            raise SpecError("an in-memory result (no store path) is written by an exporter thread of this process",
+                            file=plan.hook_file or None, key="policy.drain" if remote else "store.writer",
+                            fix="remove policy.drain and store.writer, or pass a store path to dmi.load")
         self.ring = ring or make_ring(plan.policy, device, traced=traced)
         self.ring.setup(plan, self.dtype, device)
+        self.in_memory = memory_bytes is not None
+        self._result = None              # the in-memory result, once closed
         if tp is None:
             exporter = ZarrExporter
             if plan.writer == "process":
                 from ..store.writer import ProcessExporter as exporter
+            if self.in_memory:
+                from functools import partial
+
+                from ..store.memory import MemoryExporter
+                exporter = partial(MemoryExporter, memory_bytes=memory_bytes)
             try:
                 self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
                                          run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
@@ -218,8 +229,28 @@ class Run(EngineHooks):
                         "module never ran, e.g. embed under inputs_embeds, or the engine computed none of those rows, "
                         "e.g. logits under logits_to_keep): %s", len(never), self.store,
                         ", ".join(never[:8]) + (", ..." if len(never) > 8 else ""))
-        self.exporter.close(summary, clean=clean)
-        self.ring.raise_if_failed()
+        try:
+            self.exporter.close(summary, clean=clean)
+            self.ring.raise_if_failed()
+        finally:
+            if self.in_memory:
+                try:
+                    self._result = self.exporter.take_result()
+                except Exception as e:      # noqa: BLE001 - the run's own error (if any) is what propagates
+                    log.warning("dmi: the in-memory result cannot be read back: %s", e)
+
+    def result(self):
+        """What the run captured, as an ``xarray.DataTree`` with the groups, variables and
+        coordinates ``dmi.open`` gives for a store (closes the run first). An in-memory run (no
+        store path) returns its result, held in memory; a store's run opens its store."""
+        self.close()
+        if not self.in_memory:
+            from ..api import open_store
+            return open_store(self.store)
+        if self._result is None:
+            raise StoreError("the run's in-memory result could not be read back (see the warning logged at "
+                             "close). Fix: pass a store path to dmi.load to keep the rows on disk")
+        return self._result
 
     def on_close(self, detach) -> None:
         """``detach()`` runs when the run closes, after its threads stopped (an adapter undoing its patches)."""
@@ -233,7 +264,8 @@ class Run(EngineHooks):
         self.close(error=exc)
 
     def __repr__(self) -> str:
-        return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} store={self.store!r}>"
+        where = "in memory" if self.in_memory else f"store={self.store!r}"
+        return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} {where}>"
 
 
 def run_attrs(model, plan: Plan) -> dict:
