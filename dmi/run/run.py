@@ -57,6 +57,8 @@ class Run(EngineHooks):
             exporter = ZarrExporter
             if plan.writer == "process":
                 from ..store.writer import ProcessExporter as exporter
+            elif plan.writer == "pool":
+                from ..store.pool import PoolExporter as exporter
             try:
                 self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
                                          run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
@@ -65,8 +67,8 @@ class Run(EngineHooks):
                     self.ring.share.unlink()
                 raise
         else:      # tensor parallelism (dmi.store.shards.TPContext): plan = this rank's part; the store holds tp.plan
-            if plan.writer == "process":
-                raise SpecError("store.writer: process is not supported with tensor parallelism (each rank writes "
+            if plan.writer in ("process", "pool"):
+                raise SpecError(f"store.writer: {plan.writer} is not supported with tensor parallelism (each rank writes "
                                 "its shard from its own exporter thread)", file=plan.hook_file or None,
                                 key="store.writer", fix="remove store.writer or set it to thread")
             from ..store.shards import ShardedExporter
