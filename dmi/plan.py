@@ -107,6 +107,7 @@ class Plan:
     bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
     writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
     threads: int | None = None         # store.threads: the exporter's encode/copy threads (None: its default)
+    writers: int | None = None         # store.writers: store.writer pool's processes (None: its default)
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -318,11 +319,15 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
-                writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
+                writer=store.get("writer", "thread"), threads=store.get("threads"), writers=store.get("writers"),
+                arch_file=arch.file,
                 hook_file=hook.file, hook_spec=spec, unavailable=skipped)
+    if "writers" in store and plan.writer != "pool":
+        raise hook.error(("store", "writers"), "store.writers is the number of store.writer pool's processes",
+                         fix="set store.writer: pool, or remove store.writers")
     if policy.drain == "process":      # the child that drains the ring writes the store too
-        if store.get("writer") == "thread":
-            raise hook.error(("store", "writer"), "store.writer: thread cannot go with policy.drain: process (the "
+        if store.get("writer") in ("thread", "pool"):
+            raise hook.error(("store", "writer"), f"store.writer: {store['writer']} cannot go with policy.drain: process (the "
                              "child process that drains the ring writes the store)",
                              fix="remove store.writer or set it to process")
         plan.writer = "process"

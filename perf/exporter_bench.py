@@ -4,9 +4,11 @@ Feeds the real ZarrExporter synthetic drained steps shaped like Qwen3-8B hidden-
 (36 x resid_post + final_norm, bf16 captured; stored as bf16, ``store.dtype: native``, or widened,
 ``--dtypes float32``) and prints GB/s of captured bytes for each compression setting, stored dtype
 and ``store.writer`` (thread: the exporter in this process; process:
-in its own), from the first step to the store closed (every chunk on disk and committed), and the
+in its own; pool: chunks encoded and written by ``store.writers`` processes, ``--pool-writers``),
+from the first step to the store closed (every chunk on disk and committed), and the
 CPU time per step of the thread that hands the steps over: what the model's process pays (the
-run's exporter thread, holding the GIL the model's thread needs), and how late a thread that
+run's exporter thread, holding the GIL the model's thread needs), the CPU time per step of this
+whole process (every store thread in it: the GIL's other holders), and how late a thread that
 wakes every 200 us gets the GIL back meanwhile (:class:`GilProbe`). The payload is bf16
 activations (``--payload random``: uniform random bits, which blosc stores through its
 incompressible fast path and so flatter lz4). The exporter writes chunk files from a pool of
@@ -100,7 +102,7 @@ def raw_write_gbs(directory: Path, n_bytes: int, block: int = 16 << 20) -> float
 
 def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "thread",
           dtype: str = "native", threads: int | None = None, chunk_bytes: int | None = None,
-          kind: str = "activations") -> dict:
+          kind: str = "activations", pool_writers: int | None = None) -> dict:
     """One run: captured GB/s from the first step to the store closed, CPU ms per step of the
     calling thread, the store's bytes over the captured bytes, and the store threads used."""
     from dmi.store.chunks import default_threads
@@ -111,6 +113,7 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     from dmi.ring.records import META_DTYPE
     from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
     from dmi.tokens import StepTokens
+    from dmi.store.pool import PoolExporter, default_writers
     from dmi.store.writer import ProcessExporter
 
     cfg = config("qwen3-8b")
@@ -119,17 +122,22 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
         store["threads"] = threads
     if chunk_bytes:
         store["chunk_bytes"] = chunk_bytes
+    if writer == "pool":
+        store["writer"] = "pool"
+        if pool_writers:
+            store["writers"] = pool_writers
     hook = load_hook_spec({"capture": [{"sites": ["resid_post", "final_norm"]}],
                            "store": store, "policy": {"ring_bytes": "4GiB"}})
     plan = build_plan(load_arch_spec(builtin_spec_dir() / "qwen3.yaml"), hook, cfg, model_dtype_itemsize=2)
     shutil.rmtree(out, ignore_errors=True)
-    exp = (ZarrExporter if writer == "thread" else ProcessExporter)(out, plan, "bfloat16", {}, overwrite=True)
+    exporter = {"thread": ZarrExporter, "process": ProcessExporter, "pool": PoolExporter}[writer]
+    exp = exporter(out, plan, "bfloat16", {}, overwrite=True)
     payloads = {s.index: payload(kind, tokens * s.row_bytes(2), s.index) for s in plan.sites}
     st = StepTokens(0, 1, tokens, np.arange(tokens), np.zeros(tokens, np.int64), np.arange(tokens),
                     np.zeros(tokens, np.int8), np.arange(tokens))
     sel = np.arange(tokens)
     captured = 0
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     for step in range(steps):
         slots = {s.index: SiteSlot(s.index, 0, 0, sel, sel, 1) for s in plan.sites}
         ctrl = StepControl(step, st, np.zeros(1, np.int64), slots, 0, 0, 0)
@@ -143,7 +151,9 @@ def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "t
     exp.close({})
     wall = time.perf_counter() - t0
     return {"gbs": captured / wall / 1e9, "cpu_ms": (time.thread_time() - c0) / steps * 1e3,
-            "ratio": disk_usage(out) / captured, "threads": threads or default_threads()}
+            "proc_ms": (time.process_time() - p0) / steps * 1e3, "ratio": disk_usage(out) / captured,
+            "threads": threads or default_threads(),
+            "writers": (pool_writers or default_writers()) if writer == "pool" else ""}
 
 
 def main() -> None:
@@ -153,7 +163,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir); e.g. /dev/shm/eb or a "
                                                 "directory on a local disk")
-    ap.add_argument("--writers", default="thread,process", help="store.writer settings to time")
+    ap.add_argument("--writers", default="thread,process,pool", help="store.writer settings to time")
+    ap.add_argument("--pool-writers", type=int, default=None,
+                    help="store.writers of store.writer pool (default: the pool's default)")
     ap.add_argument("--compressions", default="lz4,none,zstd")
     ap.add_argument("--dtypes", default="native", help="store.dtype settings to time (native: bf16 as bf16)")
     ap.add_argument("--threads", default="", help="store.threads settings to time, comma-separated "
@@ -176,9 +188,9 @@ def main() -> None:
               f"+ fsync)")
     print(f"GIL probe, idle: {idle.mean_us():.0f} us late per wake-up (sleep granularity)")
     print()
-    print("| writer | compression | stored | threads | captured GB/s (median) | of raw write | store bytes / captured | "
-          "caller CPU ms/step | probe us late | runs (GB/s) |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| writer | compression | stored | threads | processes | captured GB/s (median) | of raw write | "
+          "store bytes / captured | caller CPU ms/step | process CPU ms/step | probe us late | runs (GB/s) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for writer in args.writers.split(","):
         for dtype in args.dtypes.split(","):
             for comp in args.compressions.split(","):
@@ -187,14 +199,15 @@ def main() -> None:
                     for _ in range(args.repeats):
                         with GilProbe() as probe:
                             runs.append(bench(comp, args.steps, args.tokens, base / f"{comp}.zarr", writer, dtype,
-                                              threads, args.chunk_bytes, args.payload))
+                                              threads, args.chunk_bytes, args.payload, args.pool_writers))
                         late.append(probe.mean_us())
                     gbs = statistics.median(r["gbs"] for r in runs)
                     cpu = statistics.median(r["cpu_ms"] for r in runs)
+                    proc = statistics.median(r["proc_ms"] for r in runs)
                     of_raw = f"{gbs / raw:.2f}" if raw else ""
                     each = ", ".join(f"{r['gbs']:.2f}" for r in runs)
-                    print(f"| {writer} | {comp} | {dtype} | {runs[0]['threads']} | {gbs:.2f} | {of_raw} | "
-                          f"{runs[0]['ratio']:.3f} | {cpu:.2f} | {statistics.median(late):.0f} | "
+                    print(f"| {writer} | {comp} | {dtype} | {runs[0]['threads']} | {runs[0]['writers']} | {gbs:.2f} | "
+                          f"{of_raw} | {runs[0]['ratio']:.3f} | {cpu:.2f} | {proc:.2f} | {statistics.median(late):.0f} | "
                           f"{each} |", flush=True)
     for comp in args.compressions.split(","):
         shutil.rmtree(base / f"{comp}.zarr", ignore_errors=True)

@@ -263,7 +263,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
                        sites=n_hidden, note=f"{run.ring.steps_copied_at_step} steps copied at step")
                 run.ring.copy_at_step = False
             if not args.no_zarr and mode in args.zarr_modes.split(","):
-                label = "dmi hidden+logits -> zarr" + (" (writer process)" if args.writer == "process" else "")
+                label = "dmi hidden+logits -> zarr" + (f" (writer {args.writer})" if args.writer != "thread" else "")
                 record(label, reps_of(stepped(run, True), max(1, min(reps, args.zarr_repeats)), run=run, warm=False), run,
                        sites=n_hidden, note=f"store {sd}")
         finally:
@@ -446,6 +446,8 @@ def table(rows: list[dict]) -> str:
 # the headline's configurations: (hook spec, environment at load); "default" is what a new user runs
 HEADLINE_CONFIGS = {"default": (HEADLINE_SPEC, {}),
                     "writer-process": (HEADLINE_SPEC | {"store": {"writer": "process"}}, {}),
+                    "writer-pool": (HEADLINE_SPEC | {"store": {"writer": "pool"}}, {}),
+                    "writer-pool-16mib": (HEADLINE_SPEC | {"store": {"writer": "pool", "chunk_bytes": "16MiB"}}, {}),
                     "chunks-16mib": (HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}}, {}),
                     "traced": (HEADLINE_SPEC, {"DMI_TRACED": "1"})}
 
@@ -563,7 +565,7 @@ def main(argv=None):
                          "not fit with room to spare)")
     ap.add_argument("--host-mib", type=int, default=2048, help="policy.host_bytes (pinned staging) in MiB")
     ap.add_argument("--no-zarr", action="store_true")
-    ap.add_argument("--writer", default="thread", choices=["thread", "process"],
+    ap.add_argument("--writer", default="thread", choices=["thread", "process", "pool"],
                     help="store.writer of the Zarr row: the exporter in this process or in its own")
     ap.add_argument("--zarr-modes", default="compiled", help="modes that also time the Zarr store (slow exporter)")
     ap.add_argument("--no-internals", action="store_true")

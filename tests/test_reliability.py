@@ -124,14 +124,16 @@ def _synthetic_steps(exporter_cls, store: Path, compression: str, steps: int = 5
     return {k: np.concatenate(v) for k, v in fed.items()}
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", "process", "pool"])
 @pytest.mark.parametrize("compression", ["lz4", "none"])
 def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(tmp_path, writer, compression):
     """The write path's store (lz4: bitshuffled blosc-lz4) is a plain Zarr v3 store: xarray and
     dmi.open read back exactly the captured bf16 bits, rows in step order, every chunk whole."""
+    from dmi.store.pool import PoolExporter
     from dmi.store.writer import ProcessExporter
     store = tmp_path / "s.zarr"
-    fed = _synthetic_steps(ZarrExporter if writer == "thread" else ProcessExporter, store, compression)
+    fed = _synthetic_steps({"thread": ZarrExporter, "process": ProcessExporter, "pool": PoolExporter}[writer], store,
+                           compression)
     meta = json.loads((store / "layers/resid_post/resid_post/zarr.json").read_text())
     blosc = [c["configuration"] for c in meta["codecs"] if c["name"] == "blosc"]
     if compression == "lz4":
@@ -217,7 +219,7 @@ def _assert_no_torn_chunk(store: Path) -> int:
 
 # store.writer: the exporter in the model's process, or in its own; "drain": that process drains the
 # ring too (policy.drain: process)
-WRITERS = ["thread", "process", "drain"]
+WRITERS = ["thread", "process", "drain", "pool"]
 
 
 def _writer(writer: str) -> str:

@@ -20,7 +20,7 @@ import dmi
 from dmi.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-WRITERS = ["thread", "process"]
+WRITERS = ["thread", "process", "pool"]
 
 
 def _attrs(store: Path) -> dict:
@@ -161,7 +161,7 @@ def _userns_tmpfs_ok(tmp_path: Path) -> bool:
     return r.returncode == 0
 
 
-@pytest.mark.parametrize("writer", ["thread"])      # (the process writer's child runs the same exporter)
+@pytest.mark.parametrize("writer", ["thread", "pool"])   # (the process writer's child runs the same exporter)
 def test_disk_full_under_best_effort_records_its_drops(tmp_path, writer, capsys):
     """A real ENOSPC (a 2 MiB tmpfs in a user and mount namespace): the run warns and exits 0, and
     the store still says what happened: store_error recorded, every sink drop in the drops table,

@@ -172,6 +172,19 @@ def check_store(store: Path, ref: dict, plain: bool = True) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_random_interleavings_leave_only_whole_correct_steps(tmp_path, reference, seed):
     rows, spec = reference
+    _interleave(tmp_path, spec, rows, seed)
+
+
+def test_random_interleavings_with_the_writer_pool(tmp_path, reference):
+    """The same property with store.writer: pool: a killed run's chunk writers end with it, and
+    what they leave resumes like the thread writer's store."""
+    rows, _ = reference
+    spec = tmp_path / "hooks.yaml"
+    spec.write_text(HOOKS.replace("{chunk_bytes: 4KiB}", "{chunk_bytes: 4KiB, writer: pool, writers: 2}"))
+    _interleave(tmp_path, spec, rows, 0)
+
+
+def _interleave(tmp_path, spec, rows, seed: int) -> None:
     rng = np.random.default_rng(seed)
     world = World(tmp_path, spec, rng, rows)
     done = []

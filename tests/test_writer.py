@@ -1,7 +1,9 @@
-"""store.writer: process — the exporter in its own process writes the same store as the in-process
-one, and its failures reach the caller the same way."""
+"""store.writer: process — the exporter in its own process — and store.writer: pool — chunks encoded
+and written by worker processes — write the same store as the in-process exporter, and their
+failures reach the caller the same way."""
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import tempfile
@@ -149,7 +151,7 @@ def _nice(tid: int) -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority") or not Path("/proc/self/task").exists(), reason="Linux threads")
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", "process", "pool"])
 def test_the_store_threads_yield_their_cores_to_the_model(tmp_path, encoded, writer):
     """store.threads sets the exporter's pool; its threads (the writer process: all of it) run at
     lowered CPU priority, the model's thread keeps its own, and the store still holds every row."""
@@ -165,11 +167,12 @@ def test_the_store_threads_yield_their_cores_to_the_model(tmp_path, encoded, wri
             pool = [t for t in threading.enumerate() if t.name.startswith(("dmi-zarr", "dmi-copy"))]
             assert pool and all(_nice(t.native_id) >= STORE_NICE for t in pool)
         else:
-            pid = run.exporter._proc.pid
-            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-            assert len(tids) > 1 and all(_nice(t) >= STORE_NICE for t in tids)
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert b"MALLOC_MMAP_THRESHOLD_=%d" % (32 << 20) in env
+            pids = [run.exporter._proc.pid] if writer == "process" else [p.pid for p in run.exporter._procs]
+            for pid in pids:
+                tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+                assert tids and all(_nice(t) >= STORE_NICE for t in tids)
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert b"MALLOC_MMAP_THRESHOLD_=%d" % (32 << 20) in env
         assert _nice(threading.get_native_id()) == mine
         stats = run.stats()
     tree = dmi.open(tmp_path / "o.zarr")
@@ -241,3 +244,121 @@ def test_full_mode_stops_when_the_writer_process_dies_and_says_how_to_go_on(tmp_
                 run.model.generate(**encoded, max_new_tokens=3, do_sample=False)
     with pytest.raises(dmi.DmiError):
         run.close()
+
+
+# --- store.writer: pool ------------------------------------------------------------------------------
+
+def _chunk_files(store: Path) -> dict[str, bytes]:
+    """Every chunk file of a store (the ``c`` key below each array), by path."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*")
+            if p.is_file() and "c" in p.relative_to(store).parts}
+
+
+@pytest.mark.parametrize("policy,chunk", [
+    ({"mode": "full", "ring_bytes": "8MiB"}, "16KiB"),
+    # chunks of 16 rows: a prefill step fills several, each written while the step's later rows are
+    # copied; a ring far smaller than the run backs up into the model
+    ({"mode": "full", "ring_bytes": "96KiB", "host_bytes": "48KiB"}, "1KiB")])
+def test_pool_writer_writes_the_thread_writers_chunk_files(tmp_path, encoded, policy, chunk):
+    """store.writer: pool stores exactly what the thread writer stores, chunk file for chunk file,
+    and close waits for every chunk: every selected row is stored and the workers have exited."""
+    model, ref = model_pair("qwen3")
+    twin = copy.deepcopy(model)
+    stores, procs = {}, []
+    for writer, m in (("thread", twin), ("pool", model)):
+        store = {"chunk_bytes": chunk, "writer": writer} | ({"writers": 2} if writer == "pool" else {})
+        with torch.no_grad(), dmi.load(m, hook_spec=SPEC | {"store": store, "policy": policy},
+                                       store=tmp_path / f"{writer}.zarr") as run:
+            outs = [run.model.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
+            if writer == "pool":
+                procs = list(run.exporter._procs)
+                assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        stores[writer] = dmi.open(tmp_path / f"{writer}.zarr")
+        assert run.stats()["dropped_captures"] == 0
+    want = [ref.generate(**encoded, max_new_tokens=n, do_sample=False) for n in (6, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, want)), "patched model generated different tokens"
+    assert all(p.poll() == 0 for p in procs), "close left a chunk writer running"
+    a, b = stores["thread"].attrs, stores["pool"].attrs
+    assert b["dmi_status"] == "closed" and b["hook_spec"]["store"]["writer"] == "pool"
+    for site, n in a["rows_selected"].items():
+        assert b["rows_stored"][site] == a["rows_stored"][site] == n > 0, site
+    files = {w: _chunk_files(tmp_path / f"{w}.zarr") for w in stores}
+    assert sorted(files["pool"]) == sorted(files["thread"]) and any("resid_post/c" in k for k in files["pool"])
+    for name, data in files["thread"].items():
+        assert files["pool"][name] == data, f"{name} differs from the thread writer's"
+    x, y = (zarr.open_group(str(tmp_path / f"{w}.zarr"), mode="r") for w in ("thread", "pool"))
+    got = dict(_arrays(y))
+    for name, arr in _arrays(x):
+        if arr.dtype == object:
+            assert arr.tolist() == got[name].tolist(), name
+        else:
+            np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
+def test_a_killed_chunk_writer_stops_capture_naming_it(tmp_path, encoded):
+    """kill -9 of one chunk writer process under policy.mode full: the caller gets a CaptureError
+    naming the process and the signal (never a hang), and the store keeps its committed steps."""
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "pool", "writers": 2}, "policy": {"mode": "full"}}
+    run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
+    with torch.no_grad():
+        run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+        run.flush()
+        committed = run.stats()["committed_step"]
+        victim = run.exporter._procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(dmi.CaptureError, match=f"chunk writer process {victim.pid} was killed by SIGKILL") as info:
+            for _ in range(200):
+                run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+    msg = str(info.value)
+    assert str(tmp_path / "o.zarr") in msg and "store.writer: pool" in msg and "Fix:" in msg
+    with pytest.raises(dmi.DmiError, match="was killed by SIGKILL"):
+        run.close()
+    assert all(p.poll() is not None for p in run.exporter._procs)
+    tree = dmi.open(tmp_path / "o.zarr")           # consistent up to its last commit
+    assert tree.attrs["dmi_status"] == "failed" and "SIGKILL" in tree.attrs["store_error"]
+    last = tree.attrs["dmi_committed"]["step"]
+    assert last >= committed >= 0
+    assert np.unique(tree["layers/resid_post"].dataset.step.values).tolist() == list(range(last + 1))
+
+
+def test_best_effort_counts_every_row_after_a_chunk_writer_dies(tmp_path, encoded):
+    """kill -9 of a chunk writer under best_effort: the model runs on, the steps the store did not
+    commit are drops (reason sink), and rows stored + dropped + not computed = rows selected."""
+    spec = SPEC | {"store": SPEC["store"] | {"writer": "pool", "writers": 2}, "policy": {"mode": "best_effort"}}
+    with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
+        run.flush()
+        os.kill(run.exporter._procs[1].pid, signal.SIGKILL)
+        run.exporter._procs[1].wait()
+        for n in (5, 3):
+            run.model.generate(**encoded, max_new_tokens=n, do_sample=False)     # no exception
+    stats = run.stats()
+    assert "chunk writer process" in stats["store_error"] and stats["drops_by_reason"]["sink"] > 0
+    tree = dmi.open(tmp_path / "o.zarr")
+    a = tree.attrs
+    assert a["dmi_status"] == "closed" and "SIGKILL" in a["store_error"]
+    assert set(tree["drops"].dataset.reason.values.tolist()) == {"sink"}
+    for site in a["rows_selected"]:
+        assert a["rows_stored"][site] + a["rows_dropped"][site] + a["rows_not_computed"][site] == \
+            a["rows_selected"][site] > 0, site
+    assert a["rows_stored"]["layers.0.resid_post"] == tree["layers/resid_post"].dataset.sizes["token"] > 0
+
+
+def test_pool_settings_are_checked_at_load(tmp_path):
+    from dmi.errors import SpecError
+    from dmi.run import Run
+    from dmi.models import build_tiny_model
+    from dmi.plan import build_plan
+    from dmi.spec import builtin_spec_dir, load_arch_spec, load_hook_spec
+    model = build_tiny_model("tiny-qwen3")
+    arch = load_arch_spec(builtin_spec_dir() / "qwen3.yaml")
+    with pytest.raises(SpecError, match=r"store\.writers.*Fix: set store\.writer: pool"):
+        build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writers": 2}}),
+                   model.config, model_dtype_itemsize=4)
+    with pytest.raises(SpecError, match=r"store\.writer: pool cannot go with policy\.drain: process.*Fix:"):
+        build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writer": "pool"},
+                                         "policy": {"drain": "process"}}), model.config, model_dtype_itemsize=4)
+    hook = load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writer": "pool"}})
+    plan = build_plan(arch, hook, model.config, model_dtype_itemsize=4)
+    with pytest.raises(SpecError, match=r"store\.writer: pool is not supported with tensor parallelism.*Fix:"):
+        Run(model, plan, str(tmp_path / "o.zarr"), tp=object())

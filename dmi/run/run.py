@@ -51,7 +51,7 @@ class Run(EngineHooks):
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
                             "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
                             fix="remove policy.drain or set it to thread")
-        if memory_bytes is not None and (remote or plan.writer == "process" or tp is not None):
+        if memory_bytes is not None and (remote or plan.writer in ("process", "pool") or tp is not None):
             raise SpecError("an in-memory result (no store path) is written by an exporter thread of this process",
                             file=plan.hook_file or None, key="policy.drain" if remote else "store.writer",
                             fix="remove policy.drain and store.writer, or pass a store path to dmi.load")
@@ -63,6 +63,8 @@ class Run(EngineHooks):
             exporter = ZarrExporter
             if plan.writer == "process":
                 from ..store.writer import ProcessExporter as exporter
+            elif plan.writer == "pool":
+                from ..store.pool import PoolExporter as exporter
             if self.in_memory:
                 from functools import partial
 
@@ -76,8 +78,8 @@ class Run(EngineHooks):
                     self.ring.share.unlink()
                 raise
         else:      # tensor parallelism (dmi.store.shards.TPContext): plan = this rank's part; the store holds tp.plan
-            if plan.writer == "process":
-                raise SpecError("store.writer: process is not supported with tensor parallelism (each rank writes "
+            if plan.writer in ("process", "pool"):
+                raise SpecError(f"store.writer: {plan.writer} is not supported with tensor parallelism (each rank writes "
                                 "its shard from its own exporter thread)", file=plan.hook_file or None,
                                 key="store.writer", fix="remove store.writer or set it to thread")
             from ..store.shards import ShardedExporter

@@ -5,6 +5,8 @@
 * ``rows``: a drained record's bytes as named output arrays, rows copied into chunk buffers;
 * ``exporter``: the writer of a run's steps (``ZarrExporter``: chunking, commits, drops, close);
 * ``writer``: that exporter in a child process (``store.writer: process``, ``policy.drain: process``);
+* ``pool``, ``chunkwriter``: chunks assembled in shared memory, encoded and written by worker
+  processes (``store.writer: pool``);
 * ``shards``: tensor-parallel ranks writing their shards of one store;
 * ``inspect``: a store's summary (``dmi inspect``).
 """

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import StoreError
 from ..plan import Plan
 from ..zdtype import BF16
+from .chunkwriter import numcodec
 from .preflight import TMP_SUFFIX
 
 
@@ -70,8 +71,11 @@ class ArrayFile:
 
     def path(self, chunk: int) -> Path:
         """The chunk file of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
-        key = self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))
-        return self.dir / key
+        return self.dir.joinpath(*self.key(chunk))
+
+    def key(self, chunk: int) -> list[str]:
+        """The chunk key of token chunk ``chunk`` as path parts below the array's directory."""
+        return (self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))).split("/")
 
     def encode(self, block: np.ndarray):
         data = VLEN.encode(block.reshape(-1)) if self.vlen else np.ascontiguousarray(block).view(np.uint8).reshape(-1)
@@ -118,18 +122,6 @@ def lower_priority(nice: int = STORE_NICE, tid: int | None = None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError):
         pass
-
-
-def numcodec(c: dict, where: Path):
-    """The numcodecs object zarr-python's codec of the same configuration encodes with."""
-    cfg = c.get("configuration", {})
-    if c["name"] == "blosc":
-        return numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg.get("blocksize", 0),
-                               shuffle={"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]],
-                               typesize=cfg["typesize"])
-    if c["name"] == "zstd":
-        return numcodecs.Zstd(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
-    raise StoreError(f"{where}/zarr.json: codecs: {c['name']} is not a codec dmi writes")
 
 
 def write_atomic(path: Path, data: bytes) -> None:

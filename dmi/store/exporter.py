@@ -502,25 +502,12 @@ class ZarrExporter:
                 tmp, path = f.write(i, data)
                 tmps.append(tmp)
                 files.append((tmp, path))
-            with self._lock:
-                if i < g.whole or g.landed.get(i, (0, 0))[0] > gen:
-                    return       # stale: a newer write of this chunk is on disk
-                self._charge(g, i, size)
-                for tmp, path in files:
-                    os.replace(tmp, path)
-                tmps = []
-                g.landed[i] = (gen, end)
-                c = g.chunk_rows
-                while g.landed.get(g.whole, (0, 0))[1] == (g.whole + 1) * c:
-                    del g.landed[g.whole]
-                    g.sizes.pop(g.whole, None)
-                    g.whole += 1
-                g.durable = g.landed.get(g.whole, (0, g.whole * c))[1]
+            tmps = []
+            self._land(g, i, gen, end, size, files)
         except StoreError:
             raise
         except OSError as e:
-            raise (store_gone(self.path) or
-                   StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")) from e
+            raise self._write_error(g, i, e) from e
         finally:
             unlink_all(tmps)
             if recycle:
@@ -528,6 +515,33 @@ class ZarrExporter:
                     if self._free_bytes + g.chunk_nbytes <= FREE_BYTES:
                         g.free.append(bufs)
                         self._free_bytes += g.chunk_nbytes
+
+    def _land(self, g: GroupBuffer, i: int, gen: int, end: int, size: int, files: list) -> None:
+        """Chunk ``i``'s temp files (``files``: (temp, final)) replace its files, unless a newer write
+        of the chunk landed first; the group's rows on disk move on. The temp files are gone after."""
+        left = files
+        try:
+            with self._lock:
+                if i < g.whole or g.landed.get(i, (0, 0))[0] > gen:
+                    return       # stale: a newer write of this chunk is on disk
+                self._charge(g, i, size)
+                for k, (tmp, path) in enumerate(files):
+                    left = files[k:]
+                    os.replace(tmp, path)
+                left = []
+                g.landed[i] = (gen, end)
+                c = g.chunk_rows
+                while g.landed.get(g.whole, (0, 0))[1] == (g.whole + 1) * c:
+                    del g.landed[g.whole]
+                    g.sizes.pop(g.whole, None)
+                    g.whole += 1
+                g.durable = g.landed.get(g.whole, (0, g.whole * c))[1]
+        finally:
+            unlink_all(tmp for tmp, _ in left)
+
+    def _write_error(self, g: GroupBuffer, i: int, e) -> StoreError:
+        """A failed chunk write as the store's error (the store's directory removed, or an I/O error)."""
+        return store_gone(self.path) or StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")
 
     def _charge(self, g: GroupBuffer, i: int, size: int) -> None:
         """Bytes on disk after replacing chunk i's files (under the lock); refuses past store.max_bytes."""
