@@ -72,7 +72,7 @@ def _memory_budget(hook) -> int:
     for path, value in ((("policy", "drain"), hook.data.get("policy", {}).get("drain")),
                         (("store", "writer"), hook.data.get("store", {}).get("writer"))):
         if value in ("process", "pool"):       # before the model loads
-            raise hook.error(path, f"{'.'.join(path)}: {value} writes a store from other processes; an in-memory "
+            raise hook.error(path, f"{'.'.join(path)}: {value} writes a store from another process; an in-memory "
                                    f"result (no store path) is written by this one",
                              fix=f"remove {'.'.join(path)}, or pass a store path to dmi.load")
     value = hook.data.get("store", {}).get("memory_bytes")
