@@ -464,12 +464,17 @@ def test_policy_ring_too_small_for_max_step_tokens():
           says=("1024 token(s)", f"{need:,} bytes", "65,536", "max_step_tokens"))
 
 
-def test_unknown_trace_mode_is_refused_on_every_ring(load, monkeypatch):
-    """DMI_TRACED is read when the ring is made: a value it does not know is refused naming the three,
-    on the CPU ring too (which has no traced captures to make)."""
-    monkeypatch.setenv("DMI_TRACED", "yes")
-    info = load({"capture": [{"sites": ["resid_post"]}]}, PolicyError)
-    assert "DMI_TRACED='yes'" in str(info.value) and all(m in str(info.value) for m in ("0", "1", "range")), info.value
+def test_unknown_trace_mode_is_refused_on_every_ring(load, write_spec):
+    """The hook spec's engine.traced is checked at load: a value it does not know is refused naming
+    the three, on the CPU ring too (which has no traced captures to make)."""
+    spec = write_spec("""
+        capture:
+          - sites: [resid_post]
+        engine:
+          traced: "yes"
+    """)
+    info = load(spec, SpecError)
+    check(info, SpecError, file=str(spec), line=5, key="engine.traced", says=("'yes'", "off", "all", "range"))
 
 
 def test_meta_records_too_small_for_the_sites(write_spec, load):

@@ -51,7 +51,7 @@ class Run(EngineHooks):
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
                             "shard in its own process)", file=plan.hook_file or None, key="policy.drain",
                             fix="remove policy.drain or set it to thread")
-        self.ring = ring or make_ring(plan.policy, device, traced=traced)
+        self.ring = ring or make_ring(plan.policy, device, traced=traced, engine=plan.engine)
         self.ring.setup(plan, self.dtype, device)
         if tp is None:
             exporter = ZarrExporter
