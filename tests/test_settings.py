@@ -140,3 +140,18 @@ def test_writer_plugins_run_in_the_writer_process_before_the_store_opens(write_s
     with pytest.raises(StoreError, match=r"engine\.writer_plugins: 'dmi_no_such_module:register'.*Fix: "):
         dmi.load(model, hook_spec=bad, store=tmp_path / "b.zarr")
     assert not (tmp_path / "b.zarr").exists()
+
+
+def test_a_resumed_store_may_change_its_engine_section_not_its_capture(encoded, write_spec, tmp_path):
+    """The engine section says how, not what, is captured: a run resuming a store may change it; a
+    different capture is still refused, naming the key."""
+    first = write_spec("capture: [{sites: [resid_post]}]\nengine: {step_ahead: false}\n", "first.yaml")
+    with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=first, store=tmp_path / "o.zarr") as run:
+        run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
+    again = write_spec("capture: [{sites: [resid_post]}]\nengine: {ring: cpu, side: 'off'}\n", "again.yaml")
+    with torch.no_grad(), dmi.load("tiny-qwen3", hook_spec=again, store=tmp_path / "o.zarr", resume=True) as run:
+        run.model.generate(**encoded, max_new_tokens=2, do_sample=False)
+    assert dmi.open(tmp_path / "o.zarr").attrs["steps"] == 4
+    other = write_spec("capture: [{sites: [final_norm]}]\nengine: {step_ahead: false}\n", "other.yaml")
+    with pytest.raises(StoreError, match=r"hook_spec\.capture.*Fix: "):
+        dmi.load("tiny-qwen3", hook_spec=other, store=tmp_path / "o.zarr", resume=True)
