@@ -291,8 +291,8 @@ def prepare(worker) -> None:
       scatters (``dmi.kernels.traced.rewrite_captures``): those steps run without a graph, where
       each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's token
       count (steps of more tokens run the rewritten graph), or None;
-    * unless the hook spec's ``engine.side`` is ``off``, the graphed ranges' captures are chained onto a side stream
-      (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
+    * unless the hook spec's ``engine.side`` is ``off``, the graphed ranges' captures are chained
+      onto a side stream (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
       model's instead of between them. ``full`` (the default): only in vLLM's full graphs, the
       uniform decode steps; the pieces of piecewise graphs keep them inline, where forks and joins
       cost more host time than they save (``all``: in every graph; perf/online.py's
@@ -322,10 +322,11 @@ def engine_options(cfg: dict) -> EngineOptions:
 
 def engine_trace_mode(vllm_config, options: EngineOptions) -> str:
     """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): the hook spec's
-    ``engine.traced`` where set, else ``range`` where the engine runs steps above its largest CUDA graph through its own
-    compile (:func:`compat.graph_top`) and none of them can outgrow the ring, else ``0``: a step
-    larger than the ring streams through it in parts (``policy.mode: full``), which takes the site
-    op's host call at each capture, where a traced scatter would find no place for its rows."""
+    ``engine.traced`` where set, else ``range`` where the engine runs steps above its largest CUDA
+    graph through its own compile (:func:`compat.graph_top`) and none of them can outgrow the ring,
+    else ``0``: a step larger than the ring streams through it in parts (``policy.mode: full``),
+    which takes the site op's host call at each capture, where a traced scatter would find no place
+    for its rows."""
     if options.traced:
         return options.traced
     if compat.graph_top(vllm_config) is None:
