@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PolicyError
+from .settings import EngineOptions
 from .spec import Document, format_path, parse_bytes
 from .stall import DEFAULT_STALL_TIMEOUT_S
 
@@ -111,6 +112,7 @@ class Plan:
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
+    engine: EngineOptions = field(default_factory=EngineOptions)    # the hook spec's engine section
     unavailable: dict = field(default_factory=dict)   # canonical -> why: sites a pattern named that this engine never computes
 
     def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
@@ -320,8 +322,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 writer=store.get("writer", "thread"), threads=store.get("threads"), writers=store.get("writers"),
-                arch_file=arch.file,
-                hook_file=hook.file, hook_spec=spec, unavailable=skipped)
+                arch_file=arch.file, hook_file=hook.file, hook_spec=spec,
+                engine=EngineOptions.from_spec(hook.data.get("engine")), unavailable=skipped)
     if "writers" in store and plan.writer != "pool":
         raise hook.error(("store", "writers"), "store.writers is the number of store.writer pool's processes",
                          fix="set store.writer: pool, or remove store.writers")

@@ -51,15 +51,15 @@ as a tensor of its own would take an elementwise kernel per layer that the engin
 Rows whose position the engine tensor does not hold (``logits`` under ``logits_to_keep``) are
 compacted with ``drow`` (destination row per candidate row, -1 to skip).
 
-Programmatic dependent launch (Hopper and later, on by default; ``DMI_PDL=0`` turns it off): the
+Programmatic dependent launch (Hopper and later, on by default; the hook spec's ``engine.pdl: false``
+turns it off): the
 capture kernel may start while the kernel before it finishes. It loads its control
 words first (the host's H2D copy wrote them before the step, never the kernel just before; the end
 kernel, which disarms, is always followed by the next forward's own kernels or dmi's copy), then
 waits (``gdc_wait``) before reading anything a kernel wrote: the site's rows, ``drow`` and
 ``cnt``. A capture's launch latency and its cold control-word read then overlap the kernel before
 it. It waits even when it captures nothing, so a kernel after it still finds every kernel before it
-complete. (``perf/online.py``'s ``dmi-hidden-nopdl`` configuration, ``DMI_PDL=0``, serves
-without it.)
+complete. (``perf/online.py``'s ``dmi-hidden-nopdl`` configuration serves without it.)
 
 Under ``TRITON_INTERPRET=1`` both kernels run on the CPU (tests/test_kernels_interpret.py).
 """
@@ -74,10 +74,9 @@ import triton.language as tl
 from .words import (ENABLED, ENABLED_ARANGE, G_ARMED, G_BASE, G_BATCH, G_END_SEQ, G_FIRST_SEQ, G_KEYS,
                     G_PAD_START, G_SEQ, G_STEP, G_TRACED, G_WORDS, OFF, S_ENABLED, S_INV, S_OFFSET, S_ROWS,
                     S_ROWS_START, S_SEQ, S_WORDS, TRACED_WORDS)
-from .. import settings
 
 __all__ = ["capture_kernel", "end_kernel", "launch", "launch_end", "blocks", "word_dtype", "direct_geometry",
-           "pdl_possible", "pdl_supported", "DIRECT", "IDENTITY", "END_SITE_WORD",
+           "pdl_possible", "DIRECT", "IDENTITY", "END_SITE_WORD",
            # the control words (dmi.kernels.words), read by callers as this module's
            "ENABLED", "ENABLED_ARANGE", "G_ARMED", "G_BASE", "G_BATCH", "G_END_SEQ", "G_FIRST_SEQ", "G_KEYS",
            "G_PAD_START", "G_SEQ", "G_STEP", "G_TRACED", "G_WORDS", "OFF", "S_ENABLED", "S_INV", "S_OFFSET", "S_ROWS",
@@ -291,13 +290,6 @@ def pdl_possible(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device_index: int) -> bool:
-    """The default launch: programmatic dependent where possible, unless turned off (``DMI_PDL=0``,
-    read once per process)."""
-    return settings.on("DMI_PDL") and pdl_possible(device_index)
-
-
 def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int,
            src_seq: int, geometry, mode: int, row_bytes0: int, src1=None, row_bytes1: int = 0,
            cnt=None, cnt_idx: int = -1, drow=None, seq_arg: int = -1, addend=None, pdl: bool | None = None) -> None:
@@ -306,7 +298,8 @@ def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int
     stride, F) of ``src1``. ``cnt``/``cnt_idx`` default to the site's row count in ``ctrl``.
     ``addend`` (DIRECT): a tensor of ``src0``'s shape, strides and dtype; the rows of the sum are
     copied (the sum is never materialized: in a compiled graph that would take a kernel of its own).
-    ``pdl``: launch as a programmatic dependent (None: on a GPU that has it, unless ``DMI_PDL=0``)."""
+    ``pdl``: launch as a programmatic dependent (None: on a GPU that has it; a kernel ring passes its
+    own, which ``engine.pdl: false`` turns off)."""
     if addend is not None:
         assert mode == DIRECT and src1 is None and addend.shape == src0.shape and addend.stride() == src0.stride() \
             and addend.dtype == src0.dtype, "a summed capture needs two tensors of one layout"
@@ -325,7 +318,7 @@ def launch(src0, ring, ctrl, meta, *, site_index: int, meta_records: int, K: int
     grid = (max(1, math.ceil(K / BR)), max(1, math.ceil(max(F0, F1) / BF)), nout)
     second = addend if addend is not None else src1 if src1 is not None else src0
     if pdl is None:
-        pdl = src0.is_cuda and pdl_supported(src0.device.index)
+        pdl = src0.is_cuda and pdl_possible(src0.device.index)
     capture_kernel[grid](src0, second, ring, ctrl, meta,
                          drow if drow is not None else ctrl, cnt,
                          hdr, site_index & 0xFFFFFFFF, cnt_idx, K, src_seq, seq_arg,

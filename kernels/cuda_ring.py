@@ -14,8 +14,8 @@ the device-to-host copy engine with the drain, which serves queued copies in ord
 of ~100 ms of steps (hundreds of MB) queued just before such a copy holds the model's step back for
 the whole batch (`perf/drain_bench.py --hol`: a 4-byte copy waited ~19 ms behind 1 GiB, also when
 that GiB was queued as 8 MiB pieces). So the drain queues its copies one ``DRAIN_PIECE`` (16 MiB,
-~0.3 ms) at a time, each once the one before it is done. With ``copy_at_step`` (``DMI_COPY_AT_STEP=1``; not the
-default: on the H200 its paced drain cut that wait to 12 µs at the median, but neither offline nor
+~0.3 ms) at a time, each once the one before it is done. With ``copy_at_step`` (the hook spec's ``engine.copy_at_step``;
+not the default: on the H200 its paced drain cut that wait to 12 µs at the median, but neither offline nor
 online throughput improved, perf/RESULTS.md) the model's thread instead queues each step's copy when the next
 step begins, on the drain stream behind an event recorded where the step ended: by then the
 engine's copy of that step is already queued, and the step's copy (one step's data) runs beside
@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from . import capture as K
-from .. import settings
 from ..ring.layout import StepControl
 from ..ring.protocol import Ring
 from ..ring.records import META_DTYPE
@@ -44,7 +43,7 @@ from .kernel_ring import KernelRing, with_scratch
 PACED_PIECE = 64 << 20        # copy_at_step: the drain's copies go out in pieces this big, one at a time
 
 
-DRAIN_PIECE = 16 << 20        # otherwise this big (DMI_DRAIN_PIECE_MB; 0: each span in one copy): ~0.3 ms of
+DRAIN_PIECE = 16 << 20        # otherwise this big: ~0.3 ms of the copy engine (module doc)
 
 
 CHECK_BYTES = 32     # the libcuda check's bytes (AsyncCalls.check) past a ring drained in another process
@@ -54,14 +53,18 @@ class CudaRing(KernelRing):
     """Ring² on a CUDA device; memory, stream and events through cuda-python."""
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, host_bytes: int = 256 << 20,
-                 max_step_tokens: int | None = None, device=None, share=None, traced: str | None = None):
+                 max_step_tokens: int | None = None, device=None, share=None, traced: str | None = None,
+                 pdl: bool = True, copy_at_step: bool = False):
         """``share``: a :class:`dmi.ring.share.RingShare` (``policy.drain: process``): the meta ring in
         its file, registered as mapped memory, and the payload ring exported through CUDA IPC.
-        ``traced``: :class:`KernelRing`'s."""
+        ``traced``, ``pdl``: :class:`KernelRing`'s. ``copy_at_step`` (the hook spec's
+        ``engine.copy_at_step``): the model's thread copies each step out as the next one begins
+        (module doc)."""
         dev = torch.device(device) if device is not None else torch.device("cuda")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device=dev, traced=traced)
+        super().__init__(capacity, meta_records, mode, max_step_tokens=max_step_tokens, device=dev, traced=traced,
+                         pdl=pdl)
         rt = self._rt = cudart()
         torch.cuda.init()                      # torch and cuda-python share the primary context
         self._thread_device = threading.local()
@@ -97,8 +100,7 @@ class CudaRing(KernelRing):
         self.pinned_bytes = meta_bytes + self.staging_bytes
         self._closed = False
         # copy each step out from the model's thread when the next one begins (module doc)
-        self.copy_at_step = settings.on("DMI_COPY_AT_STEP")
-        self.drain_piece = int(settings.get("DMI_DRAIN_PIECE_MB")) << 20
+        self.copy_at_step = copy_at_step
         self._gap_seq = -1                     # end seq of the latest step left to the drain
         self._step_done = self._drain_stream = None    # made at the first step copied this way
         self.steps_copied_at_step = 0
@@ -244,12 +246,12 @@ class CudaRing(KernelRing):
 
     def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
         """Payload ``[lo, lo + nbytes)`` to ``host`` on the drain stream, in pieces of
-        ``drain_piece`` (``PACED_PIECE`` with ``copy_at_step``), each queued once the one before it
+        ``DRAIN_PIECE`` (``PACED_PIECE`` with ``copy_at_step``), each queued once the one before it
         is done: the copy engine serves queued copies in order, so the engine's own small D2H
         (vLLM's sampled tokens, every step) waits for one piece at most, not for a whole drain batch
         of hundreds of MB (pieces queued at once did not help: module doc)."""
         rt, calls = self._rt, self._calls
-        piece = PACED_PIECE if self.copy_at_step else (self.drain_piece or nbytes)
+        piece = PACED_PIECE if self.copy_at_step else DRAIN_PIECE
         for at in range(0, nbytes, piece):
             if at:
                 calls.record(self._event, self._stream)
@@ -297,7 +299,6 @@ class CudaRingReader(ChildSide, CudaRing):
         # the payload holds live steps)
         self._drain_side(host_bytes, self._payload_ptr + info["check_at"])
         self.copy_at_step = False
-        self.drain_piece = int(settings.get("DMI_DRAIN_PIECE_MB")) << 20
         self._copy_lock = threading.Lock()
         self._closed = False
 

@@ -9,7 +9,6 @@ import warnings
 import numpy as np
 import torch
 
-from .. import settings
 from ..errors import CaptureError
 
 
@@ -21,8 +20,8 @@ def cudart():
         try:
             from cuda import cudart as runtime
         except ImportError as e:
-            raise CaptureError("the CUDA ring needs cuda-python. Fix: pip install 'dmi[cuda]' (or set DMI_RING=cpu "
-                               "for the slower reference path)") from e
+            raise CaptureError("the CUDA ring needs cuda-python. Fix: pip install 'dmi[cuda]' (or set the hook "
+                               "spec's engine.ring: cpu for the slower reference path)") from e
     return runtime
 
 
@@ -66,8 +65,8 @@ class AsyncCalls:
     engine's thread then waits for a slice of the drain's Python, each call of the drain's forces
     a switch of the engine's thread (H200 host, 32-request steady step: the head slot's copy 49-68
     µs of wall time, an eager row-range copy ~110). Blocking calls (event waits, copies into
-    pageable memory) keep cuda-python's and let the GIL go. ``DMI_PYDLL=0``, or no libcuda to
-    load (no driver): cuda-python's calls throughout."""
+    pageable memory) keep cuda-python's and let the GIL go. No libcuda to load (no driver), or
+    one that fails :meth:`check`: cuda-python's calls throughout."""
 
     _SIGNATURES = {
         "cuMemcpyDtoHAsync_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
@@ -81,8 +80,6 @@ class AsyncCalls:
         self._kinds = {k: getattr(rt.cudaMemcpyKind, f"cudaMemcpy{k}") for k in ("DeviceToHost", "HostToDevice",
                                                                                  "DeviceToDevice")}
         self._fn = None
-        if not settings.on("DMI_PYDLL"):
-            return
         try:
             lib = ctypes.PyDLL("libcuda.so.1")
             fn = {name: getattr(lib, name) for name in self._SIGNATURES}
@@ -124,8 +121,9 @@ class AsyncCalls:
     def _call(self, name: str, *args) -> None:
         err = self._fn[name](*args)
         if err != 0:
-            raise CaptureError(f"CUDA driver error {err} in {name}{args}. Fix: if cuda-python's calls work where "
-                               f"libcuda's through ctypes fail, set DMI_PYDLL=0 (and report it)")
+            raise CaptureError(f"CUDA driver error {err} in {name}{args}. Fix: check the device and its driver "
+                               f"(nvidia-smi); if cuda-python's calls work where libcuda's through ctypes fail, "
+                               f"report it with the driver's version")
 
     def d2h(self, host: int, device: int, nbytes: int, stream, pinned: bool = True) -> None:
         if self._fn is None or not pinned:     # (into pageable memory the copy blocks: the GIL must go)

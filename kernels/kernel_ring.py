@@ -77,19 +77,21 @@ class KernelRing(Ring):
     device_publishes_end = True
 
     def __init__(self, capacity: int, meta_records: int, mode: str = "full", *, max_step_tokens: int | None = None,
-                 device=None, traced: str | None = None):
+                 device=None, traced: str | None = None, pdl: bool = True):
         """``traced``: where compiled code captures the traceable sites as traced torch ops
-        (:mod:`dmi.kernels.traced`), ``DMI_TRACED`` when None (unset: ``0``). ``0``: nowhere (the site
+        (:mod:`dmi.kernels.traced`; the hook spec's ``engine.traced``; None: ``0``). ``0``: nowhere (the site
         op); ``1``: every compiled forward (opt-in: slower than the op under CUDA graphs,
         perf/RESULTS.md); ``range``: only where an engine's compile pass rewrites the op
         (:func:`dmi.kernels.traced.rewrite_captures`: vLLM's steps above its largest CUDA graph),
-        in steps of more than :attr:`traced_above` rows."""
+        in steps of more than :attr:`traced_above` rows. ``pdl`` (``engine.pdl``): launch the capture
+        kernels as programmatic dependents where the GPU can (:mod:`dmi.kernels.capture`)."""
         super().__init__(capacity, meta_records, mode)
         self.torch_device = torch.device(device) if device is not None else torch.device("cpu")
         self.is_cuda = self.torch_device.type == "cuda"
         self.max_rows = int(max_step_tokens or DEFAULT_MAX_ROWS)
         self.device_bytes = self.pinned_bytes = 0
         self.trace_mode = trace_mode(traced)
+        self.pdl = pdl and self.is_cuda and K.pdl_possible(self.torch_device.index)
         # traced captures' scratch rows, past the payload's end: allocated only where they may run
         self.scratch_bytes = SCRATCH_BYTES if self.trace_mode != "0" else 0
         self.graph_mode = False   # tests: launch as while capturing a CUDA graph (no host values baked in)
@@ -326,12 +328,12 @@ class KernelRing(Ring):
             self.device_end()
 
     def _traceable(self, plan) -> list[int]:
-        """The sites a compiled forward captures as traced torch ops (none unless ``DMI_TRACED=1``:
+        """The sites a compiled forward captures as traced torch ops (none unless ``engine.traced: all``:
         opt-in while it measures slower than the op under HF's CUDA graphs, RESULTS.md): plain
         row copies (no head selection, key alignment or reduction; any dtype) of one output, from a
         tensor holding every step row (not vLLM's sampled logits, nor a tensor a spec marks
         ``partial``: transformers' logits under ``logits_to_keep``), rows up to TRACED_ROW_BYTES."""
-        if not self.scratch_bytes:           # (DMI_TRACED was not set when the ring was made)
+        if not self.scratch_bytes:           # (engine.traced was off when the ring was made)
             return []
         out = []
         for s in plan.sites:
@@ -370,8 +372,8 @@ class KernelRing(Ring):
         if any(v.data_ptr() != ptr for v in views):
             raise CaptureError("a compiled forward wrote traced captures into a copy of the payload ring, not the ring "
                                "(a torch.compile backend that functionalizes without inductor, such as aot_eager). Fix: "
-                               "compile with inductor (the default) or backend='eager', or unset DMI_TRACED (or set "
-                               "it to 0) before dmi.load to capture through the site op")
+                               "compile with inductor (the default) or backend='eager', or remove engine.traced from "
+                               "the hook spec (or set it to off) to capture through the site op")
 
     # --- host: per step -----------------------------------------------------------------------------
     def publish_control(self, ctrl: StepControl) -> None:
@@ -588,7 +590,8 @@ class KernelRing(Ring):
             raise PolicyError(f"step {step} is larger than the ring ({self.describe_room()}) and its captures run "
                               f"as traced ops in compiled code, which cannot stream through the ring in parts",
                               key="policy.ring_bytes", fix="raise policy.ring_bytes to hold the engine's largest step, "
-                                                           "or set DMI_TRACED=0 (the site op streams)")
+                                                           "or set engine.traced: off in the hook spec (the site "
+                                                           "op streams)")
 
     def end_part_marker(self, ctrl: StepControl) -> None:
         """A part ended inside an eager forward: the end kernel, behind its captures on the stream."""

@@ -25,6 +25,11 @@ the shape:
 :func:`chain_captures` marks the ops ``side=1`` and adds those inputs and the join; at run time the
 ring forks only while a CUDA graph is being captured and the engine turned it on
 (``KernelRing.side_streams``): elsewhere a marked op launches inline and the join is a no-op.
+
+Where the engines chain captures is the hook spec's ``engine.side``: ``full`` (the default: in full
+CUDA graphs, the whole forward: vLLM's uniform decode steps, transformers' compiled generate),
+``all`` (in every CUDA graph, vLLM's piecewise ones too) or ``off`` (on the model's stream);
+``plan.engine.side`` holds it as ``full``, ``1`` or ``0``.
 """
 from __future__ import annotations
 
@@ -32,17 +37,9 @@ import operator
 
 import torch
 
-from .. import settings
 
 
 CAPTURE_SOURCES = {"capture": ("x",), "capture_sum": ("x", "y")}     # each op's tensors a capture reads
-
-
-def side_mode() -> str:
-    """``DMI_SIDE``: ``full`` (unset: capture kernels on a side stream in full CUDA graphs, the whole
-    forward: vLLM's uniform decode steps, transformers' compiled generate), ``1`` (in every CUDA
-    graph, vLLM's piecewise ones too) or ``0`` (on the model's stream)."""
-    return settings.get("DMI_SIDE")
 
 
 _PASS: list = []

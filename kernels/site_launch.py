@@ -131,7 +131,7 @@ class SiteLaunch:
         site = self.site
         batch = self._batch(x, ring)
         step_seq = ring.geometry[1] if ring.geometry is not None else None
-        common = dict(site_index=site.index, meta_records=ring.meta_records)
+        common = dict(site_index=site.index, meta_records=ring.meta_records, pdl=ring.pdl)
         direct_geo = None
         if self.plain and x.dtype == self.dtype:
             direct_geo = K.direct_geometry(x, self.layout, batch)

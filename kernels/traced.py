@@ -18,9 +18,9 @@ The ops never write a record: the end-marker kernel publishes the records of a s
 sites (their row count is the host's reservation: only sites holding every step row are traced,
 see :meth:`dmi.kernels.kernel_ring.KernelRing.traced_site`), before its fence.
 
-Two ways in: code traced with the ring's :class:`TracedSite` calls :func:`capture` (``DMI_TRACED=1``:
-every compiled forward), or a post-grad compile pass turns the ``dmi::capture`` ops of one compiled
-graph into the same scatter (:func:`rewrite_captures`, ``DMI_TRACED=range``: vLLM's steps above its
+Two ways in: code traced with the ring's :class:`TracedSite` calls :func:`capture` (the hook spec's
+``engine.traced: all``: every compiled forward), or a post-grad compile pass turns the ``dmi::capture`` ops of one compiled
+graph into the same scatter (:func:`rewrite_captures`, ``engine.traced: range``: vLLM's steps above its
 largest CUDA graph, where graph replays keep the op).
 """
 from __future__ import annotations
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PolicyError
-from .. import settings
 from . import words as K
 
 
@@ -180,14 +179,15 @@ def rewrite_captures(graph: torch.fx.Graph) -> int:
     return done
 
 
-TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced ops (DMI_TRACED; KernelRing)
+TRACE_MODES = ("0", "1", "range")    # where compiled code captures as traced ops (engine.traced; KernelRing)
 
 
 def trace_mode(traced: str | None) -> str:
-    """``traced``, or ``DMI_TRACED`` where None (unset: ``0``), refused unless one of TRACE_MODES."""
-    mode = traced if traced is not None else (settings.get("DMI_TRACED") or "0")
+    """``traced`` (None: ``0``), refused unless one of TRACE_MODES (dmi.settings.TRACED: the hook
+    spec's ``engine.traced`` words for them)."""
+    mode = traced if traced is not None else "0"
     if mode not in TRACE_MODES:
-        raise PolicyError(f"DMI_TRACED={mode!r} is not one of {', '.join(TRACE_MODES)}",
-                          fix="unset DMI_TRACED, or set it to 0 (the site op), 1 (traced in every compiled forward) "
-                              "or range (traced where an engine's compile pass rewrites the op)")
+        raise PolicyError(f"traced={mode!r} is not one of {', '.join(TRACE_MODES)}", key="engine.traced",
+                          fix="set the hook spec's engine.traced to off (the site op), all (traced in every compiled "
+                              "forward) or range (traced where an engine's compile pass rewrites the op)")
     return mode

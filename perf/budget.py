@@ -18,7 +18,7 @@ N rounds, the order rotating each round, every run right after a vanilla run, as
 host, and is also given over the A/A row's median pair (what alternating two models costs the
 harness without dmi). The caps are fractions of the capture rate of the last uncapped warm-up run.
 
-``--inline`` (with ``--rounds``): a second dmi run on another twin, loaded with ``DMI_SIDE=0``,
+``--inline`` (with ``--rounds``): a second dmi run on another twin, loaded with ``engine.side: off``,
 adds its null, uncapped ``full`` and first-cap ``best_effort`` rows to the rotation: the capture
 kernels on the model's stream in the recorded graph, against the default run's side stream
 (dmi.kernels.side; transformers' compiled forward is one full graph). ``--pyspy SECONDS`` (with
@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -57,8 +55,8 @@ def main(argv=None) -> None:
     ap.add_argument("--caps", default="0.25,0.5,1.0")
     ap.add_argument("--rounds", type=int, default=0, help="round-robin with an A/A twin row, this many rounds")
     ap.add_argument("--copy-at-step", action="store_true", help="the CUDA ring copies each step out as the next "
-                    "begins (DMI_COPY_AT_STEP=1)")
-    ap.add_argument("--inline", action="store_true", help="with --rounds: rows of a second run with DMI_SIDE=0")
+                    "begins (engine.copy_at_step: true)")
+    ap.add_argument("--inline", action="store_true", help="with --rounds: rows of a second run with engine.side: off")
     ap.add_argument("--pyspy", type=float, default=0, help="with --rounds: seconds of py-spy, vanilla against the "
                     "first cap's best_effort row")
     args = ap.parse_args(argv)
@@ -78,9 +76,8 @@ def main(argv=None) -> None:
               + (f", GPU {v_prof['busy_ms']:.2f} ms/step" if profile else ""), flush=True)
         sd = store_dir()
         spec = hidden_spec(2 * GiB, 4 * GiB)
-        run = dmi.load(dmodel, hook_spec=spec, store=sd / "budget.zarr", overwrite=True)
-        if hasattr(run.ring, "copy_at_step"):
-            run.ring.copy_at_step = args.copy_at_step
+        run = dmi.load(dmodel, hook_spec=spec | {"engine": {"copy_at_step": args.copy_at_step}},
+                       store=sd / "budget.zarr", overwrite=True)
         configs = [("null", None), ("full", None)] + [(m, c) for c in map(float, args.caps.split(","))
                                                       for m in ("best_effort", "full")]
 
@@ -91,8 +88,8 @@ def main(argv=None) -> None:
             runs = [(run, go, "", configs)]
             if args.inline:
                 inline = twin(model)
-                with mock.patch.dict(os.environ, DMI_SIDE="0"):         # read when the model is patched
-                    irun = dmi.load(inline, hook_spec=spec, store=sd / "budget-inline.zarr", overwrite=True)
+                irun = dmi.load(inline, hook_spec=spec | {"engine": {"side": "off"}}, store=sd / "budget-inline.zarr",
+                                overwrite=True)
 
                 def igo():
                     inline.generate(**enc, **kw)

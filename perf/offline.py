@@ -32,15 +32,15 @@ left-padded); eager (dynamic cache) and compiled (static cache + torch.compile
   (``Run.subscribe``) dotting the middle layer's ``resid_post`` rows with a direction as each step
   drains, on the export thread;
 * "-> host, begun at forward" (``--ahead-row``, compiled mode): the same with each decode step
-  begun right before its forward (``DMI_STEP_AHEAD=0``), where generate()'s GPU waits for it,
+  begun right before its forward (``engine.step_ahead: false``), where generate()'s GPU waits for it,
   instead of while the GPU runs the step before (the default);
 * "-> host, drain on timer" (``--timer-row``): the same with no drain window after each step's
   launch (``Run.drain_window``): the drain runs on its 100 ms timer only;
-* "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``DMI_COPY_AT_STEP`` on
+* "-> host, copy at step" (``--no-copy-at-step`` skips it): the same with ``engine.copy_at_step`` on
   (the CUDA ring copies each step out from the model's thread as the next step begins, instead of
   in batches from the drain thread; kernels/cuda_ring.py says why);
 * "-> host, traced" (``--traced-row``, compiled mode): the same with the compiled forward capturing
-  the plain sites as traced torch ops fused into the kernels computing them (``DMI_TRACED=1``,
+  the plain sites as traced torch ops fused into the kernels computing them (``engine.traced: all``,
   kernels/traced.py), where by default every capture goes through the site op and its kernel;
 * dmi internals -> host: q, k, v, z, mlp.in, mlp.out, resid_mid of every layer, drained to host;
 * baselines (eager only): ``register_forward_hook`` copying layer outputs, final norm and
@@ -85,7 +85,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
@@ -250,7 +249,7 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
             if run.step_ahead and args.ahead_row and mode == "compiled":
                 run.step_ahead = False             # each decode step begun right before its forward
                 record("dmi hidden+logits -> host, begun at forward", reps_of(stepped(run, False), run=run), run,
-                       sites=n_hidden, note="DMI_STEP_AHEAD=0")
+                       sites=n_hidden, note="engine.step_ahead: false")
                 run.step_ahead = True
             if run.drain_paced and args.timer_row:
                 run.drain_paced = False            # the drain on its 100 ms timer only (run.drain_window)
@@ -274,12 +273,11 @@ def run_matrix(name: str, batch: int, mode: str, args, out: list, log) -> None:
 
         if args.traced_row and mode == "compiled":
             sd = store_dir()
-            with mock.patch.dict(os.environ, DMI_TRACED="1"):      # read when the ring is set up
-                run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer),
-                               store=sd / "traced.zarr", overwrite=True)
+            run = dmi.load(dmodel, hook_spec=hidden_spec(ring, args.host_mib << 20, args.writer)
+                           | {"engine": {"traced": "all"}}, store=sd / "traced.zarr", overwrite=True)
             try:
                 record("dmi hidden+logits -> host, traced", reps_of(stepped(run, False), run=run), run, sites=n_hidden,
-                       note="DMI_TRACED=1")
+                       note="engine.traced: all")
             finally:
                 run.close()
                 shutil.rmtree(sd, ignore_errors=True)
@@ -443,13 +441,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# the headline's configurations: (hook spec, environment at load); "default" is what a new user runs
-HEADLINE_CONFIGS = {"default": (HEADLINE_SPEC, {}),
-                    "writer-process": (HEADLINE_SPEC | {"store": {"writer": "process"}}, {}),
-                    "writer-pool": (HEADLINE_SPEC | {"store": {"writer": "pool"}}, {}),
-                    "writer-pool-16mib": (HEADLINE_SPEC | {"store": {"writer": "pool", "chunk_bytes": "16MiB"}}, {}),
-                    "chunks-16mib": (HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}}, {}),
-                    "traced": (HEADLINE_SPEC, {"DMI_TRACED": "1"})}
+# the headline's configurations (hook specs); "default" is what a new user runs
+HEADLINE_CONFIGS = {"default": HEADLINE_SPEC,
+                    "writer-process": HEADLINE_SPEC | {"store": {"writer": "process"}},
+                    "writer-pool": HEADLINE_SPEC | {"store": {"writer": "pool"}},
+                    "writer-pool-16mib": HEADLINE_SPEC | {"store": {"writer": "pool", "chunk_bytes": "16MiB"}},
+                    "chunks-16mib": HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}},
+                    "traced": HEADLINE_SPEC | {"engine": {"traced": "all"}}}
 
 
 def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
@@ -473,10 +471,8 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
     with torch.no_grad():
         model.generate(**enc, **kw)                       # vanilla's warm-up (its compile)
         for c in configs:
-            spec, env = HEADLINE_CONFIGS[c]
             dmodel = twin(model)
-            with mock.patch.dict(os.environ, env):
-                run = dmi.load(dmodel, hook_spec=spec, store=root / f"{len(runs)}.zarr")
+            run = dmi.load(dmodel, hook_spec=HEADLINE_CONFIGS[c], store=root / f"{len(runs)}.zarr")
             dmodel.generate(**enc, **kw)                  # its warm-up (its compile), flushed untimed
             run.flush()
             runs[c] = (dmodel, run, [])
@@ -582,14 +578,15 @@ def main(argv=None):
     ap.add_argument("--probe-row", action="store_true",
                     help="also the host row with a live subscriber (Run.subscribe) scoring the middle layer's rows")
     ap.add_argument("--ahead-row", action="store_true",
-                    help="compiled: also the host row with each decode step begun before its forward (DMI_STEP_AHEAD=0)")
+                    help="compiled: also the host row with each decode step begun before its forward "
+                         "(engine.step_ahead: false)")
     ap.add_argument("--timer-row", action="store_true",
                     help="also the host row with the drain on its timer only (no drain window after each step)")
     ap.add_argument("--no-copy-at-step", dest="copy_at_step_row", action="store_false",
-                    help="skip the host row with DMI_COPY_AT_STEP's copy-out")
+                    help="skip the host row with engine.copy_at_step's copy-out")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--traced-row", action="store_true",
-                    help="compiled mode: also the hidden capture as traced ops (DMI_TRACED=1)")
+                    help="compiled mode: also the hidden capture as traced ops (engine.traced: all)")
     ap.add_argument("--no-gpu-busy", dest="gpu_busy", action="store_false",
                     help="skip the profiled run per configuration (GPU busy ms per step, GPU ratio)")
     ap.add_argument("--quick", action="store_true", help="qwen3-0.6b, batch 16, 32 new tokens, 1 repeat")

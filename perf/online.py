@@ -6,23 +6,19 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
 
 * ``vanilla``: vLLM as configured below (torch.compile + CUDA graphs), the denominator;
 * ``dmi-hidden``: dmi through its vLLM plugin (``DMI_HOOK_SPEC``): every layer's ``resid_post``,
-  ``final_norm`` and the last-token ``logits`` of each request and step; ``dmi-hidden-step``: the
-  same with ``DMI_COPY_AT_STEP=1`` (each step copied out as the next begins); ``dmi-hidden-noreplay``:
-  the same without replaying the logits capture as a CUDA graph (``DMI_REPLAY_EAGER=0``);
-  ``dmi-hidden-unpaced``: the drain copying each span at once (``DMI_DRAIN_PIECE_MB=0``);
-  ``dmi-hidden-ops``: eager captures (the logits every step) through torch ops or their replayed graph
-  where one strided copy of a row range would do (``DMI_RANGE_COPY=0``); ``dmi-hidden-cudapython``: the
-  ring's async copies and event records through cuda-python, which lets the GIL go in each call
-  (``DMI_PYDLL=0``); ``dmi-hidden-nopdl``: each capture kernel an ordinary launch (``DMI_PDL=0``;
-  by default, on Hopper and later, a programmatic dependent launch whose launch and control-word
-  read overlap the kernel before it); ``dmi-hidden-traced``: compiled code captures the plain sites
+  ``final_norm`` and the last-token ``logits`` of each request and step. Variants of it set one key of
+  the hook spec's ``engine`` section (docs/settings.md), each in a spec file of its own:
+  ``dmi-hidden-step``: ``copy_at_step: true`` (each step copied out as the next begins);
+  ``dmi-hidden-nopdl``: ``pdl: false``, each capture kernel an ordinary launch (by default, on
+  Hopper and later, a programmatic dependent launch whose launch and control-word read overlap the
+  kernel before it); ``dmi-hidden-traced``: ``traced: all``, compiled code captures the plain sites
   as traced torch ops that inductor fuses into the kernels computing them in every step
-  (``DMI_TRACED=1``, ``kernels/traced.py``; by default only the steps above the largest CUDA
-  graph do, a compile range whose site ops a pass rewrote, and graph replays keep the op and its
-  kernel); ``dmi-hidden-op``: the site op in every step (``DMI_TRACED=0``); ``dmi-hidden-side``: the
-  capture kernels of every CUDA graph on a side stream (``DMI_SIDE=1``, kernels/side.py; by
-  default only in vLLM's full graphs, the decode steps); ``dmi-hidden-inline``: on the model's
-  stream in every graph (``DMI_SIDE=0``);
+  (``kernels/traced.py``; by default only the steps above the largest CUDA graph do, a compile
+  range whose site ops a pass rewrote, and graph replays keep the op and its kernel);
+  ``dmi-hidden-op``: ``traced: off``, the site op in every step; ``dmi-hidden-side``: ``side: all``,
+  the capture kernels of every CUDA graph on a side stream (kernels/side.py; by default only in
+  vLLM's full graphs, the decode steps); ``dmi-hidden-inline``: ``side: off``, on the model's
+  stream in every graph;
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
@@ -39,7 +35,7 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   the same graph, so vLLM's compile cache hits), ``vanilla-busy`` (vanilla with ``--busy-us`` µs of
   Python and NumPy work, of the kind dmi's step begin does, before each mixed step's forward:
   ``DMI_PERF_BUSY_US``, perf/common/vllm_plugins.py), ``dmi-hidden-optout-nopdl`` (the same with ordinary
-  capture launches, ``DMI_PDL=0``), ``vanilla-aa`` (a second vanilla server: the spread between two
+  capture launches, ``engine.pdl: false``), ``vanilla-aa`` (a second vanilla server: the spread between two
   servers of the same code, which in mixed steps can exceed dmi's effect), ``dmi-hidden-base``
   (``dmi-hidden`` with ``--base-src DIR``'s ``dmi/`` package, an earlier checkout: a change's A/B
   at the same minutes).
@@ -394,15 +390,21 @@ def plugin_dir(root: Path) -> Path:
     return d
 
 
-def hook_spec(entries: list, args, ring: int | None, extra: dict | None = None, drain: str = "thread") -> str:
+def hook_spec(entries: list, args, ring: int | None, extra: dict | None = None, drain: str = "thread",
+              engine: dict | None = None) -> str:
     """The operator's hook spec, as JSON (valid YAML). full (default): lossless, the step waits for
     ring room; best_effort: a full ring drops whole captures (accounted in the store) instead of
     stalling the engine. ``ring`` None (default): the policy's own ring and staging (a step larger
-    than the ring streams through it); else that ring, with pinned host staging as large."""
+    than the ring streams through it); else that ring, with pinned host staging as large.
+    ``engine``: its engine section (a configuration's variant)."""
     policy = {"mode": args.policy_mode, "meta_records": 1 << 16, "drain": drain}
     if ring is not None:
         policy |= {"ring_bytes": ring, "host_bytes": int(args.host_gib * GiB) if args.host_gib else ring}
-    return json.dumps({"capture": entries, "policy": policy, **(extra or {})}, indent=1)
+    engine = dict(engine or {})
+    if args.sink == "host":     # the host sink in the store writer's process too (policy.drain process writes there)
+        engine["writer_plugins"] = ["dmi_perf_vllm_plugins:writer_register"]
+    return json.dumps({"capture": entries, "policy": policy, **({"engine": engine} if engine else {}),
+                       **(extra or {})}, indent=1)
 
 
 class Server:
@@ -526,15 +528,15 @@ def trace_dir(work: Path, name: str) -> Path:
 # --- configurations -----------------------------------------------------------------------------------
 def configurations(args, work: Path, stores: Path) -> dict:
     """name -> (env, extra server args, eager, store path or None)."""
-    # (the host sink in the store writer's process too: policy.drain process runs the exporter there)
-    sink = {"DMI_PERF_SINK": "host", "DMI_WRITER_PLUGINS": "dmi_perf_vllm_plugins:writer_register"} \
-        if args.sink == "host" else {}
+    # (the host sink in the store writer's process too: hook_spec names its plugin)
+    sink = {"DMI_PERF_SINK": "host"} if args.sink == "host" else {}
     specs = work / "specs"
     specs.mkdir(parents=True, exist_ok=True)
 
-    def dmi(name, entries, ring_gib, extra=None, drain="thread"):
+    def dmi(name, entries, ring_gib, extra=None, drain="thread", engine=None):
         path = specs / f"{name}.yaml"            # a fixed path: vLLM's compile cache key includes it
-        path.write_text(hook_spec(entries, args, None if ring_gib is None else int(ring_gib * GiB), extra, drain))
+        path.write_text(hook_spec(entries, args, None if ring_gib is None else int(ring_gib * GiB), extra, drain,
+                                  engine))
         store = stores / f"{name}.zarr"
         return {"DMI_HOOK_SPEC": str(path), "DMI_STORE": str(store), "DMI_OVERWRITE": "1", **sink}, [], False, store
 
@@ -552,29 +554,19 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
         "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
         # the same, each step copied out as the next begins (kernels/cuda_ring.py: the copy engine)
-        "dmi-hidden-step": _with(dmi("dmi-hidden-step", hidden, args.ring_gib), DMI_COPY_AT_STEP="1"),
-        # the same without replaying the logits capture as a CUDA graph (same spec file: vLLM's compile cache hits)
-        "dmi-hidden-noreplay": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_REPLAY_EAGER="0"),
-        # ... and with eager captures through torch ops (or their replay) where one strided copy would do
-        "dmi-hidden-ops": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_RANGE_COPY="0"),
-        # ... and with the ring's async copies and event records through cuda-python (which lets the GIL go each call)
-        "dmi-hidden-cudapython": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PYDLL="0"),
-        # ... and with the drain's copies in one piece per span (the default: paced pieces, one at a time)
-        "dmi-hidden-unpaced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PIECE_MB="0"),
+        "dmi-hidden-step": dmi("dmi-hidden-step", hidden, args.ring_gib, engine={"copy_at_step": True}),
         # ... and with each capture kernel an ordinary launch (the default: a programmatic dependent, Hopper on)
-        "dmi-hidden-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
+        "dmi-hidden-nopdl": dmi("dmi-hidden-nopdl", hidden, args.ring_gib, engine={"pdl": False}),
         # ... and with compiled code scattering the rows of a plain site into the ring as traced torch ops,
         # fused into the kernel computing them (the default: every capture through the site op and its kernel)
-        "dmi-hidden-traced": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="1"),
+        "dmi-hidden-traced": dmi("dmi-hidden-traced", hidden, args.ring_gib, engine={"traced": "all"}),
         # ... and with the op in the steps above the largest graph too (the default: rewritten into traced ops there)
-        "dmi-hidden-op": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_TRACED="0"),
+        "dmi-hidden-op": dmi("dmi-hidden-op", hidden, args.ring_gib, engine={"traced": "off"}),
         # ... and with every graph's capture kernels on a side stream (dmi.kernels.side; the default: in the full
         # graphs only, the decode steps; the pieces of the piecewise graphs keep them inline)
-        "dmi-hidden-side": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="1"),
+        "dmi-hidden-side": dmi("dmi-hidden-side", hidden, args.ring_gib, engine={"side": "all"}),
         # ... and with them on the model's stream in every graph
-        "dmi-hidden-inline": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_SIDE="0"),
-        # ... and with the drain on its timer only (the default: each decode step, once launched, wakes it)
-        "dmi-hidden-timer": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_DRAIN_PACED="0"),
+        "dmi-hidden-inline": dmi("dmi-hidden-inline", hidden, args.ring_gib, engine={"side": "off"}),
         # dmi-hidden with --base-src's dmi package (an earlier checkout: A/B of a change, served side by side)
         "dmi-hidden-base": _with(dmi("dmi-hidden-base", hidden, args.ring_gib), DMI_PERF_SRC=args.base_src or ""),
         "dmi-internals": dmi("dmi-internals", [{"sites": INTERNALS}], args.ring_gib and 2 * args.ring_gib),
@@ -584,7 +576,7 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # the dmi-hidden server (same spec file: compile cache hit), its clients opting every request out
         "dmi-hidden-optout": dmi("dmi-hidden", hidden, args.ring_gib),
         # ... and with each capture kernel an ordinary launch (does PDL cost a piecewise step's host its launches?)
-        "dmi-hidden-optout-nopdl": _with(dmi("dmi-hidden", hidden, args.ring_gib), DMI_PDL="0"),
+        "dmi-hidden-optout-nopdl": dmi("dmi-hidden-nopdl", hidden, args.ring_gib, engine={"pdl": False}),
         # a second vanilla server: two servers of the same code differ in mixed steps (the A/A spread)
         "vanilla-aa": ({}, [], False, None),
         # vanilla with host work of dmi's kind before each mixed step's forward (perf/common/vllm_plugins.py)
@@ -639,11 +631,12 @@ def servers_of(cfgs: dict, names: list[str]) -> dict:
 
 def compile_key(args, env: dict) -> str:
     """What vLLM's compile cache is keyed on, as far as these runs vary it: the model, the batch
-    and graph sizes, and the hook spec (its path and text: dmi's site ops are in the graph)."""
+    and graph sizes, and the hook spec (its path and text: dmi's site ops, and its engine section's
+    choices, are in the graph)."""
     spec = env.get("DMI_HOOK_SPEC")
     text = Path(spec).read_text() if spec and Path(spec).exists() else ""
     key = [args.model, args.dtype, args.graph_sizes, args.max_num_batched_tokens, args.max_num_seqs,
-           args.max_model_len, spec, text, env.get("DMI_TRACED", ""), env.get("DMI_SIDE", "")]
+           args.max_model_len, spec, text]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_vllm.sh [all]            tests (<= $T_TESTS s), then perf/online.py in what is left of $DEADLINE_S
 #   bash scripts/gpu_vllm.sh tests            tests only
 #   bash scripts/gpu_vllm.sh online [ARGS]    perf/online.py ARGS (default: --model qwen3-8b) in $DEADLINE_S
-#   bash scripts/gpu_vllm.sh side [ARGS]      DMI_SIDE=1 (capture kernels on a side stream in every graph): the
+#   bash scripts/gpu_vllm.sh side [ARGS]      engine.side: all (capture kernels on a side stream in every graph): the
 #                                             manual-graph ring test and vLLM's every-site tests of Qwen3 with it
 #                                             (<= $T_TESTS s), then perf/online.py ARGS when given
 #   bash scripts/gpu_vllm.sh bench [ARGS]     the CUDA ring's wrap-around GPU test, the drain's head-of-line table
@@ -105,7 +105,7 @@ case "$part" in
       echo "== vllm-online: skipped, only $l s left"
     fi
     ;;
-  side)     # DMI_SIDE=1 on the GPU: the ring's manual graph (a compiled forward captured with the chain pass), vLLM's graphs
+  side)     # engine.side: all on the GPU: the ring's manual graph (a compiled forward captured with the chain pass), vLLM's graphs
     step ringside 150 python3 -m pytest -m gpu tests/gpu/test_cuda_ring.py -k manual_cuda_graph -q -ra -p no:cacheprovider
     tail -n 5 "$OUT/ringside.log"
     TESTS_K="${TESTS_K:-every_site and qwen3 and not traced}" tests "$T_TESTS"

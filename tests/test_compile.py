@@ -17,6 +17,7 @@ import torch
 
 import dmi
 from conftest import model_pair, patched_modules
+from engine_spec import with_engine
 
 
 def _arrays(tree):
@@ -109,11 +110,11 @@ def _compiled_generate_kwargs(new: int) -> dict:
 
 
 def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_otherwise(
-        encoded, write_spec, tmp_path, monkeypatch):
+        encoded, write_spec, tmp_path):
     """generate() syncs on its stop check every step, so the host work before each compiled
     forward is time the GPU waits. ``Run.stepped`` therefore begins the batch's next decode step
     right after launching the current one (``Run._begin_ahead``), and the next forward takes it.
-    The store is the same, bit for bit, as with steps begun at their forward (``DMI_STEP_AHEAD=0``)
+    The store is the same, bit for bit, as with steps begun at their forward (``engine.step_ahead: false``)
     and equals the model's own hidden states; the step begun after each generate's last forward
     is given back (nothing stored, counted or numbered for it), also when a request opts out
     (rows subset) and when generate raises between two forwards."""
@@ -140,10 +141,9 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
 
     stores, ahead = {}, {}
     for on in ("1", "0"):
-        monkeypatch.setenv("DMI_STEP_AHEAD", on)
         torch._dynamo.reset()
         store = tmp_path / f"ahead{on}.zarr"
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, step_ahead=on == "1"), store=store) as run:
             out = run.model.generate(**encoded, **kw)
             run.set_request_ids(capture=[True, False, True])
             run.model.generate(**encoded, **kw)
@@ -225,19 +225,18 @@ def _whole_graph_generate(**options) -> dict:
 
 
 @pytest.mark.parametrize("constants", ["1", "0"])
-def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tmp_path, monkeypatch, constants):
+def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tmp_path, constants):
     """Every call of a compiled forward evaluates Dynamo's guards first (host time the GPU waits
     for in generate()). generate()'s compiled forward traces the whole model, and there each
-    patched module gets a class whose code names its sites (``DMI_CONSTANT_SITES``, default 1,
+    patched module gets a class whose code names its sites (``engine.constant_sites``, default true,
     ``patch.constant_sites_class``): Dynamo guards it by its type, as it does an unpatched
-    module, and no handle. With ``0`` each site's handle costs its few attributes (~9 guards a
+    module, and no handle. With false each site's handle costs its few attributes (~9 guards a
     site). Either way the run's ticket is one graph input guarded once, and no patched module has
     a forward of its own to guard (the instance-level closures before cost ~10 guards a site more)."""
-    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
-    spec = write_spec("""
+    spec = with_engine(write_spec("""
         capture:
           - sites: [resid_pre, resid_post, attn.q, mlp.out, final_norm]
-    """)
+    """), constant_sites=constants == "1")
     guards: list = []
 
     def kw():
@@ -287,19 +286,17 @@ def _tag_safe_roots(model) -> list[str]:
 
 
 @pytest.mark.parametrize("constants", ["1", "0"])
-def test_generate_compiled_forward_keeps_vanillas_tag_safe_roots(encoded, write_spec, tmp_path, monkeypatch,
-                                                                  constants):
+def test_generate_compiled_forward_keeps_vanillas_tag_safe_roots(encoded, write_spec, tmp_path, constants):
     """Where Dynamo tags dicts recursively (``use_recursive_dict_tags_for_guards``: torch 2.11's
     default, the GPU machine's release), a module whose guards reach only immutable or tag-safe
     values is a tag-safe root, and its whole subtree is skipped on every call whose dicts are
     unchanged. With constant sites each patched module keeps that: dmi's guard tree has exactly
-    vanilla's roots. A site handle (``DMI_CONSTANT_SITES=0``) is a ``__slots__`` object, never tag
+    vanilla's roots. A site handle (``engine.constant_sites: false``) is a ``__slots__`` object, never tag
     safe: each patched module (here the final norm and every MLP) loses its root."""
-    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
-    spec = write_spec("""
+    spec = with_engine(write_spec("""
         capture:
           - sites: [resid_post, mlp.out, final_norm]
-    """)
+    """), constant_sites=constants == "1")
     kw = _whole_graph_generate()
     model, ref = model_pair("qwen3", attn="sdpa")
     torch._dynamo.reset()
@@ -329,11 +326,10 @@ _ANCHOR_KINDS = {      # sites of every anchor kind each family's spec has (the 
 
 
 @pytest.mark.parametrize("family", list(_ANCHOR_KINDS))
-def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, encoded, write_spec, tmp_path,
-                                                                       monkeypatch):
+def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, encoded, write_spec, tmp_path):
     """generate()'s compiled forward with each patched module's sites written into its class's
-    code (``DMI_CONSTANT_SITES=1``, the default) stores bit for bit what the same run stores
-    through the handles (``0``), for every kind of anchor: inputs, outputs, rewritten assignments
+    code (``engine.constant_sites: true``, the default) stores bit for bit what the same run stores
+    through the handles (false), for every kind of anchor: inputs, outputs, rewritten assignments
     and a computed site (attn.pattern), in every built-in family. The classes are the instances'
     own from the first compiled call on, and closing the run gives every module its own class back."""
     spec = write_spec(f"""
@@ -352,9 +348,9 @@ def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, e
         want = ref.generate(**encoded, **kw)
     stores = {}
     for constants in ("1", "0"):
-        monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
         torch._dynamo.reset()
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"c{constants}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, constant_sites=constants == "1"),
+                                       store=tmp_path / f"c{constants}.zarr") as run:
             assert torch.equal(run.model.generate(**encoded, **kw), want)
             patched = patched_modules(model.model)
             assert len(patched) > 2 and (len({type(m) for m in patched}) == len(patched)) == (constants == "1")

@@ -3,7 +3,7 @@
 Triton reads TRITON_INTERPRET when a kernel is defined, so each test runs one section of this file
 in a subprocess that sets it before anything imports Triton. The sections exercise the capture
 and end-marker kernels directly (layouts, strides, compaction, flags, meta-ring wrap) and through
-the whole run (``DMI_RING=interpret``: the CUDA ring's control words and kernels over host
+the whole run (the hook spec's ``engine.ring: interpret``: the CUDA ring's control words and kernels over host
 memory), in both launch modes: eager (host-known rows: torch copies straight into the ring and a
 host-written record) and graph (the kernels, everything read from the device control tensor, as a
 replayed CUDA graph does).
@@ -20,10 +20,15 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _run(section: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret",
+    env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__, section], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"section {section} failed:\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+
+
+def _engine(spec: dict, **options) -> dict:
+    """``spec`` with these options in its engine section (``ring`` unless given: interpret)."""
+    return {**spec, "engine": {"ring": "interpret", **spec.get("engine", {}), **options}}
 
 
 def test_kernel_rows_equal_reference():
@@ -319,12 +324,12 @@ def section_generate() -> None:
     for family, spec in specs.items():
         outs = {}
         for kind in ("cpu", "eager", "eager-ops", "graph"):
-            os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
             if family.endswith("-window"):
                 model, _ = windowed_pair(family.split("-")[0], 4, attn="sdpa")
             else:
                 model, _ = model_pair(family, attn="sdpa")
-            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
+            with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, ring="cpu" if kind == "cpu" else "interpret"),
+                                           store=tmp / f"{family}-{kind}.zarr") as run:
                 if kind == "graph":
                     run.ring.graph_mode = True     # launches read everything from the device control tensor
                 if kind == "eager-ops":
@@ -367,8 +372,7 @@ def section_traced() -> None:
     torch.set_num_threads(2)
     # the traced scratch rows are allocated only where traced captures may run
     assert InterpretRing(1 << 16, 64).scratch_t.numel() == 1 << 16
-    os.environ["DMI_TRACED"] = "1"       # opt-in (read at dmi.load, when the ring is made)
-    assert InterpretRing(1 << 16, 64).scratch_t.numel() == (1 << 16) + SCRATCH_BYTES
+    assert InterpretRing(1 << 16, 64, traced="1").scratch_t.numel() == (1 << 16) + SCRATCH_BYTES
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
     tmp = Path(tempfile.mkdtemp())
     specs = {
@@ -381,12 +385,14 @@ def section_traced() -> None:
     for family, spec in specs.items():
         outs, traced = {}, None
         for kind in ("cpu", "traced", "traced-const"):
-            os.environ["DMI_RING"] = "cpu" if kind == "cpu" else "interpret"
             model, _ = model_pair(family, attn="sdpa")
             with torch.no_grad():
                 model(**enc)          # transformers' first forward installs its output-capturing hooks
             torch._dynamo.reset()
-            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{family}-{kind}.zarr") as run:
+            # traced: opt-in (engine.traced: all)
+            with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, ring="cpu" if kind == "cpu" else "interpret",
+                                                                    traced="all"),
+                                           store=tmp / f"{family}-{kind}.zarr") as run:
                 forward = run.model.forward
                 if kind != "cpu":
                     traced = [run.plan.sites[i].name for i in run.ring.traced]
@@ -403,15 +409,14 @@ def section_traced() -> None:
             n = _compare_stores(tmp / f"{family}-cpu.zarr", tmp / f"{family}-{kind}.zarr")
             print(family, kind, len(traced), "sites; arrays equal:", n)
     # a backend that functionalizes the scatters without writing the ring in place: a clear error
-    os.environ["DMI_RING"] = "interpret"
     model, _ = model_pair("qwen3", attn="sdpa")
     with torch.no_grad():
         model(**enc)
-    with torch.no_grad(), dmi.load(model, hook_spec=specs["qwen3"], store=tmp / "aot.zarr") as run:
+    with torch.no_grad(), dmi.load(model, hook_spec=_engine(specs["qwen3"], traced="all"), store=tmp / "aot.zarr") as run:
         try:
             torch.compile(run.model.forward, fullgraph=True, backend="aot_eager")(**enc)
         except CaptureError as e:
-            assert "DMI_TRACED" in str(e) and "aot_eager" in str(e), e
+            assert "engine.traced" in str(e) and "aot_eager" in str(e), e
         else:
             raise AssertionError("aot_eager's copies of the ring were not refused")
     torch._dynamo.reset()
@@ -428,7 +433,7 @@ def _compile_every_time() -> None:
 
 
 def section_rewrite() -> None:
-    """Captures rewritten into traced ops by a compile pass (``DMI_TRACED=range``,
+    """Captures rewritten into traced ops by a compile pass (``engine.traced: range``,
     ``dmi.kernels.traced.rewrite_captures``; vLLM runs it on its compile range above the largest
     CUDA graph): a model compiled twice with inductor, once with the pass (every plain site's op
     replaced by its scatter, fused into inductor's kernels) and once without (the op), the steps
@@ -450,10 +455,10 @@ def section_rewrite() -> None:
     from dmi.kernels.kernel_ring import InterpretRing
     torch.set_num_threads(2)
     _compile_every_time()         # the pass runs (and counts) in every compile
-    try:                          # DMI_TRACED's values are named where one is wrong
+    try:                          # the trace modes are named where one is wrong
         InterpretRing(1 << 16, 64, traced="yes")
     except PolicyError as e:
-        assert "DMI_TRACED='yes'" in str(e) and "range" in str(e), e
+        assert "traced='yes'" in str(e) and "engine.traced" in str(e) and "range" in str(e), e
     else:
         raise AssertionError("an unknown trace mode was taken")
 
@@ -478,12 +483,12 @@ def section_rewrite() -> None:
     tmp = Path(tempfile.mkdtemp())
     outs = {}
     for kind in ("op", "range"):          # the op: the same two compiles without the pass
-        os.environ["DMI_TRACED"] = "0" if kind == "op" else "range"
         model, _ = model_pair("qwen3", attn="sdpa")
         with torch.no_grad():
             model(**batches[0])       # transformers' first forward installs its output-capturing hooks
         torch._dynamo.reset()
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{kind}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, traced="off" if kind == "op" else "range"),
+                                       store=tmp / f"{kind}.zarr") as run:
             forward = run.model.forward
             small = torch.compile(forward, fullgraph=True, dynamic=False)
             large = torch.compile(forward, fullgraph=True, dynamic=False,
@@ -525,7 +530,6 @@ def section_side() -> None:
     from dmi.models import tiny_tokenizer
     torch.set_num_threads(2)
     _compile_every_time()         # the pass runs in every compile
-    os.environ["DMI_TRACED"] = "0"                          # the op at every site
 
     class Chain(CustomGraphPass):
         graphs = []
@@ -545,8 +549,9 @@ def section_side() -> None:
             return "dmi-test-side"
 
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
-    spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q", "mlp.out"]},
-                        {"sites": ["attn.k"], "heads": [1], "layers": [2]}]}
+    spec = _engine({"capture": [{"sites": ["resid_post", "final_norm", "attn.q", "mlp.out"]},
+                                {"sites": ["attn.k"], "heads": [1], "layers": [2]}]},
+                   traced="off")                     # the op at every site
     tmp = Path(tempfile.mkdtemp())
     outs, calls = {}, []
     for kind in ("plain", "side"):
@@ -578,7 +583,7 @@ def section_side() -> None:
 
 def section_side_generate() -> None:
     """transformers' compiled generate (``reduce-overhead``) gets the chain from the HF adapter
-    (``DMI_SIDE`` unset; :func:`dmi.adapters.hf._chained`) and not with ``DMI_SIDE=0``: in each
+    (``engine.side`` left out; :func:`dmi.adapters.hf._chained`) and not with ``engine.side: off``: in each
     compiled decode step every capture is marked and the graph's join runs after the last one; tokens
     and stores equal the inline run's. (On the CPU inductor records no CUDA graph and nothing forks;
     tests/gpu: the graphs.)"""
@@ -592,18 +597,17 @@ def section_side_generate() -> None:
     from dmi.models import tiny_tokenizer
     torch.set_num_threads(2)
     _compile_every_time()
-    os.environ["DMI_TRACED"] = "0"
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
     spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q"]}, {"sites": ["logits"], "tokens": "last"}]}
     tmp = Path(tempfile.mkdtemp())
     new, tokens, seen = 4, {}, {}
     for kind in ("0", "full"):
-        os.environ["DMI_SIDE"] = kind
         model, _ = model_pair("qwen3", attn="sdpa")
         config = CompileConfig(mode="reduce-overhead")
         config._compile_all_devices = True        # (transformers compiles for CUDA devices only unless told)
         torch._dynamo.reset()
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{kind}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, traced="off", side="off" if kind == "0" else "full"),
+                                       store=tmp / f"{kind}.zarr") as run:
             ring, joins = run.ring, []
             join = ring.join_side
             ring.join_side = lambda: (joins.append(1), join())[1]
@@ -637,9 +641,8 @@ def section_wrap_null() -> None:
     small = {"capture": big["capture"], "policy": {"ring_bytes": "112KiB", "meta_records": 32}}   # ~one prefill
     outs = {}
     for name, spec, kind in (("big", big, "cpu"), ("small", small, "interpret")):
-        os.environ["DMI_RING"] = kind
         model, _ = model_pair("qwen3")
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp / f"{name}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, ring=kind), store=tmp / f"{name}.zarr") as run:
             outs[name] = run.model.generate(**enc, max_new_tokens=30, do_sample=False)
         if name == "small":
             assert run.ring.bytes.head > 2 * run.ring.bytes.capacity, run.ring.bytes.head
@@ -648,9 +651,8 @@ def section_wrap_null() -> None:
     assert torch.equal(outs["big"], outs["small"])
     print("wrap: arrays equal:", _compare_stores(tmp / "big.zarr", tmp / "small.zarr"))
 
-    os.environ["DMI_RING"] = "interpret"
     model, ref = model_pair("qwen3")
-    with torch.no_grad(), dmi.load(model, hook_spec=big, store=tmp / "null.zarr") as run:
+    with torch.no_grad(), dmi.load(model, hook_spec=_engine(big), store=tmp / "null.zarr") as run:
         run.set_enabled(False)
         got = run.model.generate(**enc, max_new_tokens=4, do_sample=False)
         assert run.stats()["steps"] == 0 and run.stats()["records"] == 0
@@ -685,13 +687,12 @@ def section_stream() -> None:
                                         "stall_timeout_s": 20}, False)}
     outs = {}
     for name, (kind, policy, paused) in cases.items():
-        os.environ["DMI_RING"] = kind
         model, _ = model_pair("qwen3")
         got: dict = {}
 
         def generates():
             try:
-                with torch.no_grad(), dmi.load(model, hook_spec={"capture": capture, "policy": policy},
+                with torch.no_grad(), dmi.load(model, hook_spec=_engine({"capture": capture, "policy": policy}, ring=kind),
                                                store=tmp / f"{name}.zarr") as run:
                     if paused:
                         run.drain_paced, run.threads.drain_interval = False, 100.0
@@ -731,7 +732,7 @@ def section_control() -> None:
     from dmi.models import tiny_tokenizer
     enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
     model, _ = model_pair("qwen3")
-    spec = {"capture": [{"sites": ["resid_post", "final_norm"]}], "policy": {"ring_bytes": "8MiB"}}
+    spec = _engine({"capture": [{"sites": ["resid_post", "final_norm"]}], "policy": {"ring_bytes": "8MiB"}})
     with torch.no_grad(), dmi.load(model, hook_spec=spec, store=Path(tempfile.mkdtemp()) / "c.zarr") as run:
         ring, seen = run.ring, []
         publish = ring.publish_control

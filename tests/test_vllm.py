@@ -201,7 +201,7 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
     model runs vanilla's kernels, plus dmi's op calls (tests/vllm_kernel_count.py: each engine
     in a process of its own with a fresh compile cache and TORCH_LOGS=output_code). So does the
     side-stream chain (``dmi.kernels.side``, here on the whole graph: vLLM's CPU build captures no
-    graphs, where DMI_SIDE installs it), which adds a join per graph and no kernel."""
+    graphs, where engine.side installs it), which adds a join per graph and no kernel."""
     import vllm_kernel_count
     rows = {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
     (v_graphs, v_calls, _, v_tokens, _), (d_graphs, d_calls, d_ops, d_tokens, d_op_graphs) = rows["vanilla"], rows["dmi"]
@@ -408,7 +408,7 @@ def test_per_request_control(tmp_path):
 
 def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     """The CUDA ring on vLLM's flat batches, its Triton kernels run by Triton's interpreter over host
-    memory (``DMI_RING=interpret``), every capture launched as a CUDA-graph replay launches it (row
+    memory (the hook spec's ``engine.ring: interpret``), every capture launched as a CUDA-graph replay launches it (row
     counts, rows and seq read from the device control block; the logits compacted on the device),
     vLLM's profiling run in dmi's null mode; then the same run with captures as a step without
     CUDA graphs takes them (row ranges copied at once), and once more with the residual stream
@@ -416,7 +416,7 @@ def test_cuda_ring_kernels_on_vllm_steps_interpreted(tmp_path):
     equals HF's."""
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1", DMI_RING="interpret", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__, "interpret", "qwen3_moe", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=900)
@@ -453,7 +453,8 @@ def _interpreted_run(family: str, tmp: Path, graph_mode: bool, arch_spec: Path |
     """(subprocess of the test above: Triton reads TRITON_INTERPRET when a kernel is defined)"""
     from vllm import SamplingParams
     spec = {"capture": [{"sites": every_site(family)}], "policy": {"ring_bytes": "16MiB"}}
-    run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec=spec, store=tmp / "v.zarr", backend="vllm", **ENGINE,
+    run = dmi.load(save_builtin(f"tiny-{family}"), hook_spec={**spec, "engine": {"ring": "interpret"}},
+                   store=tmp / "v.zarr", backend="vllm", **ENGINE,
                    max_num_batched_tokens=64, max_model_len=128, arch_spec=arch_spec)
     ring = run.run.ring
     assert type(ring).__name__ == "InterpretRing"
@@ -464,14 +465,12 @@ def _interpreted_run(family: str, tmp: Path, graph_mode: bool, arch_spec: Path |
     finally:
         run.shutdown()
     tree = dmi.open(tmp / "v.zarr")
-    os.environ["DMI_RING"] = "cpu"                   # the HF reference on the reference ring
     n = assert_matches_hf(tree, hf_reference(family, seqs, spec, tmp / "hf.zarr"))
     assert positions_by_request(tree["layers/resid_post"].dataset) == {
         r: list(range(len(p) + len(o) - 1)) for r, (p, o) in seqs.items()}
     assert_accounting(tree)
     if not graph_mode:                               # every token's rows: row ranges, the residual stream's added in
         assert ring.eager_time["copy"][0] > 0, ring.eager_time
-    os.environ["DMI_RING"] = "interpret"
     print("rows checked", n)
 
 
@@ -502,11 +501,11 @@ NO_PLUGIN = pytest.mark.skipif(not _plugin_installed(), reason="dmi's vllm.gener
 
 @NO_PLUGIN
 def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_rewritten():
-    """The seam behind ``DMI_TRACED=range`` on vLLM's own config and pass classes. (The CPU engine
+    """The seam behind ``engine.traced: range`` on vLLM's own config and pass classes. (The CPU engine
     compiles without ranges or graphs, so ``tests/gpu/test_vllm_gpu.py`` runs the range itself; the
     rewrite is tested in ``test_kernels_interpret.py``.) An endpoint at the largest graph splits
     the compile ranges there; the pass runs the rewrite in ranges above it only and the
-    side-stream chain (``DMI_SIDE``) in the graphed ones, neither where vLLM's pass manager gives
+    side-stream chain (``engine.side``) in the graphed ones, neither where vLLM's pass manager gives
     no range; the chain alone adds no range; a user's own pass keeps the hook; no graphs, or no
     step larger than the largest one, means no range."""
     from types import SimpleNamespace
@@ -561,21 +560,21 @@ def test_steps_above_the_largest_graph_get_a_compile_range_whose_captures_are_re
 
 
 def test_side_stream_modes(monkeypatch):
-    """``DMI_SIDE``: full (the default), 1 or 0, anything else refused with the fix; ``full`` forks
+    """The hook spec's ``engine.side``: full (the default), all or off, anything else refused with
+    the fix; ``full`` forks
     only while vLLM captures a full graph, which the forward context's runtime mode tells (not a
     piece of a piecewise graph, not outside a capture)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import ForwardContext, override_forward_context
 
     from dmi.adapters.vllm import compat, worker
-    for mode in ("0", "1", "full"):
-        monkeypatch.setenv("DMI_SIDE", mode)
-        assert worker.side_mode() == mode
-    monkeypatch.setenv("DMI_SIDE", "yes")
-    with pytest.raises(dmi.DmiError, match=r"DMI_SIDE='yes': unknown\. Fix: full .*1 .*0"):
-        worker.side_mode()
-    monkeypatch.delenv("DMI_SIDE")
-    assert worker.side_mode() == "full"
+    from dmi.spec import load_hook_spec
+    capture = [{"sites": ["resid_post"]}]
+    for word, mode in (("off", "0"), ("all", "1"), ("full", "full")):
+        assert worker.engine_options({"hook_spec": {"capture": capture, "engine": {"side": word}}}).side == mode
+    with pytest.raises(dmi.DmiError, match=r"engine\.side: 'yes' is not one of .*Fix: use one of \['full', 'all', 'off'\]"):
+        load_hook_spec({"capture": capture, "engine": {"side": "yes"}})
+    assert worker.engine_options({"hook_spec": {"capture": capture}}).side == "full"
 
     assert not compat.capturing_full_graph()              # no forward context
     for mode, full in ((CUDAGraphMode.FULL, True), (CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.NONE, False)):

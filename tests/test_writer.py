@@ -77,20 +77,21 @@ def test_process_writer_stores_what_the_thread_writer_stores(tmp_path, encoded, 
 @pytest.mark.parametrize("drain", ["thread", "process"])
 def test_a_killed_writer_process_stops_capture_naming_it(tmp_path, encoded, drain):
     """Also with policy.drain: process, where the killed child drained the ring (a small ring: full
-    mode waits for it, then the failure reaches the waiting step)."""
+    mode waits for it, then the failure reaches the waiting step). The child's exit itself stops
+    capture: a wait that saw no progress until policy.stall_timeout_s (the hang guard here) would
+    raise a stall error instead."""
     spec = SPEC | {"store": SPEC["store"] | {"writer": "process"},
-                   "policy": {"mode": "full", "drain": drain, "ring_bytes": "256KiB"}}
+                   "policy": {"mode": "full", "drain": drain, "ring_bytes": "256KiB", "stall_timeout_s": 30}}
     run = dmi.load("tiny-qwen3", hook_spec=spec, store=tmp_path / "o.zarr")
     with torch.no_grad():
         run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
         run.flush()
         committed = run.stats()["committed_step"]
         os.kill(run.exporter._proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
         with pytest.raises(dmi.CaptureError, match="store writer process exited") as info:
             for _ in range(200):
                 run.model.generate(**encoded, max_new_tokens=4, do_sample=False)
-    assert time.monotonic() - killed < 2.0
+    assert "no progress" not in str(info.value)      # the exit was seen, not a stall timed out
     assert str(tmp_path / "o.zarr") in str(info.value) and "Fix:" in str(info.value)
     with pytest.raises(dmi.DmiError, match="store writer process exited"):
         run.close()

@@ -28,11 +28,10 @@ def engine(which: str, sites: str = HIDDEN) -> None:
               dtype="bfloat16" if torch.cuda.is_available() else "float32")
     params = SamplingParams(max_tokens=4, temperature=0)
     prompts = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog"]
-    if which == "dmi":
-        os.environ["DMI_SIDE"] = "0"
+    options = {"side": "off"} if which == "dmi" else {}        # the hook spec's engine section
     if which == "dmi-side":
         if torch.cuda.is_available():
-            os.environ["DMI_SIDE"] = "1"
+            options = {"side": "all"}
         else:
             from vllm.compilation.passes.inductor_pass import CallableInductorPass
             from dmi.kernels.side import chain_captures
@@ -41,7 +40,7 @@ def engine(which: str, sites: str = HIDDEN) -> None:
     if which == "vanilla":
         outs = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
     else:
-        spec = {"capture": [{"sites": sites.split(",")}, {"sites": ["logits"], "tokens": "last"}]}
+        spec = {"capture": [{"sites": sites.split(",")}, {"sites": ["logits"], "tokens": "last"}], "engine": options}
         with tempfile.TemporaryDirectory() as tmp:
             run = dmi.load(path, hook_spec=spec, store=Path(tmp) / "v.zarr", backend="vllm", **kw)
             try:

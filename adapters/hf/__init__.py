@@ -8,7 +8,6 @@ from collections import defaultdict
 
 import torch
 
-from ... import settings
 from ...errors import AnchorError, DmiError
 from ...kernels import side
 from ...plan import Plan
@@ -141,13 +140,6 @@ def _step_inputs(given: dict) -> tuple:
     return tokens, given.get("attention_mask"), given.get("position_ids"), cache
 
 
-def constant_sites_mode() -> bool:
-    """``DMI_CONSTANT_SITES``: ``1`` (unset) gives the patched modules classes whose code names
-    their sites when generate() first compiles its forward (``patch.constant_sites_class``); ``0``
-    keeps the handles (a baseline for perf/diagnostics/guardcost.py)."""
-    return settings.get("DMI_CONSTANT_SITES") == "1"
-
-
 def _wrap_step(model: torch.nn.Module, run, patched: list) -> None:
     """Bracket each top-level forward with dmi::step_begin / dmi::step_end (one forward = one step).
     ``patched``: the modules patched with sites, which generate()'s compiled forward (the whole
@@ -193,10 +185,14 @@ def _wrap_step(model: torch.nn.Module, run, patched: list) -> None:
         return prepare(*args, **kwargs)
 
     compiled_call = model.get_compiled_call
-    chain = hasattr(run.ring, "side_streams") and side.side_mode() != "0"
+    options = run.plan.engine         # the hook spec's engine section
+    chain = hasattr(run.ring, "side_streams") and options.side != "0"
     if chain:
         run.ring.side_streams = run.ring.is_cuda
-    constants = patched if constant_sites_mode() else []
+    # the patched modules get classes whose code names their sites when generate() first compiles its
+    # forward (patch.constant_sites_class); engine.constant_sites: false keeps the handles (a baseline
+    # for perf/diagnostics/guardcost.py)
+    constants = patched if options.constant_sites else []
 
     @functools.wraps(compiled_call)
     def get_compiled_call(compile_config=None, *args, **kwargs):

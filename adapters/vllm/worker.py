@@ -6,7 +6,7 @@ environment): it plans the hook spec against the architecture spec's ``vllm`` an
 :class:`dmi.run.Run`, patches the model (before vLLM compiles it), and brackets each engine step
 from the runner's batch. ``runner.shutdown`` (engine shutdown) or process exit closes the store.
 Before the model is built, :func:`prepare` gives the steps above the largest CUDA graph a compile
-range of their own in which the captures are traced ops (``DMI_TRACED=range``).
+range of their own in which the captures are traced ops (the hook spec's ``engine.traced: range``).
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from . import compat
-from ... import settings
 from ...errors import DmiError, PolicyError
-from ...kernels.side import side_mode
 from ...pipeline import build_run, find_arch, plan_run
 from ...plan import build_plan
 from ...run import Run
+from ...settings import EngineOptions
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
 from ...store import shards
 from .config import read_config
@@ -292,32 +291,44 @@ def prepare(worker) -> None:
       scatters (``dmi.kernels.traced.rewrite_captures``): those steps run without a graph, where
       each site op is a host call per step. ``worker.dmi_traced_above``: the largest graph's token
       count (steps of more tokens run the rewritten graph), or None;
-    * unless ``DMI_SIDE=0``, the graphed ranges' captures are chained onto a side stream
-      (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
+    * unless the hook spec's ``engine.side`` is ``off``, the graphed ranges' captures are chained
+      onto a side stream (``dmi.kernels.side.chain_captures``): in a replay each capture kernel runs beside the
       model's instead of between them. ``full`` (the default): only in vLLM's full graphs, the
       uniform decode steps; the pieces of piecewise graphs keep them inline, where forks and joins
-      cost more host time than they save (``1``: in every graph; perf/online.py's
+      cost more host time than they save (``all``: in every graph; perf/online.py's
       ``dmi-hidden-side`` against ``dmi-hidden``). ``worker.dmi_side``: whether the pass chains them."""
     from ...kernels import side, traced
     vllm_config = worker.vllm_config
     worker.dmi_traced_above, worker.dmi_side = None, False
-    if read_config(vllm_config) is None:
+    cfg = read_config(vllm_config)
+    if cfg is None:
         return
-    above = traced.rewrite_captures if engine_trace_mode(vllm_config) == "range" else None
-    within = side.chain_captures if side_mode() != "0" else None
+    options = engine_options(cfg)
+    above = traced.rewrite_captures if engine_trace_mode(vllm_config, options) == "range" else None
+    within = side.chain_captures if options.side != "0" else None
     if above is not None or within is not None:
         worker.dmi_traced_above, worker.dmi_side = compat.install_graph_pass(
             vllm_config, f"dmi-{_source_hash(traced, side)}", above=above, within=within)
 
 
-def engine_trace_mode(vllm_config) -> str:
-    """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): ``DMI_TRACED`` where
-    set, else ``range`` where the engine runs steps above its largest CUDA graph through its own
-    compile (:func:`compat.graph_top`) and none of them can outgrow the ring, else ``0``: a step
-    larger than the ring streams through it in parts (``policy.mode: full``), which takes the site
-    op's host call at each capture, where a traced scatter would find no place for its rows."""
-    if settings.get("DMI_TRACED"):
-        return settings.get("DMI_TRACED")
+def engine_options(cfg: dict) -> EngineOptions:
+    """The engine section of the hook spec ``cfg`` names; its defaults where the spec does not load
+    here (:func:`start` then refuses it with its own error)."""
+    try:
+        return EngineOptions.from_spec(load_hook_spec(cfg["hook_spec"]).data.get("engine"))
+    except Exception:        # noqa: BLE001 - start() refuses the same spec with its own error
+        return EngineOptions()
+
+
+def engine_trace_mode(vllm_config, options: EngineOptions) -> str:
+    """Where compiled code captures as traced ops (``KernelRing``'s ``traced``): the hook spec's
+    ``engine.traced`` where set, else ``range`` where the engine runs steps above its largest CUDA
+    graph through its own compile (:func:`compat.graph_top`) and none of them can outgrow the ring,
+    else ``0``: a step larger than the ring streams through it in parts (``policy.mode: full``),
+    which takes the site op's host call at each capture, where a traced scatter would find no place
+    for its rows."""
+    if options.traced:
+        return options.traced
     if compat.graph_top(vllm_config) is None:
         return "0"
     if _largest_step_streams(vllm_config):
@@ -384,8 +395,8 @@ def start(worker) -> Session | None:
     run = build_run(engine, model, plan, arch, store, keep_store=session_rank != 0,
                     checks=(lambda run: _check_graphs(run, vllm_config), lambda run: _check_step_tokens(run, vllm_config, hook)),
                     overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
-                    traced=settings.get("DMI_TRACED") or ("range" if above is not None else "0"))
-    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda and settings.on("DMI_REPLAY_EAGER"):
+                    traced=plan.engine.traced or ("range" if above is not None else "0"))
+    if hasattr(run.ring, "replay_eager") and run.ring.is_cuda:
         # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
         # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
         # largest graph size capture every site eagerly: not replayed, a step of a new size would pay a
@@ -397,9 +408,7 @@ def start(worker) -> Session | None:
         run.ring.traced_above = above         # None: no range rewritten (the op in every step)
     if hasattr(run.ring, "side_streams"):
         run.ring.side_streams = bool(getattr(worker, "dmi_side", False)) and run.ring.is_cuda     # (prepare)
-        run.ring.side_when = compat.capturing_full_graph if side_mode() == "full" else None
-    if hasattr(run.ring, "range_copy"):        # (0: the A/B of perf/online.py's dmi-hidden-ops)
-        run.ring.range_copy = settings.on("DMI_RANGE_COPY")
+        run.ring.side_when = compat.capturing_full_graph if plan.engine.side == "full" else None
     # vLLM caches compiled graphs under a hash of its config (additional_config included) and the
     # model's forward, not of the patched source: the key must name the graph dmi compiles (its
     # anchors, site indices and run id are baked in), and only that (no store path, no session).
@@ -477,9 +486,9 @@ def _check_graphs(run, vllm_config) -> None:
     from ...ring.cpu import CpuRing
     if isinstance(run.ring, CpuRing):
         raise DmiError("dmi: this engine replays CUDA graphs, but the capture ring is the CPU reference ring "
-                       "(DMI_RING=cpu), which copies on the host: a replayed step would capture nothing. Fix: "
-                       "unset DMI_RING (the CUDA ring captures inside graphs), or pass enforce_eager=True "
-                       "(serve: --enforce-eager)")
+                       "(engine.ring: cpu), which copies on the host: a replayed step would capture nothing. "
+                       "Fix: remove engine.ring from the hook spec (the CUDA ring captures inside graphs), or "
+                       "pass enforce_eager=True (serve: --enforce-eager)")
     pattern = [s.name for s in run.plan.sites if s.canonical == "attn.pattern"]
     if pattern:
         raise DmiError(f"dmi: attn.pattern on vLLM is recomputed on the host side of each step ({pattern[0]}, ...), "

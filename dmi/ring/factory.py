@@ -3,23 +3,26 @@
 """
 from __future__ import annotations
 
-from .. import settings
 from ..errors import PolicyError
+from ..settings import EngineOptions
 from ..kernels.traced import trace_mode
 from .cpu import CpuRing
 from .protocol import Ring
 from .share import CpuRingReader, RingShare
 
 
-def make_ring(policy, device, *, kind: str | None = None, traced: str | None = None) -> Ring:
+def make_ring(policy, device, *, kind: str | None = None, traced: str | None = None,
+              engine: EngineOptions = EngineOptions()) -> Ring:
     """The ring backend for a model on ``device``: ``CudaRing`` on CUDA devices, else ``CpuRing``.
 
-    ``kind`` (or the environment variable ``DMI_RING``): ``cpu`` forces the reference path (on a GPU
+    ``kind`` (or the hook spec's ``engine.ring``): ``cpu`` forces the reference path (on a GPU
     too: captures go through ``dmi.gather`` and a host copy), ``cuda`` forces the CUDA ring,
     ``interpret`` runs the CUDA ring's Triton kernels on host memory (``TRITON_INTERPRET=1``, tests).
-    ``traced``: where compiled code captures as traced ops (kernel rings: ``KernelRing``'s ``traced``)."""
-    traced = trace_mode(traced)          # (checked for every ring: the CPU ring has no traced captures)
-    kind = kind or settings.get("DMI_RING") or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
+    ``traced`` (or ``engine.traced``): where compiled code captures as traced ops (kernel rings:
+    ``KernelRing``'s ``traced``). ``engine``: the rest of the hook spec's engine options."""
+    # (checked for every ring: the CPU ring has no traced captures)
+    traced = trace_mode(traced if traced is not None else engine.traced)
+    kind = kind or engine.ring or ("cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu")
     remote, share = getattr(policy, "drain", "thread") == "process", None
     if remote and kind in ("cpu", "cuda"):
         try:
@@ -33,15 +36,17 @@ def make_ring(policy, device, *, kind: str | None = None, traced: str | None = N
     if kind == "cuda":
         from ..kernels.cuda_ring import CudaRing
         return CudaRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                        max_step_tokens=policy.max_step_tokens, device=device, share=share, traced=traced)
+                        max_step_tokens=policy.max_step_tokens, device=device, share=share, traced=traced,
+                        pdl=engine.pdl, copy_at_step=engine.copy_at_step)
     if remote:
-        raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (DMI_RING)",
-                          key="policy.drain", fix="unset DMI_RING, or use policy.drain: thread")
+        raise PolicyError(f"policy.drain: process needs the cpu or cuda ring, not {kind!r} (engine.ring)",
+                          key="policy.drain", fix="remove engine.ring (or set it to cpu or cuda), or use "
+                                                  "policy.drain: thread")
     if kind == "interpret":     # the CUDA path's kernels in host memory (needs TRITON_INTERPRET=1)
         from ..kernels.kernel_ring import InterpretRing
         return InterpretRing(policy.ring_bytes, policy.meta_records, policy.mode, host_bytes=policy.host_bytes,
-                             max_step_tokens=policy.max_step_tokens, traced=traced)
-    raise ValueError(f"unknown ring backend {kind!r} (DMI_RING): use 'cpu', 'cuda' or 'interpret'")
+                             max_step_tokens=policy.max_step_tokens, traced=traced, pdl=engine.pdl)
+    raise ValueError(f"unknown ring backend {kind!r} (engine.ring): use 'cpu', 'cuda' or 'interpret'")
 
 
 def open_reader(info: dict, host_bytes: int):

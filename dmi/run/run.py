@@ -55,7 +55,7 @@ class Run(EngineHooks):
             raise SpecError("an in-memory result (no store path) is written by an exporter thread of this process",
                             file=plan.hook_file or None, key="policy.drain" if remote else "store.writer",
                             fix="remove policy.drain and store.writer, or pass a store path to dmi.load")
-        self.ring = ring or make_ring(plan.policy, device, traced=traced)
+        self.ring = ring or make_ring(plan.policy, device, traced=traced, engine=plan.engine)
         self.ring.setup(plan, self.dtype, device)
         self.in_memory = memory_bytes is not None
         self._result = None              # the in-memory result, once closed

@@ -12,7 +12,6 @@ import time
 import numpy as np
 import torch
 
-from .. import settings
 from ..ring.layout import StepLayout
 from ..tokens import StepTokens, step_tokens
 from .layouts import StepLayouts
@@ -46,9 +45,10 @@ class EngineHooks:
         self.drain_windows = 0               # drain windows opened (an engine pacing the drain)
         self._window_at = 0.0
         # graph-replayed steps (stepped(), vLLM's decode steps) open a drain window once launched
-        self.drain_paced = settings.on("DMI_DRAIN_PACED")
-        # stepped() begins the next decode step while the GPU runs this one
-        self.step_ahead = settings.on("DMI_STEP_AHEAD")
+        # (False: the drain's timer alone, a benchmark's baseline)
+        self.drain_paced = True
+        # stepped() begins the next decode step while the GPU runs this one (the hook spec's engine.step_ahead)
+        self.step_ahead = self.plan.engine.step_ahead
         self._ahead: _Ahead | None = None
         self._epoch = 0                      # bumped by changes that a step begun ahead did not see
         self.steps_ahead = [0, 0]            # steps begun ahead: taken by their forward, retracted
@@ -291,7 +291,7 @@ class EngineHooks:
         At most one window every ``DRAIN_WINDOW_S``: each wake-up costs the drain and exporter
         threads a fixed share of CPU (H200 host, 38 sites: a window every step took them from
         ~0.14 to ~0.47 ms of CPU a step; one every 25 ms, ~0.21), so a few steps go out together.
-        None with ``DMI_DRAIN_PACED=0`` (the timer alone) or in null mode (nothing to drain)."""
+        None with ``drain_paced`` off (the timer alone) or in null mode (nothing to drain)."""
         if not (self.drain_paced and self.enabled):
             return
         now = time.monotonic()

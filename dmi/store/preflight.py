@@ -97,11 +97,11 @@ def check_resumable(path: str | Path, attrs: dict | None = None, hook_file: str 
 
 
 def _comparable(key: str, value, new):
-    """What must match between a store and a run resuming it (the policy and the sink limits may
-    change); ``new``: the run's value, which says which model fields are known."""
+    """What must match between a store and a run resuming it (the policy, the engine options and the
+    sink limits may change); ``new``: the run's value, which says which model fields are known."""
     value = jsonable({"v": value})["v"]
     if key == "hook_spec" and isinstance(value, dict):
-        value = {k: v for k, v in value.items() if k != "policy"}
+        value = {k: v for k, v in value.items() if k not in ("policy", "engine")}   # how, not what, is captured
         if isinstance(value.get("store"), dict):
             value["store"] = {k: v for k, v in value["store"].items() if k not in ("path", "max_bytes", "bytes_per_s")}
     if key == "model" and isinstance(value, dict):

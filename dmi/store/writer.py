@@ -46,7 +46,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import settings
 from ..errors import CaptureError, StoreError
 from ..ring.budget import DropLog
 from ..ring.bytering import ByteRing
@@ -413,6 +412,7 @@ def _serve(conn: Connection, buf: np.ndarray) -> None:
     from .exporter import ZarrExporter
     _, path, plan, capture_dtype, attrs, overwrite, resume = conn.recv()
     try:
+        _load_plugins(plan)
         exp = ZarrExporter(path, plan, capture_dtype, attrs, overwrite=overwrite, resume=resume)
     except Exception as e:  # noqa: BLE001 - the parent raises it as a StoreError
         conn.send(("error", str(e) if isinstance(e, StoreError) else f"{path}: {type(e).__name__}: {e}"))
@@ -539,14 +539,20 @@ class _Drain:
             self.reader = None
 
 
-def _load_plugins() -> None:
-    """``DMI_WRITER_PLUGINS``: comma-separated ``module:function`` called once at the child's start
-    (instrumentation that must reach the store writer's process too, e.g. perf/common/vllm_plugins.py's
-    host sink under ``policy.drain: process``)."""
+def _load_plugins(plan) -> None:
+    """The hook spec's ``engine.writer_plugins``: ``module:function`` entries called once, before
+    the store is opened (zarr codecs or data types of a plugin; instrumentation that must reach the
+    store writer's process too, e.g. perf/common/vllm_plugins.py's host sink under
+    ``policy.drain: process``)."""
     import importlib
-    for entry in filter(None, (settings.get("DMI_WRITER_PLUGINS") or "").split(",")):
+    for entry in plan.engine.writer_plugins:
         module, _, fn = entry.strip().partition(":")
-        getattr(importlib.import_module(module), fn or "register")()
+        try:
+            call = getattr(importlib.import_module(module), fn or "register")
+        except (ImportError, AttributeError) as e:
+            raise StoreError(f"{plan.hook_file or 'hook spec'}: engine.writer_plugins: {entry!r}: {e}. Fix: name "
+                             f"an importable module:function (the store writer's process imports it)") from None
+        call()
 
 
 def main(argv: list[str]) -> None:
@@ -560,7 +566,6 @@ def main(argv: list[str]) -> None:
     tasks = Path("/proc/self/task")
     for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [None]:
         lower_priority(tid=tid)
-    _load_plugins()
     fd, path = int(argv[0]), argv[1]
     mapping = map_shared(path)
     conn = Connection(fd)

@@ -74,7 +74,7 @@ def register() -> None:
 
 
 def writer_register() -> None:
-    """In the store writer's process (``DMI_WRITER_PLUGINS``, set by perf/online.py): the host sink
+    """In the store writer's process (the hook spec's ``engine.writer_plugins``, set by perf/online.py): the host sink
     there too, where ``policy.drain: process`` runs the exporter."""
     if os.environ.get("DMI_PERF_SINK") == "host":
         _host_sink()

@@ -9,11 +9,9 @@ generate (reduce-overhead). perf/RESULTS.md's "Open" section gives the figure.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -51,11 +49,10 @@ def main(argv=None) -> None:
         rows["A/A twin"] = decode_logits(aa, enc, kw)
         del aa
         configs = {"dmi null": ({}, False), "dmi capture (op)": ({}, True),
-                   "dmi capture, DMI_TRACED=1": ({"DMI_TRACED": "1"}, True)}
-        for name, (env, on) in configs.items():
+                   "dmi capture, engine.traced: all": ({"traced": "all"}, True)}
+        for name, (engine, on) in configs.items():
             t = twin(model)
-            with mock.patch.dict(os.environ, env), dmi.load(t, hook_spec=HEADLINE_SPEC,
-                                                            store=tmp / f"{len(rows)}.zarr") as run:
+            with dmi.load(t, hook_spec=HEADLINE_SPEC | {"engine": engine}, store=tmp / f"{len(rows)}.zarr") as run:
                 run.set_enabled(on)
                 decode_logits(t, enc, kw)
                 rows[name] = decode_logits(t, enc, kw)

@@ -9,7 +9,7 @@ dmi: the host time a patched model adds to every call of its compiled forward. p
 A Qwen3 of tiny widths (``--layers`` layers: guards follow the model's structure, not its sizes)
 and twins sharing its weights: vanilla, an unpatched A/A twin, one carrying dmi (the headline's
 hidden+logits spec) in null mode and capturing, and one carrying dmi with its sites named through
-their handles (``DMI_CONSTANT_SITES=0``, where the default names them as constants). Each runs generate() with
+their handles (``engine.constant_sites: false``, where the default names them as constants). Each runs generate() with
 a static cache and its compiled forward (``reduce-overhead`` on a GPU, ``default`` on the CPU),
 twice to compile and record. Then, per row:
 
@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
-import os
 import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -159,8 +157,7 @@ def main(argv=None) -> None:
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         models = {"vanilla": model, "A/A twin": twin(model)}
         run = dmi.load(twin(model), hook_spec=spec, store=Path(tmp) / "g.zarr")
-        with mock.patch.dict(os.environ, DMI_CONSTANT_SITES="0"):
-            hrun = dmi.load(twin(model), hook_spec=spec, store=Path(tmp) / "h.zarr")
+        hrun = dmi.load(twin(model), hook_spec=spec | {"engine": {"constant_sites": False}}, store=Path(tmp) / "h.zarr")
         try:
             models["dmi"], models["dmi, handles"] = run.model, hrun.model
             calls = {name: record_calls(m) for name, m in models.items()}

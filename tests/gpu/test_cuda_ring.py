@@ -14,6 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import dmi
 from conftest import FAMILIES, MOE_FAMILIES, SPECS, model_pair
+from engine_spec import with_engine
 from storecheck import assert_stores_equal, expected_rows
 
 pytestmark = [pytest.mark.gpu,
@@ -86,9 +87,9 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
         spec = write_spec(text, f"{name}.yaml")
         outs = {}
         for ring in ("cpu", "cuda"):
-            monkeypatch.setenv("DMI_RING", ring)
             model, _ = _pair(family, dtype=dtype)
-            with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}-{ring}.zarr") as run:
+            with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, ring=ring),
+                                           store=tmp_path / f"{name}-{ring}.zarr") as run:
                 outs[ring] = run.model.generate(**enc, max_new_tokens=new, do_sample=False)
                 assert type(run.ring).__name__ == ("CudaRing" if ring == "cuda" else "CpuRing")
                 if ring == "cuda":     # eager steps end with the end marker's one-kernel graph, replayed
@@ -123,16 +124,16 @@ def test_gpu_captures_equal_cpu_path_and_model_outputs(family, dtype, encoded, w
 
 @pytest.mark.parametrize("copy_at_step", ["0", "1"])
 def test_gpu_wraparound_and_backpressure_lossless(copy_at_step, encoded, write_spec, tmp_path, monkeypatch):
-    monkeypatch.setenv("DMI_COPY_AT_STEP", copy_at_step)   # 1: the model's thread copies steps out (and the drain,
-    enc = _enc(encoded)                                     # where staging is full: the small ring's 1 MiB)
+    # copy_at_step 1: the model's thread copies steps out (and the drain, where staging is full: the small ring's 1 MiB)
+    enc = _enc(encoded)
     sites = "capture: [{sites: [resid_post, mlp.out, final_norm]}]\n"
     big = write_spec(sites + "policy: {ring_bytes: 64MiB}\n", "big.yaml")
     small = write_spec(sites + "policy: {ring_bytes: 112KiB, meta_records: 32, host_bytes: 1MiB}\n", "small.yaml")
     outs, runs = {}, {}
     for name, spec, ring in (("ref", big, "cpu"), ("big", big, "cuda"), ("small", small, "cuda")):
-        monkeypatch.setenv("DMI_RING", ring)
         model, _ = _pair("qwen3")
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, ring=ring, copy_at_step=copy_at_step == "1"),
+                                       store=tmp_path / f"{name}.zarr") as run:
             outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
         runs[name] = run
     small_run = runs["small"]
@@ -150,8 +151,7 @@ def test_gpu_wraparound_and_backpressure_lossless(copy_at_step, encoded, write_s
     # the 1 MiB of staging, into pageable memory, through cuda-python's calls, which let it go)
     assert small_run.ring._calls.holds_gil
 
-    # best effort with a ring smaller than the prefill: drops are accounted row for row
-    monkeypatch.setenv("DMI_RING", "cuda")
+    # best effort with a ring smaller than the prefill: drops are accounted row for row (the CUDA ring: the default)
     spec = write_spec("capture: [{sites: [resid_post], priority: 1}, {sites: [mlp.out]}]\n"
                       "policy: {mode: best_effort, ring_bytes: 24KiB}\n", "be.yaml")
     model, ref = _pair("qwen3")
@@ -178,16 +178,14 @@ class _ChainPass(CustomGraphPass):
 
 @pytest.mark.parametrize("side", [False, True])
 def test_manual_cuda_graph_replays_store_distinct_correct_records(side, write_spec, tmp_path, monkeypatch):
-    """``side``: the forward compiled (the site ops: DMI_TRACED=0) with the side-stream chain pass
+    """``side``: the forward compiled (the site ops: ``engine.traced: off``) with the side-stream chain pass
     (``dmi.kernels.side``), the ring forking while the graph is captured, as in vLLM's graphs:
     every capture kernel runs on the side stream, every fork is joined inside the capture, and
     each replay's records are still that replay's values."""
-    monkeypatch.setenv("DMI_RING", "cuda")
     if side:
-        monkeypatch.setenv("DMI_TRACED", "0")
         torch._dynamo.reset()
-    spec = write_spec("capture: [{sites: [resid_post, final_norm, attn.q]}, {sites: [logits], tokens: last}]\n"
-                      "policy: {ring_bytes: 8MiB}\n")
+    spec = with_engine(write_spec("capture: [{sites: [resid_post, final_norm, attn.q]}, {sites: [logits], tokens: last}]\n"
+                                  "policy: {ring_bytes: 8MiB}\n"), ring="cuda", **({"traced": "off"} if side else {}))
     model, ref = _pair("qwen3")
     B, S, N = 4, 8, 6
     g = torch.Generator().manual_seed(1)
@@ -264,7 +262,6 @@ def test_compile_fullgraph_inductor_no_graph_break(encoded, write_spec, tmp_path
     """dmi adds no graph break: the patched forward breaks exactly as often as the unpatched one
     (never, on transformers versions that compile whole; 5.17's output-capturing hook installer
     takes a lock Dynamo cannot trace), and compiles with fullgraph=True wherever that does."""
-    monkeypatch.setenv("DMI_RING", "cuda")
     enc = _enc(encoded)
     spec = write_spec("capture: [{sites: [resid_post, final_norm, attn.q, mlp.out]}, "
                       "{sites: [logits], tokens: last, reduce: {topk: 4}}]\n")
@@ -299,12 +296,10 @@ def test_compile_fullgraph_inductor_no_graph_break(encoded, write_spec, tmp_path
 def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded, write_spec, tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
-    monkeypatch.setenv("DMI_RING", "cuda")
-    monkeypatch.setenv("DMI_COPY_AT_STEP", copy_at_step)
     enc = _enc(encoded)
     new = 12
-    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n"
-                      "policy: {ring_bytes: 4MiB}\n")
+    spec = with_engine(write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n"
+                                  "policy: {ring_bytes: 4MiB}\n"), ring="cuda", copy_at_step=copy_at_step == "1")
     model, _ = _pair("qwen3", dtype=torch.bfloat16)
     kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static",
               compile_config=CompileConfig(mode="reduce-overhead"), output_logits=True, return_dict_in_generate=True)
@@ -354,27 +349,23 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
 def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, constants, encoded, write_spec, tmp_path,
                                                             monkeypatch):
     """Compiled generate (inductor, static cache), the plain sites captured as traced ops fused into
-    inductor's kernels (``DMI_TRACED=1``) or through the site op (the default): first without CUDA
+    inductor's kernels (``engine.traced: all``) or through the site op (the default): first without CUDA
     graphs, whose hidden states generate keeps (reduce-overhead's are overwritten by the next replay),
     then twice with reduce-overhead's CUDA graphs (the same inductor code, recorded, then replayed).
     Every step's ``resid_post`` and ``final_norm`` rows equal the hidden states of the graph-free
     run's same step, bit for bit (the eager prefill's too), and the store holds every step once.
-    The ops' capture kernels run on a side stream in the recorded graph (``DMI_SIDE`` unset: the
-    HF adapter chains them, dmi.kernels.side), or on the model's stream (``DMI_SIDE=0``). The ops'
-    sites are constants of each patched module's own class (``DMI_CONSTANT_SITES``, default 1) or
-    read through their handles (``0``); traced sites keep their handles."""
+    The ops' capture kernels run on a side stream in the recorded graph (``engine.side`` left out:
+    the HF adapter chains them, dmi.kernels.side), or on the model's stream (``off``). The ops'
+    sites are constants of each patched module's own class (``engine.constant_sites``, default true)
+    or read through their handles (false); traced sites keep their handles."""
     from transformers import CompileConfig
-    monkeypatch.setenv("DMI_RING", "cuda")
-    monkeypatch.setenv("DMI_TRACED", traced)
-    monkeypatch.setenv("DMI_CONSTANT_SITES", constants)
-    if side_mode is None:
-        monkeypatch.delenv("DMI_SIDE", raising=False)
-    else:
-        monkeypatch.setenv("DMI_SIDE", side_mode)
+    options = {"ring": "cuda", "traced": "all" if traced == "1" else "off", "constant_sites": constants == "1"}
+    if side_mode is not None:
+        options["side"] = "off" if side_mode == "0" else side_mode
     enc = _enc(encoded)
     new = 6
-    spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [resid_mid], layers: [1], tokens: last}]\n"
-                      "policy: {ring_bytes: 4MiB}\n")
+    spec = with_engine(write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [resid_mid], layers: [1], "
+                                  "tokens: last}]\npolicy: {ring_bytes: 4MiB}\n"), **options)
     model, _ = _pair("qwen3", dtype=torch.bfloat16)
     kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static", output_hidden_states=True,
               return_dict_in_generate=True)
@@ -413,7 +404,6 @@ def test_compiled_generate_captures_equal_its_hidden_states(traced, side_mode, c
 
 
 def test_null_mode_captures_nothing(encoded, write_spec, tmp_path, monkeypatch):
-    monkeypatch.setenv("DMI_RING", "cuda")
     enc = _enc(encoded)
     spec = write_spec("capture: [{sites: [resid_post, final_norm]}, {sites: [logits], tokens: last}]\n")
     model, ref = _pair("qwen3")
@@ -448,9 +438,8 @@ def test_eager_captures_of_a_repeated_tensor_replay_a_graph(encoded, write_spec,
     inputs = [{**enc, "input_ids": (enc["input_ids"] * (i + 3) + i) % 97 + 3} for i in range(steps)]
     outs = {}
     for ring in ("cpu", "cuda"):
-        monkeypatch.setenv("DMI_RING", ring)
         model, ref = _pair("qwen3")
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"r-{ring}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, ring=ring), store=tmp_path / f"r-{ring}.zarr") as run:
             if ring == "cuda":
                 run.ring.replay_eager = {s.index for s in run.plan.sites}
                 run.ring.range_copy = False    # (which would copy the logits rows: one range)
@@ -585,9 +574,8 @@ def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded,
                        "small.yaml")
     outs = {}
     for name, spec, ring in (("ref", ref_spec, "cpu"), ("small", small, "cuda")):
-        monkeypatch.setenv("DMI_RING", ring)
         model, _ = _pair("qwen3")
-        with torch.no_grad(), dmi.load(model, hook_spec=spec, store=tmp_path / f"{name}.zarr") as run:
+        with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, ring=ring), store=tmp_path / f"{name}.zarr") as run:
             outs[name] = run.model.generate(**enc, max_new_tokens=60, do_sample=False)
             if name == "small":
                 assert type(run.ring).__name__ == "CudaRing" and run.threads.remote and run.ring._calls.holds_gil
@@ -602,7 +590,6 @@ def test_drain_process_over_cuda_ipc_equals_the_reference_and_the_model(encoded,
     assert not list(Path("/dev/shm").glob("dmi-ring-*"))
 
     from transformers import CompileConfig
-    monkeypatch.setenv("DMI_RING", "cuda")
     spec = write_spec("capture: [{sites: [final_norm]}, {sites: [logits], tokens: last}]\n"
                       "policy: {ring_bytes: 4MiB, drain: process}\n", "compiled.yaml")
     model, _ = _pair("qwen3", dtype=torch.bfloat16)

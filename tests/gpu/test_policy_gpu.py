@@ -8,6 +8,7 @@ import torch
 
 import dmi
 from conftest import model_pair
+from engine_spec import with_engine
 from storecheck import assert_stores_equal
 
 pytestmark = [pytest.mark.gpu,
@@ -24,11 +25,10 @@ policy: {{mode: {mode}, ring_bytes: 1MiB{cap}}}
 
 
 def _capture(spec, store, encoded, new, ring, monkeypatch, device="cuda", ids=None, capture=None):
-    monkeypatch.setenv("DMI_RING", ring)
     model, _ = model_pair("qwen3", attn="sdpa")
     model = model.to(device)
     enc = {k: v.to(device) for k, v in encoded.items()}
-    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+    with torch.no_grad(), dmi.load(model, hook_spec=with_engine(spec, ring=ring), store=store) as run:
         if ids is not None or capture is not None:
             run.set_request_ids(ids, capture=capture)
         out = run.model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False)

@@ -14,11 +14,11 @@ What is pinned (issue #4, GPU part):
   produce their own, correct records: the only capture made from Python in those steps is the
   eager ``logits`` site (``compute_logits`` runs outside the graph), every other site's rows come
   from kernels the replay ran, and they equal HF's; steps larger than any graph run the compiled
-  model without a graph (every site from Python under ``DMI_TRACED=0``);
-* what cannot work inside a graph replay is refused at load (``attn.pattern``, ``DMI_RING=cpu``).
-* steps above the largest graph run a compile range of their own (the default, ``DMI_TRACED`` unset:
+  model without a graph (every site from Python under ``engine.traced: off``);
+* what cannot work inside a graph replay is refused at load (``attn.pattern``, ``engine.ring: cpu``).
+* steps above the largest graph run a compile range of their own (the default, ``engine.traced`` left out:
   ``range``) in which every plain site's op was rewritten into a traced scatter: no capture from
-  Python there but the ops left (head selections, the logits); with ``DMI_TRACED=1`` the plain
+  Python there but the ops left (head selections, the logits); with ``engine.traced: all`` the plain
   sites are scattered by the compiled code in every step; both equal HF's.
 
 Engine: vLLM 0.25.1 (the H200 machine: ``source .vbundle/tools/env.sh``, docs/vllm.md), the V1
@@ -143,23 +143,21 @@ NEEDS_MOE_KERNELS = pytest.mark.skipif(not _moe_kernels(), reason="vLLM's MoE ke
     pytest.param("qwen3_moe", None, "1", marks=NEEDS_MOE_KERNELS), pytest.param("mixtral", None, "1", marks=NEEDS_MOE_KERNELS)],
     ids=["qwen3", "llama3_1-side-default", "qwen3-op", "qwen3-traced", "qwen3_moe", "mixtral"])
 def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, monkeypatch):
-    """``traced`` (``DMI_TRACED``) None: the default, ``range``: the steps above the largest graph
+    """``traced`` (the hook spec's ``engine.traced``: ``0`` off, ``1`` all) None: the default, ``range``: the steps above the largest graph
     (33-48 tokens) run a compile range of their own whose plain sites' ops were rewritten into
     traced scatters (dmi.kernels.traced.rewrite_captures), no op call there; graph-replayed steps
     keep the op. ``0``: the op in every step. ``1``: traced scatters in every step
     (dmi.kernels.traced). The other sites through the site op; the same numbers. In every mode the
-    graphed ranges' captures are chained onto a side stream (``DMI_SIDE``, dmi.kernels.side):
-    each capture kernel of a replayed graph runs beside the model's; ``side_mode`` None (unset:
+    graphed ranges' captures are chained onto a side stream (``engine.side``, dmi.kernels.side):
+    each capture kernel of a replayed graph runs beside the model's (``side_mode`` ``1``: all);
+    ``side_mode`` None (left out:
     the default, ``full``): in vLLM's full graphs only, the pieces of piecewise graphs keep them
     inline."""
-    if side_mode is None:
-        monkeypatch.delenv("DMI_SIDE", raising=False)      # the default: full graphs only
-    else:
-        monkeypatch.setenv("DMI_SIDE", side_mode)
-    if traced is None:
-        monkeypatch.delenv("DMI_TRACED", raising=False)
-    else:
-        monkeypatch.setenv("DMI_TRACED", traced)
+    options = {}                                        # side left out: the default, full graphs only
+    if side_mode is not None:
+        options["side"] = {"0": "off", "1": "all"}.get(side_mode, side_mode)
+    if traced is not None:
+        options["traced"] = {"0": "off", "1": "all"}.get(traced, traced)
     mode = traced or "range"
     path = save_builtin(f"tiny-{family}")
     prompts, params = workload()
@@ -172,7 +170,7 @@ def test_cuda_graphs_every_site_equals_hf(family, traced, side_mode, tmp_path, m
 
     events, marked_in_graphs = _capture_recorder(monkeypatch)
     spec = {"capture": [{"sites": all_sites(family)}], "policy": {"ring_bytes": "32MiB"}}
-    run = dmi.load(path, hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    run = dmi.load(path, hook_spec={**spec, "engine": options}, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
     try:
         assert type(run.run.ring).__name__ == "CudaRing"
         n_setup = len(events)
@@ -311,8 +309,7 @@ def test_refused_with_cuda_graphs(tmp_path, monkeypatch):
     with pytest.raises(dmi.DmiError, match="enforce_eager=True"):
         dmi.load(path, hook_spec={"capture": [{"sites": ["attn.pattern"], "layers": [0], "max_keys": 64}]},
                  store=tmp_path / "p.zarr", backend="vllm", **engine)
-    monkeypatch.setenv("DMI_RING", "cpu")
-    with pytest.raises(dmi.DmiError, match="DMI_RING=cpu"):
-        dmi.load(path, hook_spec={"capture": [{"sites": ["resid_post"]}]}, store=tmp_path / "c.zarr", backend="vllm",
-                 **engine)
+    with pytest.raises(dmi.DmiError, match="engine.ring: cpu"):
+        dmi.load(path, hook_spec={"capture": [{"sites": ["resid_post"]}], "engine": {"ring": "cpu"}},
+                 store=tmp_path / "c.zarr", backend="vllm", **engine)
     assert not (tmp_path / "p.zarr").exists() and not (tmp_path / "c.zarr").exists()
