@@ -45,7 +45,7 @@ def request(obj, request_id: str):
 
 def _rows_of(ds, rid: str) -> np.ndarray:
     """Indices of the request's rows along ``token``, sorted by position (stable)."""
-    req = np.asarray(ds.coords["request"].values).astype(str)
+    req = np.asarray(ds.coords["request"].values)       # (object, str or numpy's StringDType)
     idx = np.flatnonzero(req == rid)
     if "position" in ds.coords and len(idx):
         pos = np.asarray(ds.coords["position"].values)[idx]
@@ -60,7 +60,7 @@ def _missing(rid: str, obj) -> str:
     for n in nodes:
         coords = n.coords if hasattr(n, "coords") else {}
         if "request" in coords:
-            ids.update(np.unique(np.asarray(coords["request"].values).astype(str)).tolist())
+            ids.update(map(str, np.asarray(coords["request"].values).tolist()))
     some = ", ".join(repr(i) for i in sorted(ids)[:10]) + (", ..." if len(ids) > 10 else "")
     return (f"request {rid!r} has no rows here; the requests stored are {some or 'none'}. Fix: pass one of those "
             f"ids (the request coordinate)")

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import StoreError
 
 
-COORD_NAMES = ("request", "position", "step", "phase", "layer", "head")
+COORD_NAMES = ("request", "position", "step", "phase", "token_id", "layer", "head")
 MAX_IDS = 5
 
 
