@@ -4,6 +4,7 @@
     with dmi.load("tiny-qwen3", hook_spec="hooks.yaml", store="out.zarr") as run:
         run.model.generate(**inputs)
     tree = dmi.open("out.zarr")       # xarray.DataTree with named dims and coordinates
+    r0 = dmi.request(tree, "r0")      # one request's rows, in position order (lazy)
 """
 from __future__ import annotations
 
