@@ -4,6 +4,7 @@
     with dmi.load("tiny-qwen3", hook_spec="hooks.yaml", store="out.zarr") as run:
         run.model.generate(**inputs)
     tree = dmi.open("out.zarr")       # xarray.DataTree with named dims and coordinates
+    r0 = dmi.request(tree, "r0")      # one request's rows, in position order (lazy)
 """
 from __future__ import annotations
 
@@ -19,6 +20,43 @@ if not (_Path(__file__).parent / "specs").is_dir() and (_checkout / "specs" / "_
 from .errors import AnchorError, CaptureError, DmiError, PolicyError, SpecError, StoreError
 
 
+def _bfloat16_for_zarr() -> None:
+    """Register dmi's bfloat16 with zarr (dmi.zdtype) once zarr is imported, so that a plain
+    ``zarr.open_group`` / ``xarray.open_datatree(engine="zarr")`` after ``import dmi`` reads bfloat16
+    stores (zarr 3.1 never loads the ``zarr.data_type`` entry point). Importing zarr here would
+    slow every ``import dmi`` down: a finder waits for its import instead."""
+    import sys
+    if "zarr" in sys.modules:
+        from . import zdtype  # noqa: F401  (registers on import)
+        return
+    import importlib.abc
+    import importlib.util
+
+    class _AfterZarr(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != "zarr":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                try:
+                    from . import zdtype  # noqa: F401
+                except ImportError:       # (no ml_dtypes: zarr works on, without bfloat16)
+                    pass
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _AfterZarr())
+
+
+_bfloat16_for_zarr()
+
+
 def __getattr__(name: str):
     # load/open pull in torch and transformers: import them on first use, so the CLI's
     # `specs` and `inspect` commands start fast
@@ -28,8 +66,11 @@ def __getattr__(name: str):
     if name == "plot":       # matplotlib only when pictures are asked for
         import importlib
         return importlib.import_module(".plot", __name__)
+    if name == "request":
+        from .select import request
+        return request
     raise AttributeError(f"module 'dmi' has no attribute {name!r}")
 
 __version__ = "0.1.0"
-__all__ = ["load", "open", "DmiError", "SpecError", "AnchorError", "PolicyError", "StoreError", "CaptureError",
+__all__ = ["load", "open", "request", "DmiError", "SpecError", "AnchorError", "PolicyError", "StoreError", "CaptureError",
            "__version__"]

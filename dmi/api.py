@@ -90,8 +90,13 @@ def _device_of(model):
     return p.device if p is not None else None
 
 
-def open_store(path: str | Path):
-    """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase coordinates).
+def open_store(path: str | Path, *, dtype: str | None = "float32", chunks=None):
+    """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase/token_id coordinates).
+
+    dtype: the float captures read as this dtype (default float32: exact for bfloat16 and float16,
+    and what numpy, xarray's reductions and ``torch.from_numpy`` compute with), cast lazily as
+    values are read; None: as stored (bfloat16 as ``ml_dtypes.bfloat16``).
+    chunks: as for ``xarray.open_datatree``; ``{}`` gives dask arrays in the store's chunks.
 
     A closed store opens from its consolidated metadata. A store still open (being written, or
     whose writer died: ``dmi_status: open``) opens from each array's own metadata, never from
@@ -113,9 +118,11 @@ def open_store(path: str | Path):
         raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory that "
                          f"`dmi capture --out` wrote") from None
     attrs = meta.get("attributes") or {}
+    from .select import cast_floats
     if attrs.get("dmi_status") in ("closed", "failed") and meta.get("consolidated_metadata"):
-        return xr.open_datatree(str(p), engine="zarr", consolidated=True)
-    tree = xr.open_datatree(str(p), engine="zarr", consolidated=False)
+        tree = xr.open_datatree(str(p), engine="zarr", consolidated=True, chunks=chunks)
+        return tree if dtype is None else cast_floats(tree, dtype)
+    tree = xr.open_datatree(str(p), engine="zarr", consolidated=False, chunks=chunks)
     rows = (attrs.get("dmi_committed") or {}).get("rows", {})
     if attrs.get("dmi_status") == "open":
         for node in tree.subtree:
@@ -123,4 +130,4 @@ def open_store(path: str | Path):
             dim = "drop" if node.name == "drops" else "token"
             if n is not None and node.dataset.sizes.get(dim, 0) > n:
                 node.dataset = node.to_dataset(inherit=False).isel({dim: slice(0, n)})
-    return tree
+    return tree if dtype is None else cast_floats(tree, dtype)

@@ -15,6 +15,7 @@ Exit codes: 0 ok, 2 bad input (one clear line on stderr), 1 runtime failure, 130
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -161,6 +162,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     if args.quiet:
         quiet_libraries()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     import torch
     from . import load
     from .models import BUILTIN
@@ -185,6 +187,13 @@ def cmd_capture(args: argparse.Namespace) -> int:
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tok.pad_token_id}
     if tok.eos_token_id is not None:
         gen["eos_token_id"] = tok.eos_token_id
+    # root attributes: this run (a resumed store keeps the runs before it) and each request's text
+    stored = _stored_attrs(out) if args.resume else {}
+    texts = dict(stored.get("texts") or {})
+    run.close_attrs["cli"] = list(stored.get("cli") or []) + [{
+        "started": started, "model": args.model, "seed": args.seed, "dtype": args.dtype, "device": str(device),
+        "batch_size": args.batch_size, "generation": dict(gen), "requests": [p.id for p in prompts]}]
+    run.close_attrs["texts"] = texts
     t0 = time.perf_counter()
     failed: BaseException | None = None
     done = 0
@@ -199,7 +208,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
             run.set_request_ids([p.id for p in batch])
             bar.batch(len(batch))
             with torch.inference_mode():
-                run.model.generate(**enc, **gen)
+                seqs = run.model.generate(**enc, **gen)
+            new = seqs[:, enc["input_ids"].shape[1]:].cpu()
+            for p, ids in zip(batch, new):
+                texts[p.id] = {"prompt": p.text, "generated": tok.decode(ids, skip_special_tokens=True)}
             done += len(batch)
             bar.done(done)
     except BaseException as e:    # close the run (flushes what was captured) before reporting
@@ -281,6 +293,14 @@ def quiet_libraries() -> None:
         disable_progress_bars()
     except ImportError:
         pass
+
+
+def _stored_attrs(store) -> dict:
+    """The root attributes of an existing store (--resume)."""
+    try:
+        return json.loads((Path(store) / "zarr.json").read_text()).get("attributes") or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:

@@ -42,16 +42,34 @@ class StepTokens:
     position: np.ndarray    # int64 absolute position in the request
     phase: np.ndarray       # int8 index into PHASES
     local: np.ndarray       # int64 s (step-local position), to map engine tensors with fewer positions
+    # the step's input token ids, one per grid row (indexed by ``rows``): a numpy array, or a device
+    # copy in flight (dmi.run.steps.PendingIds: its .numpy() waits for it); None: unknown
+    ids: object = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def token_ids(self, sel: np.ndarray) -> np.ndarray:
+        """int64 input token id of the rows ``sel`` (-1 where the engine gave embeddings, not ids)."""
+        if self.ids is None:
+            return np.full(len(sel), -1, np.int64)
+        if not isinstance(self.ids, np.ndarray):
+            self.ids = self.ids.numpy()
+        return self.ids[self.rows[sel]].astype(np.int64, copy=False)
+
+    def __getstate__(self) -> dict:
+        # to the drain or writer process: the ids as numpy
+        state = dict(self.__dict__)
+        if state["ids"] is not None and not isinstance(state["ids"], np.ndarray):
+            state["ids"] = state["ids"].numpy()
+        return state
 
     def subset(self, keep: np.ndarray | None) -> "StepTokens":
         """The rows where the bool mask ``keep`` is true (``None`` or all true: this step itself)."""
         if keep is None or keep.all():
             return self
         return StepTokens(self.step, self.batch, self.seq, self.rows[keep], self.request[keep], self.position[keep],
-                          self.phase[keep], self.local[keep])
+                          self.phase[keep], self.local[keep], self.ids)
 
 
 class RequestTable:
@@ -67,6 +85,10 @@ class RequestTable:
         self._pending: dict[int, tuple[list[str] | None, np.ndarray | None]] = {}
         self.batch_capture: np.ndarray | None = None    # bool per batch row of the current batch (None: all)
         self.lock = threading.Lock()
+        # an engine's request id -> the id its caller knows (vLLM: without the suffix it appends), which
+        # the store keeps unless another request of the run has it already; None: the engine's id itself
+        self.name_of = None
+        self._names: set[str] = set()
 
     def set_next(self, ids: list[str] | None, capture=None) -> None:
         """Ids for the rows of the next new batch this thread starts (else 'r<N>' ids are made up),
@@ -80,17 +102,26 @@ class RequestTable:
         self._pending[threading.get_ident()] = (None if ids is None else list(ids), flags)
 
     def intern(self, ids: list[str]) -> list[int]:
-        """Indices of engine-given request ids (vLLM's), adding the ones not seen before (stored as
-        :func:`bounded_id`: a client chooses them)."""
+        """Indices of engine-given request ids (vLLM's), adding the ones not seen before, stored as
+        :func:`bounded_id` (a client chooses them) of ``name_of(id)``, or of the engine's id where
+        another request of the run (or of the resumed store) has that name already."""
         got = list(map(self._index.get, ids))     # (an engine step's ids are mostly known ones)
         if None not in got:
             return got
         with self.lock:
             for rid in ids:
                 if rid not in self._index:
+                    name = bounded_id(self.name_of(rid)) if self.name_of is not None else bounded_id(rid)
+                    if name in self._names:
+                        name = bounded_id(rid)
                     self._index[rid] = len(self.ids)
-                    self.ids.append(bounded_id(rid))
+                    self.ids.append(name)
+                    self._names.add(name)
             return [self._index[r] for r in ids]
+
+    def stored_id(self, rid: str) -> str:
+        """The id the store keeps for an engine-given request id (:meth:`intern`)."""
+        return self.ids[self.intern([rid])[0]]
 
     def start_batch(self, batch: int) -> list[int]:
         given, flags = self._pending.pop(threading.get_ident(), (None, None))
@@ -105,6 +136,7 @@ class RequestTable:
             for rid in ids:
                 self._index[rid] = len(self.ids)
                 self.ids.append(rid)
+                self._names.add(rid)
         self._batch_rows = [self._index[r] for r in ids]
         self._batch_thread = threading.get_ident()
         self.batch_capture = None if flags is None or flags.all() else flags

@@ -2,8 +2,10 @@
 
 Zarr v3 only: JSON name ``"bfloat16"``, no configuration; fill value is a JSON number, ``"NaN"``
 (= ``"0x7fc0"``), ``"Infinity"``, ``"-Infinity"`` or ``"0x"`` + 4 hex digits of the bit pattern.
-The NumPy dtype is ``ml_dtypes.bfloat16``. zarr finds the class through the ``zarr.data_type``
-entry point (pyproject.toml); ``register()`` does it by hand and runs on import of this module.
+The NumPy dtype is ``ml_dtypes.bfloat16``. Built on zarr's public ``zarr.dtype`` API only (a
+``Float16`` that wraps bfloat16), so it works across zarr 3 releases. zarr 3.1 collects the
+``zarr.data_type`` entry point (pyproject.toml) but never loads it: ``register()`` does it by hand,
+on import of this module, which ``import dmi`` arranges for as soon as zarr is imported.
 """
 from __future__ import annotations
 
@@ -14,21 +16,31 @@ from typing import TYPE_CHECKING, ClassVar, Literal, NoReturn
 
 import ml_dtypes
 import numpy as np
-from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.common import DataTypeValidationError, DTypeJSON
-from zarr.core.dtype.npy.common import endianness_to_numpy_str, float_to_json_v3
-from zarr.core.dtype.npy.float import BaseFloat
+from zarr.dtype import DataTypeValidationError, Float16, data_type_registry
 
 if TYPE_CHECKING:
     from typing import Self  # 3.11+, like zarr itself
 
-    from zarr.core.common import JSON, ZarrFormat
+    JSON = object
+    ZarrFormat = Literal[2, 3]
+    DTypeJSON = object
 
 __all__ = ["BF16", "BFloat16", "register"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _NAN_BITS = 0x7FC0  # the NaN that JSON "NaN" stands for (spec)
 _SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_BYTE_ORDER = {"little": "<", "big": ">", None: "|"}
+
+
+def _float_to_json(x: float) -> float | str:
+    """A float as a Zarr v3 JSON fill value: a number, or "NaN" / "Infinity" / "-Infinity"."""
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
 
 
 def _parse_str(s: str | bytes) -> np.generic | None:
@@ -55,10 +67,11 @@ def _no_v2() -> NoReturn:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BFloat16(BaseFloat):  # type: ignore[type-arg]
-    """Zarr v3 ``bfloat16`` wrapping ``np.dtype(ml_dtypes.bfloat16)``; both byte orders work."""
+class BFloat16(Float16):
+    """Zarr v3 ``bfloat16`` wrapping ``np.dtype(ml_dtypes.bfloat16)``; both byte orders work.
+    (A subclass of zarr's public ``Float16``: the float behavior it inherits is the same.)"""
 
-    # ml_dtypes dtypes are instances of their own dtype class, so BaseFloat's
+    # ml_dtypes dtypes are instances of their own dtype class, so the float base's
     # `type(dtype) is dtype_cls` check matches bfloat16 only (not V2 / float16).
     dtype_cls: ClassVar[type] = type(BF16)
     _zarr_v3_name: ClassVar[Literal["bfloat16"]] = "bfloat16"
@@ -71,7 +84,7 @@ class BFloat16(BaseFloat):  # type: ignore[type-arg]
     def to_native_dtype(self) -> np.dtype:
         # dtype_cls() cannot be instantiated for an ml_dtypes class; start from BF16. Its
         # newbyteorder(">") gives a working big-endian bf16 (ml_dtypes byte-swaps on casts).
-        return BF16.newbyteorder(endianness_to_numpy_str(self.endianness))
+        return BF16.newbyteorder(_BYTE_ORDER[self.endianness])
 
     @classmethod
     def _check_json_v3(cls, data: DTypeJSON) -> bool:
@@ -121,7 +134,7 @@ class BFloat16(BaseFloat):  # type: ignore[type-arg]
         bits = int(np.array(x, dtype=BF16).view("<u2"))
         if math.isnan(float(x)) and bits != _NAN_BITS:
             return f"0x{bits:04x}"  # keep NaN payload / sign, which "NaN" would lose
-        return float_to_json_v3(x)  # exact: every bf16 is a float64
+        return _float_to_json(x)  # exact: every bf16 is a float64
 
 
 def register() -> None:

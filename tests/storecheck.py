@@ -26,7 +26,7 @@ def assert_stores_equal(a_path, b_path) -> int:
     """Every array and coordinate of two stores equal bit for bit (NaN too); returns how many. A
     difference names every array that differs and where, so a rare one says what it was."""
     import dmi
-    a, b = dmi.open(a_path), dmi.open(b_path)
+    a, b = dmi.open(a_path, dtype=None), dmi.open(b_path, dtype=None)    # as stored
     n, diffs = 0, []
     for node in a.subtree:
         for v in list(node.dataset.data_vars) + list(node.dataset.coords):

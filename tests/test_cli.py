@@ -69,6 +69,49 @@ def test_capture_writes_store_with_request_ids(captured):
     assert tree["layers/resid_post"].ds.sizes["layer"] == 3
 
 
+def test_capture_records_texts_generation_seed_and_start(captured, tmp_path):
+    """The store's root attributes say what the run generated: each request's prompt and generated
+    text (equal to the same model's own generate(), decoded), the generation arguments, the seed and
+    the start time; --resume adds its run and its requests' texts to them."""
+    import datetime
+
+    import torch
+
+    from dmi.models import build_tiny_model, tiny_tokenizer
+    attrs = dmi.open(captured["store"]).attrs
+    (run,) = attrs["cli"]
+    assert run["model"] == "tiny-qwen3" and run["seed"] == 0 and run["requests"] == IDS and run["batch_size"] == 2
+    tok = tiny_tokenizer()
+    assert run["generation"] == {"max_new_tokens": 3, "do_sample": False, "pad_token_id": tok.pad_token_id,
+                                 "eos_token_id": tok.eos_token_id}
+    started = datetime.datetime.fromisoformat(run["started"])
+    assert started.utcoffset() == datetime.timedelta(0) and started <= datetime.datetime.now(datetime.timezone.utc)
+    model = build_tiny_model("tiny-qwen3", seed=0)
+    texts = [p["prompt"] for p in PROMPTS]
+    want = {}
+    for i in range(0, 3, 2):            # the CLI's batches of 2
+        enc = tok(texts[i:i + 2], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            seqs = model.generate(**enc, **run["generation"])
+        for rid, ids in zip(IDS[i:i + 2], seqs[:, enc["input_ids"].shape[1]:]):
+            want[rid] = tok.decode(ids, skip_special_tokens=True)
+    assert attrs["texts"] == {rid: {"prompt": t, "generated": want[rid]} for rid, t in zip(IDS, texts)}
+    assert all(want.values())
+
+    import shutil
+    store = tmp_path / "out.zarr"
+    shutil.copytree(captured["store"], store)
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"id": "delta", "prompt": "One more"}) + "\n")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["capture", "--resume", "--prompts", str(more), "--out", str(store), "--max-new-tokens", "2",
+                     "--seed", "0", "-q"]) == 0
+    attrs = dmi.open(store).attrs
+    assert [r["requests"] for r in attrs["cli"]] == [IDS, ["delta"]]
+    assert attrs["cli"][1]["generation"]["max_new_tokens"] == 2
+    assert list(attrs["texts"]) == IDS + ["delta"] and attrs["texts"]["delta"]["prompt"] == "One more"
+
+
 def test_capture_prints_summary_and_progress(captured):
     out = captured["stdout"]
     assert "captured 3 prompt(s)" in out

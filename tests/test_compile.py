@@ -168,6 +168,12 @@ def test_compiled_generate_begins_decode_steps_ahead_and_stores_what_it_would_ot
     for k, hs in enumerate(want.hidden_states):      # the first generate: the model's own final norm output
         rows = hs[-1][mask] if k == 0 else hs[-1][:, 0]
         np.testing.assert_array_equal(fin[steps == k], rows.numpy(), err_msg=f"step {k}")
+    # token_id: the prompt, then each decode step's input, the token the step before generated (begun
+    # ahead, a step gets its ids when its forward comes)
+    tid, width = ds.token_id.values, encoded["input_ids"].shape[1]
+    for k in range(new):
+        ids = encoded["input_ids"][mask] if k == 0 else want.sequences[:, width + k - 1]
+        np.testing.assert_array_equal(tid[steps == k], ids.numpy(), err_msg=f"token_id, step {k}")
 
 
 def test_compiled_generate_under_a_best_effort_cap_begins_steps_ahead_and_accounts_every_row(

@@ -176,12 +176,19 @@ def test_bf16_is_stored_as_bf16_bits_or_widened_to_float32(encoded, write_spec, 
             run.model(**encoded)
         meta = json.loads((store / "final_norm" / "final_norm" / "zarr.json").read_text())
         assert meta["data_type"] == ("bfloat16" if dtype == "native" else "float32")
-        tree = dmi.open(store)
+        tree = dmi.open(store, dtype=None)                                 # as stored
         resid = tree["layers/resid_post"].dataset.resid_post.values       # [token, layer, hidden]
         norm = tree["final_norm"].dataset.final_norm.values
         assert resid.dtype == stored and norm.dtype == stored
+        # by default dmi.open reads them as float32 (exactly), which numpy, xarray and torch compute with
+        for chunks in (None, {}):
+            f32 = dmi.open(store, chunks=chunks)["layers/resid_post"].dataset.resid_post
+            assert f32.dtype == np.float32 and (f32.chunks is None) == (chunks is None)
+            np.testing.assert_array_equal(f32.values, resid.astype(np.float32))
+            np.testing.assert_allclose(f32.mean("token").values, resid.astype(np.float64).mean(0), rtol=1e-5)
+            assert torch.from_numpy(f32.values).dtype == torch.float32
         # dmi inspect tells a reader what opens bf16 arrays
-        assert ("import dmi.zdtype" in format_summary(summarize(store))) == (dtype == "native")
+        assert ("import dmi`" in format_summary(summarize(store))) == (dtype == "native")
         for layer in range(n - 1):     # HF's last hidden state is after the final norm
             expect = want[layer + 1].reshape(-1, want[0].shape[-1])[torch.from_numpy(valid)]
             _equal_bits(resid[:, layer], expect)

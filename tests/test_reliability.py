@@ -146,7 +146,7 @@ def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(t
     ds = plain["layers/resid_post"].dataset
     np.testing.assert_array_equal(ds.resid_post.values.view(np.uint16), want_resid)
     np.testing.assert_array_equal(ds.step.values, np.repeat(np.arange(5), 24))
-    tree = dmi.open(store)
+    tree = dmi.open(store, dtype=None)                          # as stored: the bf16 bits
     assert tree.attrs["dmi_status"] == "closed"
     np.testing.assert_array_equal(tree["layers/resid_post"].dataset.resid_post.values.view(np.uint16), want_resid)
     np.testing.assert_array_equal(tree["final_norm"].dataset.final_norm.values.view(np.uint16), fed["final_norm"])

@@ -119,7 +119,8 @@ def tp_layer(w: dict, d: dict, b: dict, rank: int, world: int, all_reduce) -> di
 
 def _coords(step: int, req: torch.Tensor, pos: torch.Tensor) -> dict:
     return {"request": np.array([f"r{int(r)}" for r in req]), "position": pos.numpy().astype(np.int64),
-            "step": np.full(len(req), step, np.int64), "phase": np.array(["prefill"] * len(req))}
+            "step": np.full(len(req), step, np.int64), "phase": np.array(["prefill"] * len(req)),
+            "token_id": (100 * req + pos).numpy().astype(np.int64)}     # (stands for the rows' input ids)
 
 
 def _capture(rank: int, world: int, case: dict, store: str, out: str, barrier, all_reduce) -> None:
@@ -248,6 +249,8 @@ def test_two_ranks_write_one_merged_store(tmp_path):
                                                                 for _ in range(n_)]
             steps = [s for s, lens in enumerate(STEPS) for _ in range(sum(lens))]
             assert list(tree[grp].dataset["step"].values) == steps
+            ds = tree[grp].dataset
+            np.testing.assert_array_equal(ds.token_id.values, 100 * ds.request.str.slice(1).astype(int) + ds.position)
             note = root[grp][site.split(".")[-1]].attrs["tp"]
             assert note["kind"] == ("split" if site in SPLIT else "replicated"), site
         assert list(tree["layers/attn/q"].dataset["head"].values) == HEADS

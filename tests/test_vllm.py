@@ -161,9 +161,44 @@ def test_every_site_equals_hf(family, tmp_path):
     # logits: one row per request and step (its last scheduled token): prompt end, then each decode
     logits = positions_by_request(tree["logits"].dataset)
     assert logits == {rid: list(range(len(p) - 1, len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
-    # the store's request coordinate is vLLM's request id (0.32: the caller's id + a random suffix)
-    assert {external_request_id(r) for r in tree["final_norm"].dataset.request.values} == set(seqs)
+    # the store's request coordinate is the caller's request id (RequestOutput.request_id), not the
+    # engine's (0.32 appends a random suffix)
+    assert set(tree["final_norm"].dataset.request.values) == set(seqs)
     assert_accounting(tree)
+
+
+def test_store_keeps_callers_request_ids_and_each_rows_token_id(tmp_path):
+    """The request coordinate is the caller's id (RequestOutput.request_id), not the engine's
+    suffixed one; two requests given the same id stay apart (the later keeps the engine's id).
+    token_id is each row's input id: prompt tokens, then each generated token fed back."""
+    spec = {"capture": [{"sites": ["resid_post"], "layers": [0]}, {"sites": ["final_norm", "logits"]}]}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=tmp_path / "v.zarr", backend="vllm", **ENGINE)
+    params = vllm.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    try:
+        seqs = generate(run, PROMPTS, params)
+        eng, same = run.llm.llm_engine, {"prompt_token_ids": list(range(5, 17))}
+        internal = [eng.add_request("same", same, params) for _ in range(2)]
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.finished]
+    finally:
+        run.shutdown()
+    assert [o.request_id for o in outs] == ["same", "same"] and all(i.startswith("same-") for i in internal)
+    out_same = list(outs[0].outputs[0].token_ids)
+    assert list(outs[1].outputs[0].token_ids) == out_same             # (greedy: the same tokens)
+    tree = dmi.open(tmp_path / "v.zarr")
+    for group in ("layers/resid_post", "final_norm", "logits"):
+        ds = tree[group].dataset
+        ids = set(ds.request.values.tolist())
+        other = ids - set(seqs) - {"same"}
+        assert set(seqs) | {"same"} <= ids and len(other) == 1 and other <= set(internal), (group, ids)
+        full = {rid: p + o for rid, (p, o) in seqs.items()} | {r: same["prompt_token_ids"] + out_same
+                                                               for r in ("same", *other)}
+        for r, p, t in zip(ds.request.values, ds.position.values, ds.token_id.values):
+            assert t == full[str(r)][int(p)], (group, r, p)
+    # one request's rows, in position order: its whole sequence but the last generated token
+    mine = dmi.request(tree, "1")["final_norm"].dataset
+    assert list(mine.token_id.values) == (seqs["1"][0] + seqs["1"][1])[:-1]
 
 
 def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path):

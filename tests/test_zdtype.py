@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import zarr
 from zarr.codecs import BytesCodec
-from zarr.core.dtype import data_type_registry, parse_dtype
-from zarr.core.dtype.common import DataTypeValidationError
+from zarr.dtype import DataTypeValidationError, data_type_registry, parse_dtype
 
 from dmi.zdtype import BF16, BFloat16, register
 
@@ -74,7 +73,7 @@ def test_chunk_bytes(tmp_path, endian):
     np.testing.assert_array_equal(bits(zarr.open_array(path)[...].astype(BF16)), bits(v))
 
 
-def test_fresh_process_reads_through_entry_point(tmp_path):
+def test_fresh_process_plain_readers_after_import_dmi(tmp_path):
     arr, grp = tmp_path / "arr.zarr", tmp_path / "grp.zarr"
     v = values((5, 7))
     zarr.create_array(store=arr, shape=(5, 7), chunks=(2, 7), dtype=BF16, fill_value=float("nan"))[:4] = v[:4]
@@ -86,15 +85,11 @@ def test_fresh_process_reads_through_entry_point(tmp_path):
     np.save(tmp_path / "want.npy", bits(v))
     script = textwrap.dedent(f"""
         import sys
+        import dmi                  # before zarr: registers bfloat16 when zarr is imported
+        assert "zarr" not in sys.modules and "dmi.zdtype" not in sys.modules   # (import dmi stays fast)
         import numpy as np
         import xarray as xr
         import zarr
-        from zarr.core.dtype import data_type_registry
-        assert "dmi" not in sys.modules
-        # zarr 3.1.6 collects "zarr.data_type" entry points but never loads them itself: this does.
-        if "bfloat16" not in data_type_registry.contents:
-            assert "dmi.zdtype:BFloat16" in [e.value for e in data_type_registry._lazy_load_list]
-            data_type_registry._lazy_load()
         want = np.load({str(tmp_path / "want.npy")!r})
         got = zarr.open_array({str(arr)!r})[...]
         assert str(got.dtype) == "bfloat16", got.dtype
@@ -106,6 +101,8 @@ def test_fresh_process_reads_through_entry_point(tmp_path):
             u = ds["x"].values.view(np.uint16)
             assert (u[:4] == want[:4]).all() and (u[4] == 0x7FC0).all()
             np.testing.assert_array_equal(ds["x"].values.astype(np.float32), got.astype(np.float32))
+        tree = xr.open_datatree({str(grp)!r}, engine="zarr", consolidated=False)
+        assert str(tree["x"].dtype) == "bfloat16"
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -178,6 +175,7 @@ def test_register_idempotent_and_native_dtype_match():
     assert parse_dtype(BF16.newbyteorder(">"), zarr_format=3) == BFloat16(endianness="big")
     assert BFloat16(endianness="big").to_native_dtype().byteorder == ">"
     assert BFloat16().to_native_dtype() == BF16 and BFloat16().item_size == 2
+    assert type(parse_dtype(np.dtype(np.float16), zarr_format=3)).__name__ == "Float16"   # zarr's own, unchanged
     with pytest.raises(DataTypeValidationError):
         BFloat16.from_native_dtype(np.dtype(np.float16))
     with pytest.raises(DataTypeValidationError):

@@ -217,7 +217,7 @@ def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy
     """Instance-level wrappers on the runner's step methods; returns a function that removes them.
 
     on_batch(runner, scheduler_output): after _prepare_inputs (``read_batch`` reads the step's
-    batch); on_forward(num_tokens_padded): just before the model runs (once per real step;
+    batch); on_forward(num_tokens_padded, input_ids): just before the model runs (once per real step;
     warm-up/dummy runs call the model directly and are not steps); on_step_end(): when
     execute_model returns or raises; on_shutdown(): runner.shutdown(); dummy_run(): a context
     manager around each ``_dummy_run`` (profiling, compile warm-up, and the warm-up + capture of
@@ -236,7 +236,7 @@ def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy
     @functools.wraps(forward)
     def _model_forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
         tokens = input_ids if input_ids is not None else inputs_embeds
-        on_forward(int(tokens.shape[0]))
+        on_forward(int(tokens.shape[0]), input_ids)
         return forward(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                        inputs_embeds=inputs_embeds, **kw)
 

@@ -28,6 +28,7 @@ from ...errors import DmiError, PolicyError
 from ...pipeline import build_run, find_arch, plan_run
 from ...plan import build_plan
 from ...run import Run
+from ...run.steps import host_ids
 from ...settings import EngineOptions
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
 from ...store import shards
@@ -51,6 +52,8 @@ class Session:
 
     def __init__(self, token: str, run: Run, runner, gate: RequestGate):
         self.token, self.run, self.runner, self.gate = token, run, runner, gate
+        # the store's request ids: the caller's (RequestOutput.request_id), not the engine's suffixed ones
+        run.requests.name_of = compat.external_request_id
         self.steps = StepBuilder(run.requests)
         self.keys = KeyStore()                  # attn.pattern: keys of the observed layers, per request
         self._batch = None
@@ -78,7 +81,7 @@ class Session:
         self._batch = batch
         self.clock.add("batch", t0)
 
-    def on_forward(self, num_tokens_padded: int) -> None:
+    def on_forward(self, num_tokens_padded: int, input_ids=None) -> None:
         batch, self._batch = self._batch, None
         if batch is None or self.closed:
             return
@@ -86,15 +89,16 @@ class Session:
         self.clock.steps += 1
         repeated = self.steps_repeated
         try:
-            self._begin(batch, num_tokens_padded)
+            self._begin(batch, num_tokens_padded, input_ids)
         finally:
             self.clock.add("begin", t0, repeated=self.steps_repeated > repeated)
 
-    def _begin(self, batch, num_tokens_padded: int) -> None:
+    def _begin(self, batch, num_tokens_padded: int, input_ids=None) -> None:
         if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
             got = self.steps.repeat(num_tokens_padded)
             if got is not None:
                 self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
+                got[0].ids = host_ids(input_ids)
                 self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
                 self.steps_repeated += 1
                 return
@@ -105,6 +109,7 @@ class Session:
         self.gate.forget(batch.finished)
         if batch.finished and self.keys.keys:
             self.keys.forget(set(self.run.requests.intern(sorted(batch.finished))))
+        st.ids = host_ids(input_ids)      # the step's input ids (its rows index them): the token_id coordinate
         self.run.begin_tokens(st, _NO_PAD, keep=keep, held=held)
 
     def _count_padding(self, real: int, num_tokens_padded: int) -> None:
@@ -185,7 +190,7 @@ class Session:
                     "recomputed_rows_skipped": self.steps.recomputed_rows,
                     "padded_steps": self.padded_steps, "padding_rows_skipped": self.padding_rows,
                     "steps": self.clock.steps, "steps_repeated": self.steps_repeated,
-                    "requests_capped": sorted(self.steps.capped),
+                    "requests_capped": sorted(map(self.run.requests.stored_id, self.steps.capped)),
                     "requests_refused": dict(self.gate.refused),
                     "host_us_per_step": self.clock.per_step_us(),
                     "begin_us_by_step_kind": self.clock.begin_by_kind_us(self.steps_repeated),

@@ -170,18 +170,22 @@ class EngineHooks:
             if ahead is not None and ahead.epoch == self._epoch:    # begun already, as this one
                 self._ahead = None
                 m.last_pos = ahead.position
+                ahead.tokens.ids = host_ids(tokens)
                 self.ring.take_ahead()
                 self._commit(ahead.layout)
                 self.steps_ahead[0] += 1
                 return
             m.last_pos = m.last_pos + 1
             # the batch's rows again: its first decode step's layout is reused
-            self._begin_tokens(self._decode_tokens(m, m.last_pos), m.pad, keys=m.total)
+            st = self._decode_tokens(m, m.last_pos)
+            st.ids = host_ids(tokens)
+            self._begin_tokens(st, m.pad, keys=m.total)
             return
         mask = mask_t.detach().cpu().numpy() if mask_t is not None else None
         pos = position_ids.detach().cpu().numpy() if position_ids is not None and mask is None else None
         past_len = 0 if mask is not None else past_length(past)
         st = step_tokens(self._step, batch, seq, self.requests, attention_mask=mask, position_ids=pos, past_len=past_len)
+        st.ids = host_ids(tokens)
         pad = (mask == 0).sum(axis=1) if mask is not None else np.zeros(batch, np.int64)
         if mask is not None:
             last = mask.astype(np.int64).sum(axis=1) - 1
@@ -246,7 +250,7 @@ class EngineHooks:
             self.ring.retract_ahead()
             return
         if ctrl is not None:
-            self._ahead = _Ahead(position, layout, self._epoch)
+            self._ahead = _Ahead(position, layout, self._epoch, st)
 
     def retract_ahead(self) -> None:
         """Give back the step begun ahead: its forward did not come, or came as another step."""
@@ -328,11 +332,12 @@ class EngineHooks:
 
 
 class _Ahead:
-    """A decode step begun ahead of its forward (:meth:`Run._begin_ahead`)."""
-    __slots__ = ("position", "layout", "epoch")
+    """A decode step begun ahead of its forward (:meth:`Run._begin_ahead`); its token ids are set
+    when the forward comes."""
+    __slots__ = ("position", "layout", "epoch", "tokens")
 
-    def __init__(self, position: np.ndarray, layout: StepLayout, epoch: int):
-        self.position, self.layout, self.epoch = position, layout, epoch
+    def __init__(self, position: np.ndarray, layout: StepLayout, epoch: int, tokens: StepTokens):
+        self.position, self.layout, self.epoch, self.tokens = position, layout, epoch, tokens
 
 
 class _Mirror:
@@ -347,6 +352,34 @@ class _Mirror:
         self.arange = np.arange(batch, dtype=np.int64)
         self.zeros = np.zeros(batch, np.int64)
         self.decode = np.ones(batch, np.int8)
+
+
+def host_ids(tokens) -> "np.ndarray | PendingIds | None":
+    """A step's input token ids ([batch, seq] or flat) as a flat host copy (StepTokens.ids), None for
+    embeddings. From a device the copy is queued without a wait (into pinned memory, on the stream
+    the forward then runs on); from the host, copied too: engines reuse their input buffers."""
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
+        return None
+    flat = tokens.detach().reshape(-1)
+    if flat.device.type == "cpu":
+        return flat.numpy().copy()
+    return PendingIds(flat)
+
+
+class PendingIds:
+    """A device-to-host copy of a step's token ids in flight; :meth:`numpy` waits for that copy only."""
+    __slots__ = ("host", "done")
+
+    def __init__(self, flat: torch.Tensor):
+        self.host = flat.to("cpu", non_blocking=True)
+        self.done = torch.cuda.Event() if flat.device.type == "cuda" else None
+        if self.done is not None:
+            self.done.record()
+
+    def numpy(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()
 
 
 def past_length(past) -> int:

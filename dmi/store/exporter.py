@@ -2,7 +2,8 @@
 
 Layout (mirrors the spec): one group per canonical site (``layers/attn/q``, ``final_norm``,
 ``logits``) holding its output arrays ``[token, (layer,) ...]`` and the token coordinates
-``request``, ``position``, ``step``, ``phase`` of that group's rows. Every group has its own
+``request``, ``position``, ``step``, ``phase``, ``token_id`` (the row's input token id; -1 for
+embeddings) of that group's rows. Every group has its own
 ``token`` dim (groups keep different rows) and no ancestor group holds arrays, so
 ``xarray.open_datatree`` opens the whole store. Root attributes carry the run metadata; the
 ``drops`` group lists every dropped capture.
@@ -53,7 +54,8 @@ from .rows import PHASE_NAMES, computed_rows, copy_all, output_views
 log = logging.getLogger("dmi")
 
 
-COORDS = ("request", "position", "step", "phase")
+COORDS = ("request", "position", "step", "phase", "token_id")
+COORD_DTYPES = (str, "int64", "int64", str, "int64")
 
 
 DROP_COLUMNS = {"step": "int64", "site": str, "requests": str, "rows": "int64", "bytes": "int64", "reason": str}
@@ -224,7 +226,7 @@ class ZarrExporter:
                                    fill_value=-1 if o.kind == "int32" else np.nan)
             arr.attrs.update({"coordinates": " ".join(coords), "site": first.canonical,
                               "description": f"{first.canonical} {o.name}"})
-        for c, dt in zip(COORDS, (str, "int64", "int64", str)):
+        for c, dt in zip(COORDS, COORD_DTYPES):
             grp.create_array(c, shape=(0,), chunks=(g.chunk_rows,), dtype=dt, dimension_names=["token"])
         if g.per_layer:
             lay = grp.create_array("layer", shape=(len(g.sites),), dtype="int32", dimension_names=["layer"])
@@ -236,7 +238,9 @@ class ZarrExporter:
                           "tokens": dataclasses.asdict(first.tokens), "reduce": first.reduce or {}})
 
     def _open_files(self, g: GroupBuffer) -> None:
-        names = [o.name for o in g.sites[0].outputs] + list(COORDS) if g.sites else list(DROP_COLUMNS)
+        # (a store written before a coordinate existed is resumed without it)
+        coords = [c for c in COORDS if (self.path / g.name / c / "zarr.json").is_file()]
+        names = [o.name for o in g.sites[0].outputs] + coords if g.sites else list(DROP_COLUMNS)
         g.files = {k: ArrayFile(self.path, f"{g.name}/{k}") for k in names}
         g.chunk_rows = g.files[names[0]].chunks[0]
         g.buf = self._fresh(g)
@@ -399,6 +403,8 @@ class ZarrExporter:
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
         cols = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
                 "phase": PHASE_NAMES[tokens.phase[sel]]}
+        if "token_id" in g.files:
+            cols["token_id"] = tokens.token_ids(sel)
         srcs: dict[str, list] = {o.name: [None] * len(g.sites) for o in g.sites[0].outputs}
         for li, arrays in self._records(g, n, got, entry):    # a dropped layer's rows stay NaN / -1
             for name, a in arrays.items():

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import StoreError
 
 
-COORD_NAMES = ("request", "position", "step", "phase", "layer", "head")
+COORD_NAMES = ("request", "position", "step", "phase", "token_id", "layer", "head")
 MAX_IDS = 5
 
 
@@ -297,7 +297,7 @@ def format_summary(info: dict) -> str:
     if info.get("vllm"):
         lines.append(vllm_line(info["vllm"]))
     if any(a["dtype"] == "bfloat16" for s in info["sites"] for a in s["arrays"]):
-        lines.append("readers   bfloat16 arrays: dmi.open reads them; plain zarr-python or xarray after `import dmi.zdtype`")
+        lines.append("readers   bfloat16 arrays: dmi.open reads them (as float32); plain zarr-python or xarray after `import dmi`")
     return "\n".join(lines)
 
 

@@ -58,7 +58,7 @@ from .rows import PHASE_NAMES, copy_rows
 
 
 SPLIT_DIMS = ("head", "kv_head", "mlp")       # canonical dims vLLM's parallel linears split
-COORDS = ("request", "position", "step", "phase")
+COORDS = ("request", "position", "step", "phase", "token_id")
 
 
 # --- which sites are sharded, and how -----------------------------------------------------------
@@ -375,7 +375,7 @@ def _lay_out(path, plan, layout: TPLayout, capture_dtype: str, attrs: dict, chun
                                    fill_value=-1 if o.kind == "int32" else np.nan)
             arr.attrs.update({"coordinates": " ".join(coords), "site": first.canonical,
                               "description": f"{first.canonical} {o.name}", "tp": note})
-        for c, dt in zip(COORDS, (str, "int64", "int64", str)):
+        for c, dt in zip(COORDS, (str, "int64", "int64", str, "int64")):
             grp.create_array(c, shape=(0,), chunks=(rows,), dtype=dt, dimension_names=["token"])
         if per_layer:
             grp.create_array("layer", shape=(len(sites),), dtype="int32", dimension_names=["layer"])[:] = \
@@ -694,7 +694,7 @@ class ShardedExporter(ZarrExporter):
         req = tokens.request[sel]
         ids = np.asarray(request_ids[: int(req.max()) + 1], dtype=object)
         coords = {"request": ids[req], "position": tokens.position[sel], "step": np.full(n, ctrl.step, np.int64),
-                  "phase": PHASE_NAMES[tokens.phase[sel]]}
+                  "phase": PHASE_NAMES[tokens.phase[sel]], "token_id": tokens.token_ids(sel)}
         outputs = g.sites[0].outputs
         per_layer = g.per_layer
         blocks = {}

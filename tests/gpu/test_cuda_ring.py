@@ -327,6 +327,12 @@ def test_generate_static_cache_reduce_overhead_cuda_graphs(copy_at_step, encoded
     lg = tree["logits"].dataset
     want = torch.cat([torch.cat(first.logits), torch.cat(second.logits)]).float().cpu().numpy()
     np.testing.assert_array_equal(lg.logits.values, want)       # every replay stored its own step
+    # token_id: each step's input ids, copied from the device before its forward (steps begun ahead too)
+    fin, width, mask = tree["final_norm"].dataset, enc["input_ids"].shape[1], enc["attention_mask"].bool()
+    for g, gen in enumerate((first, second)):
+        for k in range(new):
+            ids = enc["input_ids"][mask] if k == 0 else gen.sequences[:, width + k - 1]
+            np.testing.assert_array_equal(fin.token_id.values[fin.step.values == g * new + k], ids.cpu().numpy())
     assert [c["logits"].step for c in live] == list(range(2 * new))
     np.testing.assert_array_equal(np.concatenate([c["logits"].values["logits"] for c in live]).astype(np.float32), want)
     mask = encoded["attention_mask"]
