@@ -111,6 +111,7 @@ class Plan:
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
     unavailable: dict = field(default_factory=dict)   # canonical -> why: sites a pattern named that this engine never computes
+    interventions: list = field(default_factory=list)  # dmi.interventions.InterventionPlan per interventions: entry
 
     def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
         return {(s.canonical, s.layer): s for s in self.sites}

@@ -38,8 +38,9 @@ compile pass needs to rewrite it into those ops where an engine compiles a range
 (``ring``: the control block and payload view; ``token_dims``: the leading dims of ``x`` that are
 its rows; :func:`dmi.kernels.traced.rewrite_captures`): the op's kernel ignores both.
 
-Patched model code calls :func:`site` (returns the tensor it was given): a later write site
-(steering) can return a modified tensor without changing any call site.
+Patched model code calls :func:`site`, which returns the tensor the model goes on with: the one it
+was given, or, at a site interventions write (:mod:`dmi.interventions`), that tensor changed by
+plain torch ops that read their values and row masks from device buffers.
 """
 from __future__ import annotations
 
@@ -152,11 +153,20 @@ class SiteHandle:
     ring's control block and payload view, which the op then carries; else None).
     No tensor the run shares across sites is held here: compiled code reads the run's ticket
     through one path for every site (:func:`run_ticket`), where a handle's own would be one more
-    guard each (an aliasing check)."""
-    __slots__ = ("run", "site", "site_id", "traced", "views")
+    guard each (an aliasing check).
 
-    def __init__(self, run: int, site: int, site_id: torch.Tensor, traced=None, views=None):
+    ``write``: the interventions that change the site's tensor (:class:`dmi.interventions.WriteSite`),
+    or None. A handle that only writes has ``site`` -1 (nothing captured there)."""
+    __slots__ = ("run", "site", "site_id", "traced", "views", "write")
+
+    def __init__(self, run: int, site: int, site_id: torch.Tensor | None, traced=None, views=None, write=None):
         self.run, self.site, self.site_id, self.traced, self.views = run, site, site_id, traced, views
+        self.write = write
+
+    @classmethod
+    def write_only(cls, run, write) -> "SiteHandle":
+        """The handle of a site interventions write but no capture reads."""
+        return cls(run.id, -1, None, write=write)
 
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
@@ -216,7 +226,9 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
 
 
 def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> torch.Tensor:
-    """The call patched into model code: capture ``x`` and hand it on unchanged.
+    """The call patched into model code: capture ``x`` and hand it on, changed by the site's
+    interventions where it has any (``handle.write``: applied before the capture, unless the
+    hook spec says ``capture: before``).
 
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost.
@@ -227,12 +239,18 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
     lowering places the second one after the op, that kernel would split in two, one more kernel
     per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
-    if torch.compiler.is_compiling():
-        _compiled_capture(handle, x, after=after)
-    else:
-        r = _RUNS.get(handle.run)
-        if r is not None:
-            r.capture(handle.site, x)
+    write = handle.write
+    if write is not None and not write.capture_first:
+        x = write.apply(x)
+    if handle.site >= 0:
+        if torch.compiler.is_compiling():
+            _compiled_capture(handle, x, after=after)
+        else:
+            r = _RUNS.get(handle.run)
+            if r is not None:
+                r.capture(handle.site, x)
+    if write is not None and write.capture_first:
+        x = write.apply(x)
     return x
 
 
