@@ -32,6 +32,7 @@ import torch
 from .errors import DmiError
 from .plan import TokenFilter, config_dim, layers_of
 from .spec import Document
+from .tokens import FilterState, select
 
 KINDS = ("add", "scale", "zero", "mean", "replace", "clamp")
 ROW_DIMS = ("batch", "seq", "token")
@@ -257,7 +258,6 @@ class Intervention:
         self.enabled = plan.enabled
         self.requests = None if plan.requests is None else set(plan.requests)
         self.on_request = plan.on_request
-        self.engine_requests: set = set()          # vLLM: request ids whose extra_args name it
         self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self.index = torch.zeros(rows, dtype=torch.int64, device=device) if self.is_table else None
         self._last_mask: np.ndarray | None = None
@@ -290,20 +290,20 @@ class Intervention:
 
     # -- per step (host) ------------------------------------------------------------------------
     def rows_for(self, st, ids: list[str], extra: np.ndarray | None) -> np.ndarray:
-        """Bool over ``st``'s rows: the rows this intervention touches this step."""
-        from .tokens import FilterState, select
+        """Bool over ``st``'s rows: the rows this intervention touches this step. ``extra``: rows
+        of requests that asked for an ``on_request`` intervention (vLLM's per-request options)."""
         if not self.enabled:
             return np.zeros(len(st), bool)
         keep = np.zeros(len(st), bool)
         keep[select(st, self.plan.tokens, FilterState())] = True
-        if self.requests is not None or self.on_request:
-            names = self.requests if not self.on_request else set()
-            want = names | self.engine_requests
-            req = np.unique(st.request)
-            hit = [r for r in req.tolist() if ids[r] in want]
-            keep &= np.isin(st.request, hit)
-        if extra is not None:
-            keep &= extra
+        if self.on_request or self.requests is not None:
+            named = np.zeros(len(st), bool)
+            if self.requests:
+                hit = [r for r in np.unique(st.request).tolist() if ids[r] in self.requests]
+                named = np.isin(st.request, hit)
+            if self.on_request and extra is not None:      # rows of requests that asked for it (vLLM)
+                named |= extra
+            keep &= named
         return keep
 
     def write_rows(self, st, n_rows: int, keep: np.ndarray) -> None:
