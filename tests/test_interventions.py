@@ -18,7 +18,7 @@ from dmi.errors import SpecError
 KINDS = [
     ("add", ["resid_post"], {"scale": 1.5, "tokens": "all"}),
     ("scale", ["attn.z"], {"scale": -0.5, "heads": [1], "tokens": "last"}),
-    ("zero", ["mlp.act", "mlp.in"], {"tokens": {"positions": [2, 5]}}),
+    ("zero", ["mlp.act", "mlp.in", "mlp.out"], {"tokens": {"positions": [2, 5]}}),
     ("mean", ["mlp.out", "attn.out"], {}),
     ("replace", ["attn.out", "resid_post"], {"tokens": {"positions": [1, 4]}}),
     ("clamp", ["resid_mid", "mlp.in"], {"min": -0.05, "max": 0.02}),
@@ -26,10 +26,19 @@ KINDS = [
 LAYER = 1
 
 
-def _site_for(family: str, candidates: list[str]) -> str:
+def _site_for(family: str, model, candidates: list[str]) -> str:
+    """The first candidate anchored at a module's input or output that exists at LAYER of ``model``
+    (DeepSeek-V3's MoE layers have no mlp.act)."""
     sites = SPECS[family]["sites"]
+
+    def exists(c):
+        try:
+            model.get_submodule(sites[c]["hf"]["module"].format(i=LAYER))
+            return True
+        except AttributeError:
+            return False
     return next(c for c in candidates if c in sites and "hf" in sites[c]
-                and ("input" in sites[c]["hf"] or "output" in sites[c]["hf"]))
+                and ("input" in sites[c]["hf"] or "output" in sites[c]["hf"]) and exists(c))
 
 
 def _trailing(model, family: str, site: str) -> tuple[int, ...]:
@@ -44,7 +53,7 @@ def _trailing(model, family: str, site: str) -> tuple[int, ...]:
 
 
 def _entry(family: str, model, kind: str, candidates: list[str], extra: dict, gen: torch.Generator) -> dict:
-    site = _site_for(family, candidates)
+    site = _site_for(family, model, candidates)
     shape = _trailing(model, family, site)
     entry = {"name": kind, "site": site, "layers": [LAYER], "kind": kind, **extra}
     if kind in ("add", "mean"):

@@ -93,3 +93,23 @@ def test_mixed_batch_steers_only_the_requests_that_ask(compiled, tmp_path):
             key = external_request_id(rid)
             n = len(mine[key])
             np.testing.assert_allclose(mine[key], theirs[key][:n], atol=2e-5, rtol=1e-4)
+
+
+def test_request_options_name_only_offered_interventions():
+    """The check vLLM's request validation runs (offline: ValueError; serve: HTTP 400), on the
+    options as they come through ``extra_args`` or flat ``vllm_xargs``."""
+    from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, check, offered_interventions, options
+    hook = {"capture": [{"sites": ["final_norm"]}],
+            "interventions": [{"name": "steer", "site": "mlp.out", "kind": "zero", "requests": "on_request"},
+                              {"name": "always", "site": "mlp.out", "kind": "zero"}]}
+    offered = offered_interventions(hook)
+    assert offered == {"steer"}
+    policy = ServePolicy()
+    assert options({"dmi_interventions": "steer"}) == {"interventions": ["steer"]}
+    check(options({"dmi_interventions": "steer"}), policy, {"final_norm"}, set(), offered)
+    check({"interventions": ["steer"]}, policy, {"final_norm"}, set(), offered)
+    for bad, words in [({"interventions": ["always"]}, "not offered on request"),
+                       ({"interventions": ["nope"]}, "not offered on request"),
+                       ({"interventions": "steer"}, "non-empty list"), ({"interventions": []}, "non-empty list")]:
+        with pytest.raises(RequestRefused, match=words):
+            check(bad, policy, {"final_norm"}, set(), offered)
