@@ -153,20 +153,11 @@ class SiteHandle:
     ring's control block and payload view, which the op then carries; else None).
     No tensor the run shares across sites is held here: compiled code reads the run's ticket
     through one path for every site (:func:`run_ticket`), where a handle's own would be one more
-    guard each (an aliasing check).
+    guard each (an aliasing check)."""
+    __slots__ = ("run", "site", "site_id", "traced", "views")
 
-    ``write``: the interventions that change the site's tensor (:class:`dmi.interventions.WriteSite`),
-    or None. A handle that only writes has ``site`` -1 (nothing captured there)."""
-    __slots__ = ("run", "site", "site_id", "traced", "views", "write")
-
-    def __init__(self, run: int, site: int, site_id: torch.Tensor | None, traced=None, views=None, write=None):
+    def __init__(self, run: int, site: int, site_id: torch.Tensor, traced=None, views=None):
         self.run, self.site, self.site_id, self.traced, self.views = run, site, site_id, traced, views
-        self.write = write
-
-    @classmethod
-    def write_only(cls, run, write) -> "SiteHandle":
-        """The handle of a site interventions write but no capture reads."""
-        return cls(run.id, -1, None, write=write)
 
     @classmethod
     def of(cls, run, site: int) -> "SiteHandle":
@@ -179,6 +170,25 @@ class SiteHandle:
             views = (dims, [traced.ctrl, traced.payload]) if dims else None
             return cls(run.id, site, run.site_tensors[site], None, views)
         return cls(run.id, site, run.site_tensors[site], traced)
+
+
+class WriteHandle(SiteHandle):
+    """The handle of a site interventions write: ``write`` (:class:`dmi.interventions.WriteSite`)
+    changes the tensor, ``captures`` says whether a capture reads the site too (else ``site`` is
+    -1). A class of its own, so that :func:`site` tells the two apart by the type compiled code
+    guards anyway: a capture-only handle adds no guard, and no layer's site index becomes one."""
+    __slots__ = ("write", "captures")
+
+    def __init__(self, run: int, site: int, site_id, traced=None, views=None, write=None):
+        super().__init__(run, site, site_id, traced, views)
+        self.write, self.captures = write, site >= 0
+
+    @classmethod
+    def over(cls, handle: SiteHandle | None, run, write) -> "WriteHandle":
+        """A write handle for a captured site's ``handle`` (None: a site nothing captures)."""
+        if handle is None:
+            return cls(run.id, -1, None, write=write)
+        return cls(handle.run, handle.site, handle.site_id, handle.traced, handle.views, write)
 
 
 def run_ticket(run_id: int) -> torch.Tensor:
@@ -239,17 +249,31 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
     lowering places the second one after the op, that kernel would split in two, one more kernel
     per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
+    if type(handle) is WriteHandle:
+        return _written(handle, x, after)
+    if torch.compiler.is_compiling():
+        _compiled_capture(handle, x, after=after)
+    else:
+        r = _RUNS.get(handle.run)
+        if r is not None:
+            r.capture(handle.site, x)
+    return x
+
+
+def _written(handle: WriteHandle, x: torch.Tensor, after: Optional[list]) -> torch.Tensor:
+    """:func:`site` at a site interventions write: applied before the capture unless the hook
+    spec says ``capture: before``."""
     write = handle.write
-    if write is not None and not write.capture_first:
+    if not write.capture_first:
         x = write.apply(x)
-    if handle.site >= 0:
+    if handle.captures:
         if torch.compiler.is_compiling():
             _compiled_capture(handle, x, after=after)
         else:
             r = _RUNS.get(handle.run)
             if r is not None:
                 r.capture(handle.site, x)
-    if write is not None and write.capture_first:
+    if write.capture_first:
         x = write.apply(x)
     return x
 

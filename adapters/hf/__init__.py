@@ -12,7 +12,7 @@ from ... import settings
 from ...errors import AnchorError, DmiError
 from ...kernels import side
 from ...plan import Plan
-from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
+from ...siteop import SiteHandle, WriteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
 from .patch import AnchorNotFound, SITES_ATTR, SourceEdit, constant_sites_class, parameter_position, patch_module
 
@@ -103,9 +103,9 @@ def add_write_sites(model, arch: Document, run, edits, inputs, outputs, handles)
         module = module_at(model, anchor["module"], layer)
         handle = handles.get(module, {}).get(canonical) if module is not None else None
         if handle is not None:
-            handle.write = write
+            handles[module][canonical] = WriteHandle.over(handle, run, write)
         else:
-            _place(model, arch, canonical, layer, anchor, SiteHandle.write_only(run, write), edits, inputs, outputs,
+            _place(model, arch, canonical, layer, anchor, WriteHandle.over(None, run, write), edits, inputs, outputs,
                    handles)
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...siteop import SiteHandle, site, site_at
+from ...siteop import SiteHandle, WriteHandle, site, site_at
 from .derived import DERIVED
 
 SITES_ATTR = "_dmi_sites"
@@ -305,7 +305,7 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     patched = type(module)
     edits, inputs, outputs = patched.__dict__.get(PATCH_ATTR) or (None, None, None)
     handles = module.__dict__.get(SITES_ATTR, {})
-    if edits is None or any(h.traced is not None or h.views is not None or h.write is not None
+    if edits is None or any(h.traced is not None or h.views is not None or isinstance(h, WriteHandle)
                             for h in handles.values()):
         return None
     cls = patched.__dict__["_dmi_unpatched"]
@@ -327,7 +327,7 @@ def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits:
     cls = type(module)
     prior = module.__dict__.get("forward")
     inner = rewrite_forward(cls, edits) if edits else cls.forward if prior is None else _call_prior
-    writes = frozenset(c for c, h in handles.items() if h.write is not None)
+    writes = frozenset(c for c, h in handles.items() if isinstance(h, WriteHandle))
     forward = io_forward(inner, inputs, outputs, writes) if inputs or outputs else inner
     module.__dict__[SITES_ATTR] = handles
     if prior is None:

@@ -31,7 +31,7 @@ from collections import defaultdict
 import torch
 
 from ...errors import AnchorError
-from ...siteop import SiteHandle, site, site_sum
+from ...siteop import SiteHandle, WriteHandle, site, site_sum
 from ..hf.derived import DERIVED
 from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, ordered, put_output, rewrite_forward
 from . import compat
@@ -135,7 +135,7 @@ def _pick_output(out, index):
 
 def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
     """Wrap ``obj.<method>`` (bound, instance attribute) so its inputs/outputs pass through site ops.
-    A site interventions write (``handle.write``: one tensor, :func:`dmi.interventions.write_problem`)
+    A site interventions write (a :class:`dmi.siteop.WriteHandle`: one tensor, :func:`dmi.interventions.write_problem`)
     hands the written tensor on to the method or to its caller."""
     inner = getattr(obj, method)
 
@@ -143,7 +143,7 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
     def wrapped(*args, **kwargs):
         for c in captures:
             if c.inputs is not None:
-                if c.handle.write is not None:
+                if type(c.handle) is WriteHandle:
                     (pos, name), = c.inputs
                     if pos < len(args):
                         args = args[:pos] + (site(c.handle, args[pos]),) + args[pos + 1:]
@@ -155,7 +155,7 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
         for c in captures:
             if c.outputs is not None:
                 parts = [_pick_output(out, i) for i in c.outputs]
-                if c.handle.write is not None:
+                if type(c.handle) is WriteHandle:
                     out = put_output(out, c.outputs[0], site(c.handle, parts[0], _other_outputs(out, c.outputs)))
                 elif c.order_by is None:
                     _capture_parts(c.handle, parts, _other_outputs(out, c.outputs))
@@ -209,13 +209,14 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
     objects: dict = {}
     sites = [(s.canonical, s.layer, s.anchor, SiteHandle.of(run, s.index)) for s in plan.sites]
     for (canonical, layer), write in run.interventions.sites.items():
-        mine = [h for c, lay, _, h in sites if (c, lay) == (canonical, layer)]
+        mine = [k for k, (c, lay, _, _) in enumerate(sites) if (c, lay) == (canonical, layer)]
         if mine:
-            mine[0].write = write
+            c, lay, a, h = sites[mine[0]]
+            sites[mine[0]] = (c, lay, a, WriteHandle.over(h, run, write))
         else:                  # a site nothing captures: a handle that only writes
             anchor = layer_anchor(arch.data["sites"][canonical]["vllm"], layer, plan.layers)
             sites.append((canonical, layer, dict(anchor, module=module_path(anchor["module"], layer)),
-                          SiteHandle.write_only(run, write)))
+                          WriteHandle.over(None, run, write)))
     for canonical, layer, a, handle in sites:
         obj = resolve(model, a["module"], layer)
         if obj is None:

@@ -380,6 +380,10 @@ def start(worker) -> Session | None:
     attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
              "request_policy": policy.describe(), **({"sites_unavailable": plan.unavailable} if plan.unavailable else {})}
     plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
+    if tp is not None and plan.interventions:
+        raise DmiError("dmi: interventions are not supported with tensor parallelism yet (a rank holds a shard of "
+                       "a head- or mlp-split site). Fix: remove the hook spec's interventions, or run with "
+                       "tensor_parallel_size=1")
     if tp is not None and not plan.sites:     # this rank holds nothing the store keeps (e.g. only replicated sites)
         tp.barrier()                          # rank 0 has laid the store out
         shards.ShardWriter(str(store), tp.plan, tp.layout, tp.rank).close({"sites": []})
