@@ -25,6 +25,11 @@ def _spec(vec, requests="on_request"):
                                "vector": vec.tolist(), "scale": 3.0, "requests": requests}]}
 
 
+def _num(rid: str) -> int:
+    """A request's place in submission order (vLLM numbers requests as it takes them)."""
+    return int(external_request_id(rid))
+
+
 def _by_request(tree, group, name):
     """external request id -> its rows of ``name``, in position order."""
     ds = tree[group].dataset
@@ -57,12 +62,16 @@ def test_mixed_batch_steers_only_the_requests_that_ask(compiled, tmp_path):
                 with pytest.raises(ValueError, match="not offered on request"):
                     run.llm.generate(["x"], SamplingParams(max_tokens=1, extra_args={"dmi": {"interventions": ["nope"]}}),
                                      use_tqdm=False)
+                # switched off between calls: the engine's compiled graph reads the flag (as a mask)
+                run.set_intervention("steer", enabled=False)
+                off = generate(run, PROMPTS, [params(s) for s in mask])
+                plain_tokens = [stores["plain"][0][r][1] for r in sorted(stores["plain"][0], key=_num)]
+                assert [off[r][1] for r in sorted(off, key=_num)] == plain_tokens
         finally:
             run.shutdown()
         stores[label] = (seqs, dmi.open(tmp_path / f"{label}.zarr"))
     (plain_seqs, plain), (mixed_seqs, mixed) = stores["plain"], stores["mixed"]
-    order = lambda seqs: sorted(seqs, key=lambda r: int(external_request_id(r)) if external_request_id(r).isdigit() else r)  # noqa: E731
-    plain_ids, mixed_ids = order(plain_seqs), order(mixed_seqs)
+    plain_ids, mixed_ids = sorted(plain_seqs, key=_num), sorted(mixed_seqs, key=_num)
     for group, name in (("layers/mlp/out", "out"), ("final_norm", "final_norm")):
         p, m = _by_request(plain, group, name), _by_request(mixed, group, name)
         for j, steer in enumerate(steered):

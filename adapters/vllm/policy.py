@@ -196,7 +196,7 @@ def resolve(args, policy: ServePolicy, plan, extra: set[str]) -> tuple[Want, str
         return base, None
     try:
         check(args, policy, {s.name for s in plan.sites if s.name not in extra}, extra,
-              offered_interventions(plan.hook_spec))
+              frozenset(p.name for p in getattr(plan, "interventions", ()) if p.on_request))
     except RequestRefused as e:
         return base, str(e)
     rows = args.get("max_rows", policy.max_rows)
