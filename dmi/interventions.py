@@ -249,7 +249,7 @@ def fit_value(arr: np.ndarray, kind: str, shape: tuple, sdims: tuple, head_axis:
 
 
 class Intervention:
-    """One entry's device state: values per layer, the rows it applies to this step."""
+    """One entry's device state: its values (shared by its layers) and the rows it applies to this step."""
 
     def __init__(self, plan: InterventionPlan, device, dtype, rows: int, layouts: dict):
         self.plan = plan

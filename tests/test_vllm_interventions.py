@@ -14,7 +14,7 @@ import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
 
-from test_vllm import ENGINE, assert_matches_hf, generate, rows  # noqa: E402
+from test_vllm import ENGINE, generate, rows  # noqa: E402
 
 PROMPTS = [{"prompt_token_ids": list(range(10 + 3 * i, 22 + 5 * i))} for i in range(4)]
 
