@@ -532,8 +532,12 @@ def _validate_hook(hook, arch, args) -> int:
             e.note = (f"checked against the built-in {label} config ({config.num_hidden_layers} layers); "
                       f"pass --model <path or hub id> to check against your model")
         raise
+    from .interventions import plan_interventions
+    writes = plan_interventions(arch, hook, config, available=_available(config, arch), engine="hf",
+                                anchor_of=lambda canonical, layer: arch.data["sites"][canonical].get("hf"))
     print(f"{hook.file}: ok: hook spec, {len(plan.sites)} site instances in "
-          f"{len({s.group for s in plan.sites})} store groups")
+          f"{len({s.group for s in plan.sites})} store groups"
+          + (f", {len(writes)} intervention(s)" if writes else ""))
     print(f"  checked against: {label} (family {plan.family}, {plan.layers} layers), arch spec {arch.file}")
     rows: dict[str, list] = {}
     for s in plan.sites:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from typing import Any, Callable, Protocol
 
+from .interventions import plan_interventions
 from .plan import Plan, build_plan
 from .run import Run
 from .spec import Document, check_arch_matches, find_arch_spec, load_arch_spec
@@ -34,6 +35,9 @@ class EngineAdapter(Protocol):
     def attach(self, model: Any, plan: Plan, arch: Document, run: Run) -> Callable[[], None]:
         """Patch the plan's sites into ``model`` for ``run``; returns what undoes it."""
 
+    def write_anchor(self, arch: Document, canonical: str, layer: int | None, n_layers: int) -> dict | None:
+        """The anchor where this engine patches ``canonical`` of ``layer`` (interventions write there)."""
+
 
 def find_arch(arch_spec, model_type: str | None, also: str | None = None) -> Document:
     """The architecture spec: ``arch_spec`` (a path or a dict) or the one found by ``model_type``,
@@ -49,8 +53,12 @@ def plan_run(adapter: EngineAdapter, model: Any, arch: Document, hook: Document,
     the sites the adapter finds in the loaded model."""
     adapter.check_version(arch)
     available, unavailable = adapter.available_sites(model, arch, config)
-    return build_plan(arch, hook, config, model_dtype_itemsize=itemsize, available=available,
+    plan = build_plan(arch, hook, config, model_dtype_itemsize=itemsize, available=available,
                       unavailable=unavailable or None, engine=adapter.name)
+    plan.interventions = plan_interventions(
+        arch, hook, config, available=available, engine=adapter.name,
+        anchor_of=lambda canonical, layer: adapter.write_anchor(arch, canonical, layer, plan.layers))
+    return plan
 
 
 def build_run(adapter: EngineAdapter, model: Any, plan: Plan, arch: Document, store, *,

@@ -114,6 +114,7 @@ class Plan:
     hook_spec: dict = field(default_factory=dict)
     engine: EngineOptions = field(default_factory=EngineOptions)    # the hook spec's engine section
     unavailable: dict = field(default_factory=dict)   # canonical -> why: sites a pattern named that this engine never computes
+    interventions: list = field(default_factory=list)  # dmi.interventions.InterventionPlan per interventions: entry
 
     def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
         return {(s.canonical, s.layer): s for s in self.sites}

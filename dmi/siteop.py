@@ -38,8 +38,9 @@ compile pass needs to rewrite it into those ops where an engine compiles a range
 (``ring``: the control block and payload view; ``token_dims``: the leading dims of ``x`` that are
 its rows; :func:`dmi.kernels.traced.rewrite_captures`): the op's kernel ignores both.
 
-Patched model code calls :func:`site` (returns the tensor it was given): a later write site
-(steering) can return a modified tensor without changing any call site.
+Patched model code calls :func:`site`, which returns the tensor the model goes on with: the one it
+was given, or, at a site interventions write (:mod:`dmi.interventions`), that tensor changed by
+plain torch ops that read their values and row masks from device buffers.
 """
 from __future__ import annotations
 
@@ -171,6 +172,25 @@ class SiteHandle:
         return cls(run.id, site, run.site_tensors[site], traced)
 
 
+class WriteHandle(SiteHandle):
+    """The handle of a site interventions write: ``write`` (:class:`dmi.interventions.WriteSite`)
+    changes the tensor, ``captures`` says whether a capture reads the site too (else ``site`` is
+    -1). A class of its own, so that :func:`site` tells the two apart by the type compiled code
+    guards anyway: a capture-only handle adds no guard, and no layer's site index becomes one."""
+    __slots__ = ("write", "captures")
+
+    def __init__(self, run: int, site: int, site_id, traced=None, views=None, write=None):
+        super().__init__(run, site, site_id, traced, views)
+        self.write, self.captures = write, site >= 0
+
+    @classmethod
+    def over(cls, handle: SiteHandle | None, run, write) -> "WriteHandle":
+        """A write handle for a captured site's ``handle`` (None: a site nothing captures)."""
+        if handle is None:
+            return cls(run.id, -1, None, write=write)
+        return cls(handle.run, handle.site, handle.site_id, handle.traced, handle.views, write)
+
+
 def run_ticket(run_id: int) -> torch.Tensor:
     """The run's ticket, read where compiled code reads it for every site (one graph input, one guard)."""
     return _RUNS[run_id].ticket
@@ -216,7 +236,9 @@ def _compiled_capture(handle: SiteHandle, x: torch.Tensor, y: Optional[torch.Ten
 
 
 def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> torch.Tensor:
-    """The call patched into model code: capture ``x`` and hand it on unchanged.
+    """The call patched into model code: capture ``x`` and hand it on, changed by the site's
+    interventions where it has any (``handle.write``: applied before the capture, unless the
+    hook spec says ``capture: before``).
 
     Traced code (torch.compile, export) gets the custom op, which keeps the graph whole and
     ordered; eager code calls the run directly, skipping the dispatcher's per-call cost.
@@ -227,12 +249,32 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
     lowering places the second one after the op, that kernel would split in two, one more kernel
     per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
+    if type(handle) is WriteHandle:
+        return _written(handle, x, after)
     if torch.compiler.is_compiling():
         _compiled_capture(handle, x, after=after)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
             r.capture(handle.site, x)
+    return x
+
+
+def _written(handle: WriteHandle, x: torch.Tensor, after: Optional[list]) -> torch.Tensor:
+    """:func:`site` at a site interventions write: applied before the capture unless the hook
+    spec says ``capture: before``."""
+    write = handle.write
+    if not write.capture_first:
+        x = write.apply(x)
+    if handle.captures:
+        if torch.compiler.is_compiling():
+            _compiled_capture(handle, x, after=after)
+        else:
+            r = _RUNS.get(handle.run)
+            if r is not None:
+                r.capture(handle.site, x)
+    if write.capture_first:
+        x = write.apply(x)
     return x
 
 

@@ -11,7 +11,7 @@ import torch
 from ...errors import AnchorError, DmiError
 from ...kernels import side
 from ...plan import Plan
-from ...siteop import SiteHandle, constant_sites, run_of, run_ticket
+from ...siteop import SiteHandle, WriteHandle, constant_sites, run_of, run_ticket
 from ...spec import Document
 from .patch import AnchorNotFound, SITES_ATTR, SourceEdit, constant_sites_class, parameter_position, patch_module
 
@@ -71,22 +71,41 @@ def group_sites(model: torch.nn.Module, plan: Plan, arch: Document, handle_of) -
     outputs: dict[torch.nn.Module, list] = defaultdict(list)
     handles: dict[torch.nn.Module, dict[str, SiteHandle]] = defaultdict(dict)
     for s in plan.sites:
-        anchor = s.anchor
-        module = module_at(model, anchor["module"], s.layer)
-        if module is None:
-            raise _anchor_error(arch, s.canonical, model, f"module {anchor['module'].format(i=s.layer)!r}")
-        handles[module][s.canonical] = handle_of(s.index)
-        if "assign" in anchor or "compute" in anchor:
-            edits[module].append(SourceEdit.of(s.canonical, anchor))
-        elif "input" in anchor:
-            try:
-                pos, name = parameter_position(module, anchor["input"])
-            except AnchorNotFound as e:
-                raise _anchor_error(arch, s.canonical, module, str(e)) from None
-            inputs[module].append((pos, name, s.canonical))
-        else:
-            outputs[module].append((anchor["output"], s.canonical, anchor.get("order_by")))
+        _place(model, arch, s.canonical, s.layer, s.anchor, handle_of(s.index), edits, inputs, outputs, handles)
     return edits, inputs, outputs, handles
+
+
+def _place(model, arch: Document, canonical: str, layer, anchor: dict, handle: SiteHandle, edits, inputs, outputs,
+           handles) -> None:
+    """Group one site's handle under its module, by anchor kind (:func:`group_sites`)."""
+    module = module_at(model, anchor["module"], layer)
+    if module is None:
+        raise _anchor_error(arch, canonical, model, f"module {anchor['module'].format(i=layer)!r}")
+    handles[module][canonical] = handle
+    if "assign" in anchor or "compute" in anchor:
+        edits[module].append(SourceEdit.of(canonical, anchor))
+    elif "input" in anchor:
+        try:
+            pos, name = parameter_position(module, anchor["input"])
+        except AnchorNotFound as e:
+            raise _anchor_error(arch, canonical, module, str(e)) from None
+        inputs[module].append((pos, name, canonical))
+    else:
+        outputs[module].append((anchor["output"], canonical, anchor.get("order_by")))
+
+
+def add_write_sites(model, arch: Document, run, edits, inputs, outputs, handles) -> None:
+    """The sites the run's interventions write (:mod:`dmi.interventions`): a captured site's handle
+    gets them, a site nothing captures gets a handle that only writes."""
+    for (canonical, layer), write in run.interventions.sites.items():
+        anchor = arch.data["sites"][canonical]["hf"]
+        module = module_at(model, anchor["module"], layer)
+        handle = handles.get(module, {}).get(canonical) if module is not None else None
+        if handle is not None:
+            handles[module][canonical] = WriteHandle.over(handle, run, write)
+        else:
+            _place(model, arch, canonical, layer, anchor, WriteHandle.over(None, run, write), edits, inputs, outputs,
+                   handles)
 
 
 def patch_sites(arch: Document, edits: dict, inputs: dict, outputs: dict, handles: dict) -> list:
@@ -109,6 +128,8 @@ def patch_sites(arch: Document, edits: dict, inputs: dict, outputs: dict, handle
 def attach(model: torch.nn.Module, plan: Plan, arch: Document, run) -> callable:
     """Patch every planned site into ``model``; returns a function that undoes it."""
     edits, inputs, outputs, handles = group_sites(model, plan, arch, lambda index: SiteHandle.of(run, index))
+    if run.interventions:
+        add_write_sites(model, arch, run, edits, inputs, outputs, handles)
 
     undo: list = []
     saved = {name: model.__dict__[name] for name in _STEP_ATTRS if name in model.__dict__}

@@ -62,5 +62,9 @@ class HFEngine:
         return available_sites(model, arch), {}
 
     @staticmethod
+    def write_anchor(arch, canonical, layer, n_layers):
+        return arch.data["sites"][canonical].get("hf")
+
+    @staticmethod
     def attach(model, plan, arch, run):
         return attach(model, plan, arch, run)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...siteop import SiteHandle, site, site_at
+from ...siteop import SiteHandle, WriteHandle, site, site_at
 from .derived import DERIVED
 
 SITES_ATTR = "_dmi_sites"
@@ -197,18 +197,31 @@ def _call_prior(self, *args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[tuple[int, str], ...]):
+def io_forward(inner, inputs: tuple[tuple[int, str, str], ...], outputs: tuple[tuple[int, str], ...],
+               writes: frozenset = frozenset()):
     """``inner`` (a forward taking ``self``) with ``inputs`` ((position, name, canonical)) passed
     through the site op before it and ``outputs`` ((index, canonical, order_by)) after it. Generated code:
     positions, names and indices are constants of it, and its globals are its own (Dynamo guards
-    them once, whatever instance runs it)."""
-    return _io_forward(inner, inputs, outputs, {})
+    them once, whatever instance runs it). ``writes``: output sites interventions change, whose
+    value the forward returns in place of the module's (:func:`put_output`)."""
+    return _io_forward(inner, inputs, outputs, {}, writes)
 
 
 @functools.lru_cache(maxsize=None)
 def _io_scope(inner) -> dict:
     """The globals of ``inner``'s generated forwards: one dict for all of them (one guard)."""
-    return {"__dmi_capture__": site, "__dmi_site_at__": site_at, "__dmi_inner__": inner, "__dmi_ordered__": ordered}
+    return {"__dmi_capture__": site, "__dmi_site_at__": site_at, "__dmi_inner__": inner, "__dmi_ordered__": ordered,
+            "__dmi_put__": put_output}
+
+
+def put_output(out, index: int, value):
+    """``out`` with element ``index`` (or itself, a single tensor) replaced by ``value``: an output
+    site an intervention changed."""
+    if isinstance(out, tuple):
+        return out[:index] + (value,) + out[index + 1:]
+    if isinstance(out, list):
+        return out[:index] + [value] + out[index + 1:]
+    return value
 
 
 def ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -218,7 +231,7 @@ def ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, -1, order)
 
 
-def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
+def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]], writes: frozenset = frozenset()):
     """:func:`io_forward`; a site named in ``at`` with its (run, site index) written in."""
     def capture(canonical: str, x: str) -> str:
         if canonical in at:
@@ -235,7 +248,10 @@ def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]]):
         value = f"out[{index}] if isinstance(out, (tuple, list)) else out"
         if order_by is not None:
             value = f"__dmi_ordered__(out[{index}], out[{order_by}])"
-        lines.append(f"    {capture(canonical, value)}")
+        if canonical in writes:
+            lines.append(f"    out = __dmi_put__(out, {index}, {capture(canonical, value)})")
+        else:
+            lines.append(f"    {capture(canonical, value)}")
     lines.append("    return out")
     namespace: dict = {}
     exec(compile("\n".join(lines), f"<dmi: {getattr(inner, '__qualname__', 'forward')} with sites>", "exec"),
@@ -289,7 +305,8 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     patched = type(module)
     edits, inputs, outputs = patched.__dict__.get(PATCH_ATTR) or (None, None, None)
     handles = module.__dict__.get(SITES_ATTR, {})
-    if edits is None or any(h.traced is not None or h.views is not None for h in handles.values()):
+    if edits is None or any(h.traced is not None or h.views is not None or isinstance(h, WriteHandle)
+                            for h in handles.values()):
         return None
     cls = patched.__dict__["_dmi_unpatched"]
     at = {canonical: (h.run, h.site) for canonical, h in handles.items()}
@@ -310,7 +327,8 @@ def patch_module(module: torch.nn.Module, handles: dict[str, SiteHandle], edits:
     cls = type(module)
     prior = module.__dict__.get("forward")
     inner = rewrite_forward(cls, edits) if edits else cls.forward if prior is None else _call_prior
-    forward = io_forward(inner, inputs, outputs) if inputs or outputs else inner
+    writes = frozenset(c for c, h in handles.items() if isinstance(h, WriteHandle))
+    forward = io_forward(inner, inputs, outputs, writes) if inputs or outputs else inner
     module.__dict__[SITES_ATTR] = handles
     if prior is None:
         module.__class__ = patched_class(cls, forward, (edits, inputs, outputs))

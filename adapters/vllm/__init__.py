@@ -50,6 +50,14 @@ class VllmRun:
                            "Fix: load with VLLM_ENABLE_V1_MULTIPROCESSING=0 (dmi.load's default), or read the store")
         return self.run.subscribe(fn, sites)
 
+    def set_intervention(self, name: str, **values) -> None:
+        """:meth:`dmi.run.Run.set_intervention` on the engine's run (in-process engines): new values
+        from the next step on, with the engine's compiled graphs and CUDA graphs as they are."""
+        if self.run is None:
+            raise DmiError("set_intervention: vLLM's engine runs in another process. Fix: load with "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 (dmi.load's default)")
+        self.run.set_intervention(name, **values)
+
     def refused_requests(self) -> dict[str, str]:
         """Request id -> why its dmi options were narrowed in the worker (in-process engines)."""
         return dict(self._session.gate.refused) if self._session is not None else {}

@@ -5,7 +5,7 @@ import logging
 
 from ...errors import DmiError
 from . import compat
-from .patch import attach, available_sites
+from .patch import attach, available_sites, layer_anchor
 
 log = logging.getLogger("dmi.vllm")
 
@@ -32,6 +32,11 @@ class VllmEngine:
     @staticmethod
     def available_sites(model, arch, config) -> tuple[set, dict]:
         return available_sites(model, arch, config.num_hidden_layers)
+
+    @staticmethod
+    def write_anchor(arch, canonical, layer, n_layers):
+        anchor = arch.data["sites"][canonical].get("vllm")
+        return None if anchor is None else dict(layer_anchor(anchor, layer, n_layers), layout=["token"])
 
     @staticmethod
     def attach(model, plan, arch, run):

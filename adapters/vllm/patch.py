@@ -31,9 +31,9 @@ from collections import defaultdict
 import torch
 
 from ...errors import AnchorError
-from ...siteop import SiteHandle, site, site_sum
+from ...siteop import SiteHandle, WriteHandle, site, site_sum
 from ..hf.derived import DERIVED
-from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, ordered, rewrite_forward
+from ..hf.patch import SITES_ATTR, AnchorNotFound, SourceEdit, bind_rewritten, ordered, put_output, rewrite_forward
 from . import compat
 from .pattern import sliding_window, vllm_attention_pattern
 
@@ -134,19 +134,30 @@ def _pick_output(out, index):
 
 
 def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
-    """Wrap ``obj.<method>`` (bound, instance attribute) so its inputs/outputs pass through site ops."""
+    """Wrap ``obj.<method>`` (bound, instance attribute) so its inputs/outputs pass through site ops.
+    A site interventions write (a :class:`dmi.siteop.WriteHandle`: one tensor, :func:`dmi.interventions.write_problem`)
+    hands the written tensor on to the method or to its caller."""
     inner = getattr(obj, method)
 
     @functools.wraps(inner)
     def wrapped(*args, **kwargs):
         for c in captures:
             if c.inputs is not None:
-                _capture_parts(c.handle, [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs])
+                if type(c.handle) is WriteHandle:
+                    (pos, name), = c.inputs
+                    if pos < len(args):
+                        args = args[:pos] + (site(c.handle, args[pos]),) + args[pos + 1:]
+                    else:
+                        kwargs[name] = site(c.handle, kwargs[name])
+                else:
+                    _capture_parts(c.handle, [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs])
         out = inner(*args, **kwargs)
         for c in captures:
             if c.outputs is not None:
                 parts = [_pick_output(out, i) for i in c.outputs]
-                if c.order_by is None:
+                if type(c.handle) is WriteHandle:
+                    out = put_output(out, c.outputs[0], site(c.handle, parts[0], _other_outputs(out, c.outputs)))
+                elif c.order_by is None:
                     _capture_parts(c.handle, parts, _other_outputs(out, c.outputs))
                 else:
                     site(c.handle, ordered(_summed(parts), _pick_output(out, c.order_by)))
@@ -196,30 +207,39 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
     handles: dict = defaultdict(dict)
     methods: dict = defaultdict(list)        # (id(obj), method) -> captures
     objects: dict = {}
-    for s in plan.sites:
-        a = s.anchor
-        obj = resolve(model, a["module"], s.layer)
+    sites = [(s.canonical, s.layer, s.anchor, SiteHandle.of(run, s.index)) for s in plan.sites]
+    for (canonical, layer), write in run.interventions.sites.items():
+        mine = [k for k, (c, lay, _, _) in enumerate(sites) if (c, lay) == (canonical, layer)]
+        if mine:
+            c, lay, a, h = sites[mine[0]]
+            sites[mine[0]] = (c, lay, a, WriteHandle.over(h, run, write))
+        else:                  # a site nothing captures: a handle that only writes
+            anchor = layer_anchor(arch.data["sites"][canonical]["vllm"], layer, plan.layers)
+            sites.append((canonical, layer, dict(anchor, module=module_path(anchor["module"], layer)),
+                          WriteHandle.over(None, run, write)))
+    for canonical, layer, a, handle in sites:
+        obj = resolve(model, a["module"], layer)
         if obj is None:
-            raise anchor_error(arch, s.canonical, model, f"module {module_path(a['module'], s.layer)!r}")
-        handle = SiteHandle.of(run, s.index)
+            raise anchor_error(arch, canonical, model, f"module {module_path(a['module'], layer)!r}")
         if "assign" in a or "compute" in a:
             if "compute" in a:     # vLLM's own derived function (dmi.adapters.vllm.pattern), fed this module
                 a = dict(a, compute=f"vllm_{a['compute']}", args=dict(a["args"], layer="self"))
                 # (heads, max_keys, sliding window): constants for the op
-                obj._dmi_pattern = (s.shape[0], s.shape[-1], sliding_window(obj))
-            source_edits[obj].append(SourceEdit.of(s.canonical, a, _SOURCE_KEYS))
-            handles[obj][s.canonical] = handle
+                planned = plan.by_layer_site()[(canonical, layer)]
+                obj._dmi_pattern = (planned.shape[0], planned.shape[-1], sliding_window(obj))
+            source_edits[obj].append(SourceEdit.of(canonical, a, _SOURCE_KEYS))
+            handles[obj][canonical] = handle
             continue
         method = a.get("method", "forward")
         fn = getattr(obj, method, None)
         if fn is None:
-            raise anchor_error(arch, s.canonical, obj, f"method {method!r}")
+            raise anchor_error(arch, canonical, obj, f"method {method!r}")
         if "input" in a:
             specs = a["input"] if isinstance(a["input"], list) else [a["input"]]
             try:
                 cap = _Capture(handle, inputs=[_param_position(fn, p) for p in specs])
             except AnchorNotFound as e:
-                raise anchor_error(arch, s.canonical, obj, str(e)) from None
+                raise anchor_error(arch, canonical, obj, str(e)) from None
         else:
             outs = a["output"] if isinstance(a["output"], list) else [a["output"]]
             cap = _Capture(handle, outputs=outs, order_by=a.get("order_by"))

@@ -6,6 +6,7 @@ A request says what it wants in ``SamplingParams.extra_args["dmi"]``::
     {"capture": true}                       # opt in (when the hook spec's requests.default is skip)
     {"sites": ["resid_post", "logits"]}     # only these of the planned sites (globs, as in hook specs)
     {"max_rows": 64}                        # at most this many of its token rows (never above the operator's cap)
+    {"interventions": ["steer"]}            # turn on the hook spec's interventions marked requests: on_request
 
 Through the OpenAI API (``vllm_xargs`` in the request body, whose values must be flat) the same
 options are ``dmi_capture``, ``dmi_sites`` (a list, or one comma-separated string), ``dmi_max_rows``
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from .config import read_config
 
 
-KEYS = ("capture", "sites", "max_rows", "return")
+KEYS = ("capture", "sites", "max_rows", "return", "interventions")
 
 
 class RequestRefused(ValueError):
@@ -112,15 +113,23 @@ def options(extra_args) -> dict | None:
             out[key] = v.lower() in ("true", "1")
         elif isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
             out[key] = bool(v)
-    if isinstance(out.get("sites"), str):
-        out["sites"] = [p.strip() for p in out["sites"].split(",") if p.strip()]
+    for key in ("sites", "interventions"):
+        if isinstance(out.get(key), str):
+            out[key] = [p.strip() for p in out[key].split(",") if p.strip()]
     if isinstance(out.get("max_rows"), str) and out["max_rows"].isdigit():
         out["max_rows"] = int(out["max_rows"])
     return out
 
 
-def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[str]) -> None:
-    """Raise :class:`RequestRefused` when a request's ``extra_args["dmi"]`` asks for more than allowed."""
+def offered_interventions(hook_spec: dict) -> frozenset:
+    """Names of the hook spec's interventions a request may turn on (``requests: on_request``)."""
+    return frozenset(e["name"] for e in hook_spec.get("interventions") or [] if e.get("requests") == "on_request")
+
+
+def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[str],
+          offered: frozenset = frozenset()) -> None:
+    """Raise :class:`RequestRefused` when a request's ``extra_args["dmi"]`` asks for more than allowed.
+    ``offered``: the interventions a request may turn on (:func:`offered_interventions`)."""
     if args is None:
         return
     if not isinstance(args, dict):
@@ -147,6 +156,14 @@ def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[s
         if policy.max_rows is not None and rows > policy.max_rows:
             raise RequestRefused(f"dmi: refused: max_rows {rows} is above this server's per-request cap "
                                  f"{policy.max_rows} (operator policy requests.max_rows)")
+    asked = args.get("interventions")
+    if asked is not None:
+        if not isinstance(asked, list) or not asked or not all(isinstance(n, str) for n in asked):
+            raise RequestRefused("dmi: 'interventions' must be a non-empty list of intervention names")
+        for name in asked:
+            if name not in offered:
+                raise RequestRefused(f"dmi: refused: intervention {name[:80]!r} is not offered on request by this "
+                                     f"server (operator hook spec: interventions with requests: on_request)")
     sites = args.get("sites")
     if sites is not None:
         if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites) or not sites:
@@ -178,7 +195,8 @@ def resolve(args, policy: ServePolicy, plan, extra: set[str]) -> tuple[Want, str
     if args is None:
         return base, None
     try:
-        check(args, policy, {s.name for s in plan.sites if s.name not in extra}, extra)
+        check(args, policy, {s.name for s in plan.sites if s.name not in extra}, extra,
+              frozenset(p.name for p in getattr(plan, "interventions", ()) if p.on_request))
     except RequestRefused as e:
         return base, str(e)
     rows = args.get("max_rows", policy.max_rows)
@@ -254,7 +272,8 @@ def make_validator(vllm_config):
             arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf.model_type)
             plan = build_plan(arch, hook, text)
             extra = on_request_names(plan)
-            state.update(policy=ServePolicy.from_hook(hook), default={s.name for s in plan.sites} - extra, extra=extra)
+            state.update(policy=ServePolicy.from_hook(hook), default={s.name for s in plan.sites} - extra, extra=extra,
+                         offered=offered_interventions(hook.data))
         return state
 
     def validate(sampling_params) -> None:
@@ -262,5 +281,5 @@ def make_validator(vllm_config):
         if args is None:
             return
         s = names()
-        check(args, s["policy"], s["default"], s["extra"])
+        check(args, s["policy"], s["default"], s["extra"], s["offered"])
     return validate

@@ -38,6 +38,7 @@ from .patch import layer_anchor, module_path, resolve
 from .pattern import KeyStore, SESSIONS_BY_RUN
 from .policy import RequestGate, ServePolicy
 from .steps import StepBuilder
+from .writes import StepWrites
 
 
 log = logging.getLogger("dmi.vllm")
@@ -66,6 +67,7 @@ class Session:
         self.rank = 0                           # tensor parallel rank (0: no tensor parallelism)
         self.stop_on_store_error = False        # policy.on_store_error drop: a failed store stops capture
         self.clock = HookClock()                # host time in the step hooks below
+        self.writes = StepWrites(run, runner, compat.request_extra_args) if run.interventions else None
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, scheduler_output) -> None:
@@ -97,6 +99,8 @@ class Session:
         if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
             got = self.steps.repeat(num_tokens_padded)
             if got is not None:
+                if self.writes is not None:
+                    self.writes.begin(None, num_tokens_padded)
                 self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
                 got[0].ids = host_ids(input_ids)
                 self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
@@ -104,6 +108,8 @@ class Session:
                 return
             batch = compat.read_batch(*batch)
         self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
+        if self.writes is not None:
+            self.writes.begin(batch, num_tokens_padded)
         st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites),
                                           wants_all=self.gate.want_all)
         self.gate.forget(batch.finished)
@@ -390,6 +396,10 @@ def start(worker) -> Session | None:
     attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
              "request_policy": policy.describe(), **({"sites_unavailable": plan.unavailable} if plan.unavailable else {})}
     plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
+    if tp is not None and plan.interventions:
+        raise DmiError("dmi: interventions are not supported with tensor parallelism yet (a rank holds a shard of "
+                       "a head- or mlp-split site). Fix: remove the hook spec's interventions, or run with "
+                       "tensor_parallel_size=1")
     if tp is not None and not plan.sites:     # this rank holds nothing the store keeps (e.g. only replicated sites)
         tp.barrier()                          # rank 0 has laid the store out
         shards.ShardWriter(str(store), tp.plan, tp.layout, tp.rank).close({"sites": []})
@@ -400,7 +410,8 @@ def start(worker) -> Session | None:
     run = build_run(engine, model, plan, arch, store, keep_store=session_rank != 0,
                     checks=(lambda run: _check_graphs(run, vllm_config), lambda run: _check_step_tokens(run, vllm_config, hook)),
                     overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
-                    traced=plan.engine.traced or ("range" if above is not None else "0"))
+                    traced=plan.engine.traced or ("range" if above is not None else "0"),
+                    write_rows=_write_rows(vllm_config))
     if hasattr(run.ring, "replay_eager") and run.ring.is_cuda:
         # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
         # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
@@ -434,6 +445,14 @@ def start(worker) -> Session | None:
     _at_exit(session.close_quietly)
     log.info("dmi: capturing %d site(s) into %s", len(plan.sites), run.store)
     return session
+
+
+def _write_rows(vllm_config) -> int:
+    """Rows the interventions' masks hold: the most a step carries, CUDA-graph padding included
+    (allocated once: a graph reads them at fixed addresses)."""
+    sched = vllm_config.scheduler_config.max_num_batched_tokens
+    graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    return max(int(sched), int(graphs))
 
 
 def _dtype_itemsize(vllm_config) -> int:

@@ -10,6 +10,7 @@ from importlib import metadata
 import torch
 
 from ..errors import CaptureError, PolicyError, SpecError, StoreError
+from ..interventions import Interventions
 from ..plan import Plan, check_policy_fits
 from ..ring.factory import make_ring
 from ..ring.protocol import Ring
@@ -38,7 +39,7 @@ class Run(EngineHooks):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
                  attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None,
-                 traced: str | None = None, memory_bytes: int | None = None):
+                 traced: str | None = None, memory_bytes: int | None = None, write_rows: int | None = None):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -97,6 +98,7 @@ class Run(EngineHooks):
         self.store = str(self.exporter.path)
         self._tp = tp is not None
         self.subscribers = Subscribers(plan, str(self.dtype).removeprefix("torch."))
+        self.interventions = Interventions(plan.interventions, device, self.dtype, rows=write_rows or plan.policy.max_step_tokens)
         self.id = register_run(self)
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
@@ -142,6 +144,16 @@ class Run(EngineHooks):
         self.enabled = bool(enabled)
         self.ring.null = not self.enabled
         self.limits_changed()
+
+    def set_intervention(self, name: str, *, vector=None, scale=None, min=None, max=None, enabled=None,
+                         requests="keep") -> None:
+        """Change the hook spec's intervention ``name`` from the next step on: its ``vector`` (a
+        tensor, array or list of the site's trailing shape), ``scale``, clamp bounds ``min`` /
+        ``max``, ``enabled``, or ``requests`` (request ids it applies to; None: every request).
+        Values are copied into the buffers the patched model reads, so a compiled model or a
+        captured CUDA graph keeps running without a recompile or a re-capture."""
+        self.interventions.set(name, vector=vector, scale=scale, min=min, max=max, enabled=enabled,
+                               requests=requests)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every step begun so far is drained and handed to the store (True), or the

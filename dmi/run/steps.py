@@ -155,6 +155,8 @@ class EngineHooks:
         gen, self._gen_mask = self._gen_mask, None
         if not self.enabled:
             self.retract_ahead()
+            if self.interventions:      # (null mode captures nothing; the interventions still apply)
+                self._steer_only(tokens, attention_mask if attention_mask is not None else gen, position_ids, past)
             return
         batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
         mask_t = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
@@ -171,11 +173,13 @@ class EngineHooks:
                 self._ahead = None
                 m.last_pos = ahead.position
                 ahead.tokens.ids = host_ids(tokens)
+                self._steer_decode(m)
                 self.ring.take_ahead()
                 self._commit(ahead.layout)
                 self.steps_ahead[0] += 1
                 return
             m.last_pos = m.last_pos + 1
+            self._steer_decode(m)
             # the batch's rows again: its first decode step's layout is reused
             st = self._decode_tokens(m, m.last_pos)
             st.ids = host_ids(tokens)
@@ -186,6 +190,8 @@ class EngineHooks:
         past_len = 0 if mask is not None else past_length(past)
         st = step_tokens(self._step, batch, seq, self.requests, attention_mask=mask, position_ids=pos, past_len=past_len)
         st.ids = host_ids(tokens)
+        if self.interventions:
+            self.interventions.begin_step(st, batch * seq, self.requests.ids)
         pad = (mask == 0).sum(axis=1) if mask is not None else np.zeros(batch, np.int64)
         if mask is not None:
             last = mask.astype(np.int64).sum(axis=1) - 1
@@ -197,6 +203,23 @@ class EngineHooks:
         self._mirror = _Mirror(batch, total, np.array(last, np.int64), np.asarray(self.requests.current(batch), np.int64),
                                np.asarray(pad, np.int64), keep)
         self._begin_tokens(st if keep is None else st.subset(keep[st.rows // seq]), pad, keys=total)
+
+    def _steer_decode(self, m: "_Mirror") -> None:
+        """The interventions' rows of a decode step of the mirrored batch (every request's row)."""
+        if self.interventions:
+            st = StepTokens(step=self._step, batch=m.batch, seq=1, rows=m.arange, request=m.req, position=m.last_pos,
+                            phase=m.decode, local=m.zeros)
+            self.interventions.begin_step(st, m.batch, self.requests.ids)
+
+    def _steer_only(self, tokens, attention_mask, position_ids, past) -> None:
+        """Null mode: the interventions' rows of a step that captures nothing."""
+        batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
+        mask = attention_mask.detach().cpu().numpy() if isinstance(attention_mask, torch.Tensor) \
+            and attention_mask.ndim == 2 else None
+        pos = position_ids.detach().cpu().numpy() if position_ids is not None and mask is None else None
+        st = step_tokens(self._step, batch, seq, self.requests, attention_mask=mask, position_ids=pos,
+                         past_len=0 if mask is not None else past_length(past))
+        self.interventions.begin_step(st, batch * seq, self.requests.ids)
 
     def begin_tokens(self, st: StepTokens, pad: np.ndarray, *, keep: dict | None = None,
                      held: dict | None = None) -> None:

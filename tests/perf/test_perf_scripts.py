@@ -1,6 +1,7 @@
 """perf/ scripts on the CPU (they are GPU benchmarks; this keeps them runnable where no GPU is):
-perf/budget.py's round-robin with the inline run's rows, perf/diagnostics/guardcost.py's table (its
-guard lines compared: constant sites guard fewer than handles), each on a real patched model."""
+perf/budget.py's round-robin with the inline run's rows, perf/interventions.py's table,
+perf/diagnostics/guardcost.py's table (its guard lines compared: constant sites guard fewer than
+handles), each on a real patched model."""
 from __future__ import annotations
 
 import os
@@ -49,3 +50,12 @@ def test_guardcost_reports_every_model_and_the_guards(tmp_path):
     lines = {label: n for label, (_, n) in checked.items()}
     assert lines["vanilla"] == lines["A/A twin"] < lines["dmi null"] < lines["dmi null, handles"], lines
     assert re.search(r"^dmi cache entry 0: \d+ guard lines", out, re.M), out
+
+
+def test_interventions_reports_each_config_and_the_null_cost(tmp_path):
+    stdout = _script(tmp_path, "interventions.py", "--model", "tiny", "--batch", "2", "--new-tokens", "3",
+                     "--mode", "eager", "--rounds", "1")
+    got = _table(stdout)
+    assert list(got) == ["config", "vanilla", "capture", "disabled", "enabled"], got
+    assert all(float(cells[0]) > 0 for label, cells in got.items() if label != "config"), got
+    assert re.search(r"null cost of the disabled interventions: [+-][0-9.]+% of vanilla", stdout), stdout
