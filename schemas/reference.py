@@ -46,7 +46,7 @@ def resolve(schema: dict, node: dict) -> dict:
     while "$ref" in node:
         target = schema
         for part in node["$ref"].removeprefix("#/").split("/"):
-            target = target[part]
+            target = target[int(part) if isinstance(target, list) else part]
         node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
     return node
 
@@ -151,12 +151,15 @@ def _inline(value) -> str:
 
 
 def _example_yaml(path: list[str], value) -> str:
-    """The key with the value, as a flow-style YAML line (a capture entry gets its sites)."""
+    """The key with the value, as a flow-style YAML line (a capture entry gets its sites, an
+    intervention its name, site and kind)."""
     for part in reversed(path):
         if part.endswith("[]"):
             entry = value if isinstance(value, dict) else {}
             if part == "capture[]" and "sites" not in entry:
                 entry = {"sites": ["resid_post"], **entry}
+            if part == "interventions[]":      # the keys every intervention names
+                entry = {"name": "ablate", "site": "resid_post", "kind": "zero", **entry}
             value = {part[:-2]: [entry]}
         else:
             value = {part: value}

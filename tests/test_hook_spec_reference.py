@@ -20,10 +20,18 @@ def test_committed_reference_is_up_to_date():
         "docs/hook_spec.md is stale. Fix: python -m dmi.schemas.reference > docs/hook_spec.md"
 
 
+def _pointer(ref: str):
+    """The schema node a JSON pointer names ("#/$defs/tokens/oneOf/1/...")."""
+    target = SCHEMA
+    for part in ref[2:].split("/"):
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    return target
+
+
 def _keys(node, path=""):
     """(path, schema node) of every key, walked here independently of the generator."""
     while "$ref" in node:
-        node = {**SCHEMA["$defs"][node["$ref"].rsplit("/", 1)[1]], **{k: v for k, v in node.items() if k != "$ref"}}
+        node = {**_pointer(node["$ref"]), **{k: v for k, v in node.items() if k != "$ref"}}
     for alt in node.get("oneOf", []):
         yield from _keys(alt, path)
     if node.get("type") == "array" and isinstance(node.get("items"), dict):
@@ -52,7 +60,7 @@ def test_every_key_default_and_example():
         _, _, default, example, _ = rows[key]
         target = node
         while "$ref" in target:
-            target = SCHEMA["$defs"][target["$ref"].rsplit("/", 1)[1]]
+            target = _pointer(target["$ref"])
         want = node.get("default", target.get("default"))
         if want is not None:
             assert yaml.safe_load(default.strip("`")) == want, (key, default)
