@@ -1,7 +1,9 @@
 """The CUDA path's Triton kernels on the CPU (Triton's interpreter), bit for bit against dmi.gather.
 
-Triton reads TRITON_INTERPRET when a kernel is defined, so each test runs one section of this file
-in a subprocess that sets it before anything imports Triton. The sections exercise the capture
+Triton reads TRITON_INTERPRET when a kernel is defined, so the sections of this file run in a
+subprocess that sets it before anything imports Triton: one for all of them (one start-up of torch,
+Triton and transformers), each section with the environment the process started with, and each
+test reads its own section's outcome. The sections exercise the capture
 and end-marker kernels directly (layouts, strides, compaction, flags, meta-ring wrap) and through
 the whole run (the hook spec's ``engine.ring: interpret``: the CUDA ring's control words and kernels over host
 memory), in both launch modes: eager (host-known rows: torch copies straight into the ring and a
@@ -10,20 +12,30 @@ replayed CUDA graph does).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import traceback
 import types
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
+SECTIONS = ("kernel", "generate", "wrap_null", "stream", "control", "traced", "rewrite", "side", "side_generate")
 
 
-def _run(section: str) -> None:
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """(section -> "" when it passed, else its traceback; the subprocess's result): every section
+    run once, in order, by one subprocess."""
+    results = tmp_path_factory.mktemp("interpret") / "sections.json"
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, __file__, section], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"section {section} failed:\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+    r = subprocess.run([sys.executable, __file__, str(results), *SECTIONS], env=env, capture_output=True, text=True,
+                       timeout=2700)
+    return (json.loads(results.read_text()) if results.exists() else {}), r
 
 
 def _engine(spec: dict, **options) -> dict:
@@ -31,40 +43,46 @@ def _engine(spec: dict, **options) -> dict:
     return {**spec, "engine": {"ring": "interpret", **spec.get("engine", {}), **options}}
 
 
-def test_kernel_rows_equal_reference():
-    _run("kernel")
+def _check(outcomes, section: str) -> None:
+    done, r = outcomes
+    assert section in done, f"section {section} never finished (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+    assert not done[section], f"section {section} failed:\n{done[section]}\n{r.stderr[-4000:]}"
 
 
-def test_generate_through_kernels_equals_cpu_path():
-    _run("generate")
+def test_kernel_rows_equal_reference(outcomes):
+    _check(outcomes, "kernel")
 
 
-def test_tiny_ring_wraps_and_null_mode():
-    _run("wrap_null")
+def test_generate_through_kernels_equals_cpu_path(outcomes):
+    _check(outcomes, "generate")
 
 
-def test_steps_larger_than_staging_or_the_ring_never_hang_and_store_what_the_cpu_path_stores():
-    _run("stream")
+def test_tiny_ring_wraps_and_null_mode(outcomes):
+    _check(outcomes, "wrap_null")
 
 
-def test_a_reused_layout_resends_its_words_after_another_step_changed_them():
-    _run("control")
+def test_steps_larger_than_staging_or_the_ring_never_hang_and_store_what_the_cpu_path_stores(outcomes):
+    _check(outcomes, "stream")
 
 
-def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path():
-    _run("traced")
+def test_a_reused_layout_resends_its_words_after_another_step_changed_them(outcomes):
+    _check(outcomes, "control")
 
 
-def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path():
-    _run("rewrite")
+def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path(outcomes):
+    _check(outcomes, "traced")
 
 
-def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_compile():
-    _run("side")
+def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path(outcomes):
+    _check(outcomes, "rewrite")
 
 
-def test_compiled_generate_chains_its_captures_unless_dmi_side_is_0():
-    _run("side_generate")
+def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_compile(outcomes):
+    _check(outcomes, "side")
+
+
+def test_compiled_generate_chains_its_captures_unless_dmi_side_is_0(outcomes):
+    _check(outcomes, "side_generate")
 
 
 # --- sections (run in the subprocess) ---------------------------------------------------------------
@@ -788,10 +806,32 @@ def section_control() -> None:
     print("control ok")
 
 
+def _run_sections(results: Path, names: list[str]) -> None:
+    """Each section in turn, from the environment and dynamo state the process started with; the
+    outcomes written after each one (a crash keeps the earlier ones)."""
+    import torch
+    sections = {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null,
+                "side": section_side, "side_generate": section_side_generate, "control": section_control,
+                "stream": section_stream, "traced": section_traced, "rewrite": section_rewrite}
+    done = {}
+    for name in names:
+        env = dict(os.environ)
+        print(f"--- section {name}", flush=True)
+        try:
+            sections[name]()
+            done[name] = ""
+        except Exception:
+            done[name] = traceback.format_exc()
+            print(done[name], flush=True)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch._dynamo.reset()
+        results.write_text(json.dumps(done))
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from conftest import settle_mkl_vml      # (a subprocess: pytest has not imported conftest here)
     settle_mkl_vml()
-    {"kernel": section_kernel, "generate": section_generate, "wrap_null": section_wrap_null, "side": section_side,
-     "side_generate": section_side_generate,
-     "control": section_control, "stream": section_stream, "traced": section_traced, "rewrite": section_rewrite}[sys.argv[1]]()
+    _run_sections(Path(sys.argv[1]), sys.argv[2:])

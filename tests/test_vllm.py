@@ -201,18 +201,27 @@ def test_store_keeps_callers_request_ids_and_each_rows_token_id(tmp_path):
     assert list(mine.token_id.values) == (seqs["1"][0] + seqs["1"][1])[:-1]
 
 
-def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path):
-    """torch.compile'd vLLM (its default): dmi's ops compile in, tokens do not change, values match."""
-    from vllm import LLM, SamplingParams
-    from dmi.adapters.vllm.compat import shutdown_llm
+@pytest.fixture(scope="module")
+def compiled_engines() -> dict:
+    """engine -> (compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of
+    three torch.compile'd engines on PROMPTS, each in a process of its own with a fresh compile
+    cache (tests/vllm_kernel_count.py): vanilla, dmi, dmi-side. Compiled once for the two tests
+    below (a compile is most of an engine's start)."""
+    import vllm_kernel_count
+    assert vllm_kernel_count.PROMPTS == PROMPTS
+    return {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
+
+
+def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path, compiled_engines):
+    """torch.compile'd vLLM (its default): dmi's ops compile in, tokens do not change, values match.
+    The tokens without dmi: the vanilla engine of ``compiled_engines``, with the same engine
+    arguments and sampling."""
+    from vllm import SamplingParams
+    import vllm_kernel_count
     path = save_builtin("tiny-qwen3")
-    params = SamplingParams(max_tokens=8, temperature=0)
+    params = SamplingParams(max_tokens=vllm_kernel_count.MAX_TOKENS, temperature=0)
     engine = dict(ENGINE, enforce_eager=False, enable_prefix_caching=False, max_model_len=64)   # (attn.pattern)
-    plain = LLM(path, **engine)
-    try:
-        want = {o.request_id: list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, params, use_tqdm=False)}
-    finally:
-        shutdown_llm(plain)
+    want = json.loads(compiled_engines["vanilla"][3])          # per prompt, in PROMPTS' order
     spec = {"capture": [{"sites": ["resid_pre", "attn.q", "attn.k_rot", "mlp.act", "resid_post"], "layers": [0, 2]},
                         {"sites": ["attn.pattern"], "layers": [1], "heads": [0, 3], "max_keys": 64},
                         {"sites": ["final_norm", "logits"]}]}
@@ -221,14 +230,14 @@ def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path):
         seqs = generate(run, PROMPTS, params)
     finally:
         run.shutdown()
-    assert {rid: out for rid, (_, out) in seqs.items()} == want
+    assert [out for _, out in seqs.values()] == want and len(want) == len(PROMPTS)
     tree = dmi.open(tmp_path / "v.zarr")
     assert assert_matches_hf(tree, hf_reference("qwen3", seqs, spec, tmp_path / "hf.zarr")) > 0
     assert positions_by_request(tree["final_norm"].dataset) == {r: list(range(len(p) + len(o) - 1))
                                                                 for r, (p, o) in seqs.items()}
 
 
-def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
+def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without(compiled_engines):
     """Inductor fuses nothing across a site op, which orders itself through its ticket. vLLM's
     fused add + RMSNorm returns (normalized, sum) and its lowering placed the normalization after a
     capture of the sum, so every layer's add became a kernel of its own (15 kernel calls against
@@ -237,8 +246,7 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without():
     in a process of its own with a fresh compile cache and TORCH_LOGS=output_code). So does the
     side-stream chain (``dmi.kernels.side``, here on the whole graph: vLLM's CPU build captures no
     graphs, where engine.side installs it), which adds a join per graph and no kernel."""
-    import vllm_kernel_count
-    rows = {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
+    rows = compiled_engines
     (v_graphs, v_calls, _, v_tokens, _), (d_graphs, d_calls, d_ops, d_tokens, d_op_graphs) = rows["vanilla"], rows["dmi"]
     assert v_graphs == d_graphs >= 1 and v_calls > 0
     assert d_ops >= 4 and d_calls == v_calls, rows

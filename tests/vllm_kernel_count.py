@@ -12,6 +12,10 @@ import tempfile
 from pathlib import Path
 
 HIDDEN = "resid_post,final_norm"          # the hidden-states spec's sites (with last-token logits)
+# tests/test_vllm.py's prompts, greedy: the vanilla engine's tokens are also the reference of the
+# compiled engine with dmi there (one compile of vanilla for both tests)
+PROMPTS = ["Hello world! How are you", "Paris", "The quick brown fox jumps over the lazy dog today"]
+MAX_TOKENS = 8
 KERNEL_CALL = re.compile(r"^\s+((?:cpp_fused|triton_)\w*?)(?:\.run)?\(", re.M)
 
 
@@ -24,10 +28,10 @@ def engine(which: str, sites: str = HIDDEN) -> None:
     from dmi.adapters.vllm import save_builtin
     from vllm import LLM, SamplingParams
     path = save_builtin("tiny-qwen3")
-    kw = dict(kv_cache_memory_bytes=256 << 20, enforce_eager=False, max_model_len=64,
+    kw = dict(kv_cache_memory_bytes=256 << 20, enforce_eager=False, max_model_len=64, enable_prefix_caching=False,
               dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    params = SamplingParams(max_tokens=4, temperature=0)
-    prompts = ["Hello world! How are you", "The quick brown fox jumps over the lazy dog"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    prompts = PROMPTS
     options = {"side": "off"} if which == "dmi" else {}        # the hook spec's engine section
     if which == "dmi-side":
         if torch.cuda.is_available():

@@ -431,12 +431,11 @@ def shutdown_llm(llm) -> None:
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
     del engine, core
-    gc.collect()
     try:
         from vllm.distributed import cleanup_dist_env_and_memory
-        cleanup_dist_env_and_memory()
+        cleanup_dist_env_and_memory()       # (ends with a full garbage collection: one is enough, each takes seconds)
     except Exception:
-        pass
+        gc.collect()
 
 
 def grace_engine_shutdown(enabled, seconds: float) -> None:
