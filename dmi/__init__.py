@@ -24,34 +24,15 @@ def _bfloat16_for_zarr() -> None:
     """Register dmi's bfloat16 with zarr (dmi.zdtype) once zarr is imported, so that a plain
     ``zarr.open_group`` / ``xarray.open_datatree(engine="zarr")`` after ``import dmi`` reads bfloat16
     stores (zarr 3.1 never loads the ``zarr.data_type`` entry point). Importing zarr here would
-    slow every ``import dmi`` down: a finder waits for its import instead."""
-    import sys
-    if "zarr" in sys.modules:
-        from . import zdtype  # noqa: F401  (registers on import)
-        return
-    import importlib.abc
-    import importlib.util
+    slow every ``import dmi`` down: the registration waits for zarr's own import instead."""
+    from .imports import when_imported
 
-    class _AfterZarr(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != "zarr":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None:
-                return spec
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                try:
-                    from . import zdtype  # noqa: F401
-                except ImportError:       # (no ml_dtypes: zarr works on, without bfloat16)
-                    pass
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _AfterZarr())
+    def register(_zarr) -> None:
+        try:
+            from . import zdtype  # noqa: F401  (registers on import)
+        except ImportError:       # (no ml_dtypes: zarr works on, without bfloat16)
+            pass
+    when_imported("zarr", register)
 
 
 _bfloat16_for_zarr()

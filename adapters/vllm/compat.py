@@ -35,6 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the plugin runs in every vLLM process (API server too): it patches vLLM's modules when they are
+# imported (when_imported), never importing worker code where no model runs
+from ...imports import when_imported  # noqa: F401
+
 SUPPORTED = ">=0.25.1,<0.33"          # releases whose internals this module was written against
 
 
@@ -65,37 +69,6 @@ def prefer_v1_runner() -> None:
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"         # Worker; CPUWorker (cpu_worker) subclasses it
 INPUT_MODULE = "vllm.v1.engine.input_processor"     # InputProcessor: per-request validation (API server)
 PROCS_MODULE = "vllm.v1.engine.utils"               # CoreEngineProcManager: stops engine processes
-
-
-def when_imported(module: str, fn) -> None:
-    """Call ``fn(module)`` now if ``module`` is imported, else right after its first import.
-
-    The plugin runs in every vLLM process (API server too): patching on import keeps it from
-    importing worker code where no model runs."""
-    import sys
-    if module in sys.modules:
-        fn(sys.modules[module])
-        return
-    import importlib.abc
-    import importlib.util
-
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != module:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None:
-                return spec
-            run = spec.loader.exec_module
-
-            def exec_module(mod):
-                run(mod)
-                fn(mod)
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
 
 
 def wrap_worker_load_model(after, rpc: dict | None = None, before=None) -> None:
