@@ -251,13 +251,17 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
     if type(handle) is WriteHandle:
         return _written(handle, x, after)
+    _capture(handle, x, after)
+    return x
+
+
+def _capture(handle, x: torch.Tensor, after: Optional[list]) -> None:
     if torch.compiler.is_compiling():
         _compiled_capture(handle, x, after=after)
     else:
         r = _RUNS.get(handle.run)
         if r is not None:
             r.capture(handle.site, x)
-    return x
 
 
 def _written(handle: WriteHandle, x: torch.Tensor, after: Optional[list]) -> torch.Tensor:
@@ -267,12 +271,7 @@ def _written(handle: WriteHandle, x: torch.Tensor, after: Optional[list]) -> tor
     if not write.capture_first:
         x = write.apply(x)
     if handle.captures:
-        if torch.compiler.is_compiling():
-            _compiled_capture(handle, x, after=after)
-        else:
-            r = _RUNS.get(handle.run)
-            if r is not None:
-                r.capture(handle.site, x)
+        _capture(handle, x, after)
     if write.capture_first:
         x = write.apply(x)
     return x
