@@ -25,8 +25,9 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     """
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise StoreError(f"dmi.load: store: a {type(store).__name__} ({store!r:.40}) is not a store path. Fix: pass "
-                         f"the store's directory as a str or a pathlib.Path (e.g. store='out.zarr'), or leave it out "
-                         f"and set store.path in the hook spec")
+                         f"the store's directory as a str or a pathlib.Path (e.g. store='out.zarr'), an object "
+                         f"store URL (store='s3://bucket/run.zarr'), or leave it out and set store.path in the hook "
+                         f"spec")
     if backend == "vllm":     # engine keywords go to vllm.LLM; the run's .llm is that LLM
         from .adapters import vllm as vllm_adapter
         return vllm_adapter.load(model, hook_spec, store, arch_spec=arch_spec, overwrite=overwrite, dtype=dtype,
@@ -43,10 +44,11 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
     if resume and overwrite:
         raise DmiError("dmi.load: resume=True and overwrite=True contradict each other. Fix: pass one of them")
+    options = (hook.data.get("store") or {}).get("storage_options")
     if resume:                            # before the model loads: a store that cannot be resumed fails fast
-        check_resumable(store, {"hook_spec": hook.data}, hook.file)
+        check_resumable(store, {"hook_spec": hook.data}, hook.file, options)
     else:
-        check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
+        check_writable(store, overwrite, options)  # before the model loads: a bad store path fails fast
     engine = HFEngine()
     m = engine.resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     hf.check_unpatched(m)
@@ -64,9 +66,11 @@ def _device_of(model):
     return p.device if p is not None else None
 
 
-def open_store(path: str | Path):
+def open_store(path: str | Path, storage_options: dict | None = None):
     """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase coordinates).
 
+    ``path``: a local directory, or an object store URL (``s3://bucket/run.zarr``; credentials
+    from the environment and config files, or ``storage_options`` such as ``endpoint_url``).
     A closed store opens from its consolidated metadata. A store still open (being written, or
     whose writer died: ``dmi_status: open``) opens from each array's own metadata, never from
     consolidated metadata (stale once rows are appended), and is cut to its last committed step
@@ -76,20 +80,24 @@ def open_store(path: str | Path):
     import xarray as xr
 
     from . import zdtype
+    from .store.location import Local, open_location
     zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
     from .errors import StoreError
-    p = Path(path)
-    if not p.exists():
+    loc = open_location(path, storage_options, write=False)
+    if isinstance(loc, Local) and not loc.path.exists():
         raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
     try:
-        meta = json.loads((p / "zarr.json").read_text())
+        raw = loc.read("zarr.json")
+        if raw is None:
+            raise FileNotFoundError(f"{loc}/zarr.json")
+        meta = json.loads(raw)
     except (OSError, ValueError) as e:
-        raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory that "
+        raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory (or URL) that "
                          f"`dmi capture --out` wrote") from None
     attrs = meta.get("attributes") or {}
     if attrs.get("dmi_status") in ("closed", "failed") and meta.get("consolidated_metadata"):
-        return xr.open_datatree(str(p), engine="zarr", consolidated=True)
-    tree = xr.open_datatree(str(p), engine="zarr", consolidated=False)
+        return xr.open_datatree(loc.zarr(), engine="zarr", consolidated=True)
+    tree = xr.open_datatree(loc.zarr(), engine="zarr", consolidated=False)
     rows = (attrs.get("dmi_committed") or {}).get("rows", {})
     if attrs.get("dmi_status") == "open":
         for node in tree.subtree:

@@ -107,6 +107,7 @@ class Plan:
     bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
     writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
     threads: int | None = None         # store.threads: the exporter's encode/copy threads (None: its default)
+    storage_options: dict | None = None   # store.storage_options: an object store's file system options
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -318,8 +319,9 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
-                writer=store.get("writer", "thread"), threads=store.get("threads"), arch_file=arch.file,
-                hook_file=hook.file, hook_spec=spec, unavailable=skipped)
+                writer=store.get("writer", "thread"), threads=store.get("threads"),
+                storage_options=store.get("storage_options"), arch_file=arch.file,
+                hook_file=hook.file, hook_spec=_stored_spec(spec), unavailable=skipped)
     if policy.drain == "process":      # the child that drains the ring writes the store too
         if store.get("writer") == "thread":
             raise hook.error(("store", "writer"), "store.writer: thread cannot go with policy.drain: process (the "
@@ -329,6 +331,15 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     check_policy_fits(plan, model_dtype_itemsize, hook)
     _check_max_bytes(plan, model_dtype_itemsize, hook)
     return plan
+
+
+def _stored_spec(spec: dict) -> dict:
+    """The hook spec as the store's attributes keep it: store.storage_options' credentials masked."""
+    store = spec.get("store")
+    if not isinstance(store, dict) or "storage_options" not in store:
+        return spec
+    from .store.location import redact
+    return {**spec, "store": {**store, "storage_options": redact(store["storage_options"])}}
 
 
 def chunk_rows(plan: Plan, sites: list[SitePlan], float_itemsize: int) -> int:

@@ -95,7 +95,7 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     if store is None:
         raise SpecError("no store given", file=hook.file, key="store.path",
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
-    check_writable(store, overwrite)
+    check_writable(store, overwrite, (hook.data.get("store") or {}).get("storage_options"))
     check_parallel_kwargs(llm_kwargs)                 # refused here, not as "WorkerProc initialization failed"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here
     compat.prefer_v1_runner()
@@ -104,13 +104,15 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     token = uuid.uuid4().hex
     spec_arg = hook.data if isinstance(hook_spec, dict) else str(Path(hook_spec).resolve())
     extra = dict(llm_kwargs.pop("additional_config", None) or {})
-    extra["dmi"] = {"hook_spec": spec_arg, "store": str(Path(store).resolve()), "overwrite": bool(overwrite),
+    from ...store.location import is_remote
+    store = str(store) if is_remote(store) else str(Path(store).resolve())     # (an object store's URL as given)
+    extra["dmi"] = {"hook_spec": spec_arg, "store": store, "overwrite": bool(overwrite),
                     "token": token, "serving": False, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
     if dtype is not None:
         llm_kwargs["dtype"] = dtype
     llm = LLM(model=_model_path(model), additional_config=extra, **llm_kwargs)
     session = SESSIONS.get(token)
-    return VllmRun(llm, token, str(Path(store).resolve()), session)
+    return VllmRun(llm, token, store, session)
 
 
 def check_parallel_kwargs(llm_kwargs: dict) -> int:

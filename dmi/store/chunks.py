@@ -1,5 +1,6 @@
 """Chunk I/O: one Zarr array's chunk files encoded as zarr-python would store them and written
-atomically (:class:`ArrayFile`), the codecs, the dtypes, and the store threads' priority.
+atomically (:class:`ArrayFile`: a temp file renamed into place in a local directory, one PUT on an
+object store), the codecs, the dtypes, and the store threads' priority.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from ..errors import StoreError
 from ..plan import Plan
 from ..zdtype import BF16
-from .preflight import TMP_SUFFIX
+from .location import TMP_SUFFIX, open_location
 
 
 STORE_NICE = 10       # the store's threads' niceness: the model's threads (0) win a contended core
@@ -46,11 +47,17 @@ def numpy_dtype(name: str) -> np.dtype:
 
 class ArrayFile:
     """An array zarr-python created whose chunk files and shape dmi writes itself. A chunk file
-    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``."""
+    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``.
+    ``store``: a local directory or a :mod:`dmi.store.location` (an object store)."""
 
-    def __init__(self, store: Path, name: str):
-        self.name, self.dir = name, store / name
-        self.meta = json.loads((self.dir / "zarr.json").read_text())
+    def __init__(self, store, name: str):
+        self.loc = open_location(store)
+        self.name = name
+        self.dir = f"{self.loc}/{name}"       # how errors name the array
+        raw = self.loc.read(f"{name}/zarr.json")
+        if raw is None:
+            raise FileNotFoundError(f"{self.dir}/zarr.json")
+        self.meta = json.loads(raw)
         m = self.meta
         self.chunks = tuple(m["chunk_grid"]["configuration"]["chunk_shape"])
         enc = m["chunk_key_encoding"]
@@ -66,12 +73,15 @@ class ArrayFile:
         fv = m["fill_value"]
         floating = self.dtype.kind == "f" or self.dtype == BF16
         self.fill = float(fv) if isinstance(fv, str) and floating else fv   # "NaN" -> nan
-        self._dirs: set[Path] = set()
+        self._dirs: set[str] = set()          # chunk directories known to exist (a local store)
+
+    def key(self, chunk: int) -> str:
+        """The store key of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
+        return f"{self.name}/" + self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))
 
     def path(self, chunk: int) -> Path:
-        """The chunk file of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
-        key = self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))
-        return self.dir / key
+        """The chunk file of token chunk ``chunk`` in a local store."""
+        return self.loc.path / self.key(chunk)
 
     def encode(self, block: np.ndarray):
         data = VLEN.encode(block.reshape(-1)) if self.vlen else np.ascontiguousarray(block).view(np.uint8).reshape(-1)
@@ -79,26 +89,17 @@ class ArrayFile:
             data = codec.encode(data)
         return data
 
-    def write(self, chunk: int, data) -> tuple[Path, Path]:
-        """Write an encoded chunk to a temp file beside its final name: (temp, final)."""
-        path = self.path(chunk)
-        if path.parent not in self._dirs:
-            d = self.dir          # below the array's directory only: a removed store is not recreated
-            for part in path.parent.relative_to(self.dir).parts:
-                d = d / part
-                try:
-                    os.mkdir(d)
-                except FileExistsError:
-                    pass
-            self._dirs.add(path.parent)
-        tmp = path.parent / f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        return tmp, path
+    def put(self, chunk: int, data) -> None:
+        """Write an encoded chunk atomically: a reader sees the old chunk or the new one, whole."""
+        key = self.key(chunk)
+        parent = key.rpartition("/")[0]
+        # directories below the array's own only: a removed store is not recreated
+        self.loc.write(key, data, under=None if parent in self._dirs else self.name)
+        self._dirs.add(parent)
 
     def set_rows(self, n: int) -> None:
         self.meta["shape"][0] = int(n)
-        write_atomic(self.dir / "zarr.json", json.dumps(self.meta, indent=2).encode())
+        self.loc.write(f"{self.name}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
 
 def default_threads() -> int:
