@@ -242,3 +242,16 @@ def test_a_missing_storage_package_is_named_with_the_fix(tmp_path):
         dmi.load("tiny-qwen3", hook_spec={"capture": [{"sites": ["final_norm"]}]}, store="gs://bucket/run.zarr")
     with pytest.raises(dmi.StoreError, match=r"gs:// needs gcsfs"):
         dmi.open("gs://bucket/run.zarr")
+
+
+def test_the_writer_process_writes_to_s3(s3, tmp_path, write_spec, encoded):
+    """store.writer: process: the child opens the object store from the hook spec's options."""
+    _capture(write_spec(CAPTURE + "store: {chunk_bytes: 16KiB}\n", "local.yaml"), tmp_path / "local.zarr", encoded)
+    url = f"s3://{BUCKET}/process.zarr"
+    run = _capture(write_spec(_spec(s3, ", writer: process")), url, encoded)
+    assert run.store == url
+    tree = dmi.open(url, storage_options=_options(s3))
+    assert tree.attrs["dmi_status"] == "closed" and tree.attrs["dmi_writer"]["pid"] != os.getpid()
+    local = dmi.open(tmp_path / "local.zarr")
+    for group, name in [("layers/resid_post", "resid_post"), ("final_norm", "final_norm"), ("logits", "topk_values")]:
+        np.testing.assert_array_equal(tree[group].dataset[name].values, local[group].dataset[name].values)

@@ -53,7 +53,8 @@ class ArrayFile:
     def __init__(self, store, name: str):
         self.loc = open_location(store)
         self.name = name
-        self.dir = f"{self.loc}/{name}"       # how errors name the array
+        # the array's directory (a local store), or how errors name it
+        self.dir = f"{self.loc}/{name}" if self.loc.remote else self.loc.path / name
         raw = self.loc.read(f"{name}/zarr.json")
         if raw is None:
             raise FileNotFoundError(f"{self.dir}/zarr.json")

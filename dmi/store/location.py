@@ -103,9 +103,12 @@ class Local:
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def exists(self, key: str) -> bool:
         return (self.path / key).is_file()
