@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import signal
 import socket
@@ -28,7 +27,8 @@ from storecheck import assert_stores_equal
 from test_reliability import _check_accounting, _cli_env, _prompts, _reference_rows
 
 pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
+if importlib.util.find_spec("moto") is None:     # (not imported here: the server runs in its own process)
+    pytest.skip("moto is not installed (pip install 'moto[server]')", allow_module_level=True)
 
 BUCKET = "dmi-test"
 KEYS = {"key": "dmi-test-key", "secret": "dmi-test-secret"}     # moto accepts any credentials
@@ -43,20 +43,32 @@ capture:
 
 @pytest.fixture(scope="session")
 def s3():
-    """A local S3-compatible server (moto's) on a free port, with an empty bucket: its endpoint."""
-    from moto.server import ThreadedMotoServer
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)     # (a line per request otherwise)
+    """A local S3-compatible server (moto's, in a process of its own: flask, which it imports, trips
+    vLLM's scan of loaded modules) on a free port, with an empty bucket: its endpoint."""
+    import urllib.request
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEYS["key"],
-                 aws_secret_access_key=KEYS["secret"]).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=2).close()
+            break
+        except OSError:
+            assert server.poll() is None, "the S3 server exited at start"
+            assert time.monotonic() < deadline, "the S3 server did not answer in time"
+            time.sleep(0.2)
+    try:
+        import boto3
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEYS["key"],
+                     aws_secret_access_key=KEYS["secret"]).create_bucket(Bucket=BUCKET)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _options(endpoint: str) -> dict:
@@ -255,3 +267,26 @@ def test_the_writer_process_writes_to_s3(s3, tmp_path, write_spec, encoded):
     local = dmi.open(tmp_path / "local.zarr")
     for group, name in [("layers/resid_post", "resid_post"), ("final_norm", "final_norm"), ("logits", "topk_values")]:
         np.testing.assert_array_equal(tree[group].dataset[name].values, local[group].dataset[name].values)
+
+
+def test_vllm_captures_into_s3(s3, tmp_path, monkeypatch):
+    """dmi.load(..., backend="vllm", store='s3://...'): the URL and the hook spec's storage options
+    reach the engine's run; every computed (request, position) is stored once."""
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from dmi.adapters.vllm import save_builtin
+    from test_vllm import ENGINE, PROMPTS, generate, positions_by_request
+    url = f"s3://{BUCKET}/vllm.zarr"
+    spec = {"capture": [{"sites": ["resid_post"]}], "policy": {"ring_bytes": "16MiB"},
+            "store": {"storage_options": _options(s3)}}
+    run = dmi.load(save_builtin("tiny-qwen3"), hook_spec=spec, store=url, backend="vllm", **ENGINE)
+    try:
+        assert run.store == url
+        seqs = generate(run, PROMPTS, vllm.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    finally:
+        run.shutdown()
+    tree = dmi.open(url, storage_options=_options(s3))
+    assert tree.attrs["dmi_status"] == "closed" and tree.attrs["engine"] == "vllm"
+    want = {rid: list(range(len(p) + len(o) - 1)) for rid, (p, o) in seqs.items()}
+    assert positions_by_request(tree["layers/resid_post"].dataset) == want
+    assert np.isfinite(tree["layers/resid_post"].dataset.resid_post.values).all()

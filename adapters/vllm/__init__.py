@@ -95,7 +95,8 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     if store is None:
         raise SpecError("no store given", file=hook.file, key="store.path",
                         fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
-    check_writable(store, overwrite, (hook.data.get("store") or {}).get("storage_options"))
+    options = (hook.data.get("store") or {}).get("storage_options")
+    check_writable(store, overwrite, options)
     check_parallel_kwargs(llm_kwargs)                 # refused here, not as "WorkerProc initialization failed"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here
     compat.prefer_v1_runner()
@@ -104,8 +105,9 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     token = uuid.uuid4().hex
     spec_arg = hook.data if isinstance(hook_spec, dict) else str(Path(hook_spec).resolve())
     extra = dict(llm_kwargs.pop("additional_config", None) or {})
-    from ...store.location import is_remote
-    store = str(store) if is_remote(store) else str(Path(store).resolve())     # (an object store's URL as given)
+    from ...store.location import Local, open_location
+    loc = open_location(store, options)                # (file:// is a local directory; an object store's URL as given)
+    store = str(loc.path.resolve()) if isinstance(loc, Local) else loc.url
     extra["dmi"] = {"hook_spec": spec_arg, "store": store, "overwrite": bool(overwrite),
                     "token": token, "serving": False, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
     if dtype is not None:
