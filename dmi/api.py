@@ -10,7 +10,7 @@ from .pipeline import build_run, find_arch, plan_run
 from .plan import check_memory
 from .run import Run
 from .spec import load_hook_spec
-from .store.preflight import check_resumable, check_writable
+from .store.preflight import check_resumable, check_store_writer, check_writable
 
 
 def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = None, *, backend: str = "hf",
@@ -28,8 +28,9 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
     """
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise StoreError(f"dmi.load: store: a {type(store).__name__} ({store!r:.40}) is not a store path. Fix: pass "
-                         f"the store's directory as a str or a pathlib.Path (e.g. store='out.zarr'), or leave it out "
-                         f"and set store.path in the hook spec")
+                         f"the store's directory as a str or a pathlib.Path (e.g. store='out.zarr'), an object "
+                         f"store URL (store='s3://bucket/run.zarr'), or leave it out and set store.path in the hook "
+                         f"spec")
     if backend == "vllm":     # engine keywords go to vllm.LLM; the run's .llm is that LLM
         from .adapters import vllm as vllm_adapter
         return vllm_adapter.load(model, hook_spec, store, arch_spec=arch_spec, overwrite=overwrite, dtype=dtype,
@@ -48,10 +49,13 @@ def load(model: Any, hook_spec: str | Path | dict, store: str | Path | None = No
         memory_bytes = _memory_budget(hook)
     if resume and overwrite:
         raise DmiError("dmi.load: resume=True and overwrite=True contradict each other. Fix: pass one of them")
+    options = (hook.data.get("store") or {}).get("storage_options")
+    if memory_bytes is None:
+        check_store_writer(store, hook)
     if memory_bytes is None and resume:   # before the model loads: a store that cannot be resumed fails fast
-        check_resumable(store, {"hook_spec": hook.data}, hook.file)
+        check_resumable(store, {"hook_spec": hook.data}, hook.file, options)
     elif memory_bytes is None:
-        check_writable(store, overwrite)  # before the model loads: a bad store path fails fast
+        check_writable(store, overwrite, options)  # before the model loads: a bad store path fails fast
     engine = HFEngine()
     m = engine.resolve_model(model, dtype=dtype, device=device, **engine_kwargs)
     hf.check_unpatched(m)
@@ -90,7 +94,8 @@ def _device_of(model):
     return p.device if p is not None else None
 
 
-def open_store(path: str | Path, *, dtype: str | None = "float32", chunks=None):
+def open_store(path: str | Path, storage_options: dict | None = None, *, dtype: str | None = "float32",
+               chunks=None):
     """The store as an ``xarray.DataTree`` (named dims; request/position/step/phase/token_id coordinates).
 
     dtype: the float captures read as this dtype (default float32: exact for bfloat16 and float16,
@@ -98,6 +103,8 @@ def open_store(path: str | Path, *, dtype: str | None = "float32", chunks=None):
     values are read; None: as stored (bfloat16 as ``ml_dtypes.bfloat16``).
     chunks: as for ``xarray.open_datatree``; ``{}`` gives dask arrays in the store's chunks.
 
+    ``path``: a local directory, or an object store URL (``s3://bucket/run.zarr``; credentials
+    from the environment and config files, or ``storage_options`` such as ``endpoint_url``).
     A closed store opens from its consolidated metadata. A store still open (being written, or
     whose writer died: ``dmi_status: open``) opens from each array's own metadata, never from
     consolidated metadata (stale once rows are appended), and is cut to its last committed step
@@ -107,22 +114,26 @@ def open_store(path: str | Path, *, dtype: str | None = "float32", chunks=None):
     import xarray as xr
 
     from . import zdtype
+    from .store.location import Local, open_location
     zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
     from .errors import StoreError
-    p = Path(path)
-    if not p.exists():
+    loc = open_location(path, storage_options, write=False)
+    if isinstance(loc, Local) and not loc.path.exists():
         raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
     try:
-        meta = json.loads((p / "zarr.json").read_text())
+        raw = loc.read("zarr.json")
+        if raw is None:
+            raise FileNotFoundError(f"{loc}/zarr.json")
+        meta = json.loads(raw)
     except (OSError, ValueError) as e:
-        raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory that "
+        raise StoreError(f"{str(path)!r} is not a Zarr v3 store ({e}). Fix: pass the directory (or URL) that "
                          f"`dmi capture --out` wrote") from None
     attrs = meta.get("attributes") or {}
     from .select import cast_floats
     if attrs.get("dmi_status") in ("closed", "failed") and meta.get("consolidated_metadata"):
-        tree = xr.open_datatree(str(p), engine="zarr", consolidated=True, chunks=chunks)
+        tree = xr.open_datatree(loc.zarr(), engine="zarr", consolidated=True, chunks=chunks)
         return tree if dtype is None else cast_floats(tree, dtype)
-    tree = xr.open_datatree(str(p), engine="zarr", consolidated=False, chunks=chunks)
+    tree = xr.open_datatree(loc.zarr(), engine="zarr", consolidated=False, chunks=chunks)
     rows = (attrs.get("dmi_committed") or {}).get("rows", {})
     if attrs.get("dmi_status") == "open":
         for node in tree.subtree:

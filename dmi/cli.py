@@ -151,14 +151,17 @@ def cmd_capture(args: argparse.Namespace) -> int:
         raise UsageError("no output store. Fix: pass --out out.zarr (or set store.path in the hook spec)")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UsageError("--max-new-tokens and --batch-size must be >= 1. Fix: pass a positive integer")
-    from .store.preflight import check_resumable, check_writable, stored_request_ids
+    from .store.preflight import check_resumable, check_store_writer, check_writable, stored_request_ids
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other. Fix: pass one of them")
+    check_store_writer(out, hook)
+    options = (hook.data.get("store") or {}).get("storage_options")
     if args.resume:                              # before spending time on the model
-        check_resumable(out, {"hook_spec": hook.data, "model": {"name_or_path": args.model}}, hook.file)
-        _new_ids(prompts, set(stored_request_ids(out)), "<stdin>" if str(prompts_path) == "-" else prompts_path, out)
+        check_resumable(out, {"hook_spec": hook.data, "model": {"name_or_path": args.model}}, hook.file, options)
+        _new_ids(prompts, set(stored_request_ids(out, options)), "<stdin>" if str(prompts_path) == "-" else prompts_path,
+                 out)
     else:
-        check_writable(out, args.overwrite)
+        check_writable(out, args.overwrite, options)
 
     if args.quiet:
         quiet_libraries()
@@ -237,7 +240,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
           f"({stats['steps']} steps)")
     from .errors import DmiError
     try:
-        print(format_summary(summarize(run.store)))
+        print(format_summary(summarize(run.store, options)))
     except (DmiError, OSError) as e:
         _warn(f"cannot summarize {run.store}: {e}")
     return EXIT_OK
@@ -324,7 +327,16 @@ def _new_ids(prompts: list[Prompt], taken: set[str], path, store) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .store.inspect import format_summary, summarize
-    info = summarize(args.store)
+    options = None
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except ValueError as e:
+            options = e
+        if not isinstance(options, dict):
+            raise UsageError(f"--storage-options {args.storage_options}: not a JSON object ({options}). Fix: give "
+                             f"one, e.g. --storage-options '{{\"endpoint_url\": \"http://localhost:9000\"}}'")
+    info = summarize(args.store, options)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -606,7 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dmi.specs entry points)")
     c.add_argument("--prompts", help='JSON lines, one {"prompt": ..., "id": ...} per line; "-" reads stdin '
                                      "(default: the packaged example dmi/examples/prompts.jsonl)")
-    c.add_argument("--out", help="the Zarr store to write (default: store.path of the hook spec)")
+    c.add_argument("--out", help="the Zarr store to write: a directory, or an object store URL such as "
+                                 "s3://bucket/run.zarr (default: store.path of the hook spec)")
     c.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
     c.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     c.add_argument("--overwrite", action="store_true", help="replace the store if it exists")
@@ -623,7 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summarize a store: model, sites, arrays, requests, bytes, drops",
                        description="Summarize a dmi store (works on open, closed and failed runs).")
-    i.add_argument("store", help="path of the Zarr store")
+    i.add_argument("store", help="path of the Zarr store, or its object store URL (s3://bucket/run.zarr)")
+    i.add_argument("--storage-options", metavar="JSON",
+                   help="an object store's file system options as a JSON object (endpoint_url, anon, ...); "
+                        "credentials otherwise come from the environment and config files")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.set_defaults(func=cmd_inspect)
 

@@ -8,12 +8,12 @@ for every engine, in this order: the architecture spec (:func:`find_arch`), the 
 """
 from __future__ import annotations
 
-import shutil
 from typing import Any, Callable, Protocol
 
 from .interventions import plan_interventions
 from .plan import Plan, build_plan
 from .run import Run
+from .store.location import remove_store
 from .spec import Document, check_arch_matches, find_arch_spec, load_arch_spec
 
 
@@ -75,6 +75,6 @@ def build_run(adapter: EngineAdapter, model: Any, plan: Plan, arch: Document, st
     except BaseException:
         run.close()
         if not keep_store:
-            shutil.rmtree(run.store, ignore_errors=True)
+            remove_store(run.store, plan.storage_options)
         raise
     return run

@@ -109,6 +109,7 @@ class Plan:
     writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
     threads: int | None = None         # store.threads: the exporter's encode/copy threads (None: its default)
     writers: int | None = None         # store.writers: store.writer pool's processes (None: its default)
+    storage_options: dict | None = None   # store.storage_options: an object store's file system options
     arch_file: str = ""
     hook_file: str = ""
     hook_spec: dict = field(default_factory=dict)
@@ -323,7 +324,8 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
                 writer=store.get("writer", "thread"), threads=store.get("threads"), writers=store.get("writers"),
-                arch_file=arch.file, hook_file=hook.file, hook_spec=spec,
+                storage_options=store.get("storage_options"), arch_file=arch.file,
+                hook_file=hook.file, hook_spec=_stored_spec(spec),
                 engine=EngineOptions.from_spec(hook.data.get("engine")), unavailable=skipped)
     if "writers" in store and plan.writer != "pool":
         raise hook.error(("store", "writers"), "store.writers is the number of store.writer pool's processes",
@@ -337,6 +339,15 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
     check_policy_fits(plan, model_dtype_itemsize, hook)
     _check_max_bytes(plan, model_dtype_itemsize, hook)
     return plan
+
+
+def _stored_spec(spec: dict) -> dict:
+    """The hook spec as the store's attributes keep it: store.storage_options' credentials masked."""
+    store = spec.get("store")
+    if not isinstance(store, dict) or "storage_options" not in store:
+        return spec
+    from .store.location import redact
+    return {**spec, "store": {**store, "storage_options": redact(store["storage_options"])}}
 
 
 def chunk_rows(plan: Plan, sites: list[SitePlan], float_itemsize: int) -> int:

@@ -76,10 +76,9 @@ def test_chunk_files_are_what_zarr_python_writes(tmp_path, codec, dtype, keys):
         block = np.empty(chunks, f.dtype)
         block[: min(8, 13 - 8 * i)] = data[8 * i: 8 * i + 8]
         block[min(8, 13 - 8 * i):] = f.fill
-        tmp, path = f.write(i, f.encode(block))
-        os.replace(tmp, path)
+        f.put(i, f.encode(block))
         assert g.path(i).is_file(), "the chunk key differs from zarr-python's"
-        assert path.read_bytes() == g.path(i).read_bytes(), f"chunk {i} differs from zarr-python's"
+        assert f.path(i).read_bytes() == g.path(i).read_bytes(), f"chunk {i} differs from zarr-python's"
     f.set_rows(13)
     back = zarr.open_array(str(tmp_path / "s.zarr" / "ours"), mode="r")[:]
     np.testing.assert_array_equal(np.asarray(back).astype(object) if dtype == "str" else back, data)

@@ -94,7 +94,7 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
          **llm_kwargs) -> VllmRun:
     """Start a ``vllm.LLM`` with dmi's capture on. ``model``: a path, a hub id or a built-in tiny
     model name (saved to a temporary directory first). Keywords go to ``vllm.LLM``."""
-    from ...store.preflight import check_writable
+    from ...store.preflight import check_store_writer, check_writable
     from ...spec import load_hook_spec
     from . import compat, plugin
     from .worker import SESSIONS
@@ -103,7 +103,9 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     if store is None:
         raise SpecError("no store given (an in-memory result, store=None, is for backend='hf')", file=hook.file,
                         key="store.path", fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")
-    check_writable(store, overwrite)
+    options = (hook.data.get("store") or {}).get("storage_options")
+    check_store_writer(store, hook)
+    check_writable(store, overwrite, options)
     check_parallel_kwargs(llm_kwargs)                 # refused here, not as "WorkerProc initialization failed"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # engine core in this process: the run lives here
     compat.prefer_v1_runner()
@@ -112,13 +114,16 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     token = uuid.uuid4().hex
     spec_arg = hook.data if isinstance(hook_spec, dict) else str(Path(hook_spec).resolve())
     extra = dict(llm_kwargs.pop("additional_config", None) or {})
-    extra["dmi"] = {"hook_spec": spec_arg, "store": str(Path(store).resolve()), "overwrite": bool(overwrite),
+    from ...store.location import Local, open_location
+    loc = open_location(store, options)                # (file:// is a local directory; an object store's URL as given)
+    store = str(loc.path.resolve()) if isinstance(loc, Local) else loc.url
+    extra["dmi"] = {"hook_spec": spec_arg, "store": store, "overwrite": bool(overwrite),
                     "token": token, "serving": False, **({"arch_spec": str(arch_spec)} if arch_spec is not None else {})}
     if dtype is not None:
         llm_kwargs["dtype"] = dtype
     llm = LLM(model=_model_path(model), additional_config=extra, **llm_kwargs)
     session = SESSIONS.get(token)
-    return VllmRun(llm, token, str(Path(store).resolve()), session)
+    return VllmRun(llm, token, store, session)
 
 
 def check_parallel_kwargs(llm_kwargs: dict) -> int:

@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from . import compat
-from ...errors import DmiError, PolicyError
+from ...errors import DmiError, PolicyError, StoreError
 from ...pipeline import build_run, find_arch, plan_run
 from ...plan import build_plan
 from ...run import Run
 from ...run.steps import host_ids
 from ...settings import EngineOptions
 from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
+from ...store.location import is_remote
 from ...store import shards
 from .config import read_config
 from .engine import VllmEngine
@@ -395,6 +396,10 @@ def start(worker) -> Session | None:
                        "or DMI_STORE / additional_config.dmi.store")
     attrs = {"engine": "vllm", "vllm_version": compat.vllm_version(), "dmi_session": cfg["token"],
              "request_policy": policy.describe(), **({"sites_unavailable": plan.unavailable} if plan.unavailable else {})}
+    if world > 1 and is_remote(store):        # every rank refuses alike, before any waits for another
+        raise StoreError(f"store {store!r}: tensor parallelism writes its merged store in a local directory "
+                         f"only (its ranks meet in the store's files). Fix: capture into a local path and "
+                         f"copy the store to the object store")
     plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
     if tp is not None and plan.interventions:
         raise DmiError("dmi: interventions are not supported with tensor parallelism yet (a rank holds a shard of "

@@ -260,7 +260,7 @@ class Run(EngineHooks):
         self.close()
         if not self.in_memory:
             from ..api import open_store
-            return open_store(self.store)
+            return open_store(self.store, self.plan.storage_options)
         if self._result is None:
             raise StoreError("the run's in-memory result could not be read back (see the warning logged at "
                              "close). Fix: pass a store path to dmi.load to keep the rows on disk")

@@ -1,5 +1,6 @@
 """Chunk I/O: one Zarr array's chunk files encoded as zarr-python would store them and written
-atomically (:class:`ArrayFile`), the codecs, the dtypes, and the store threads' priority.
+atomically (:class:`ArrayFile`: a temp file renamed into place in a local directory, one PUT on an
+object store), the codecs, the dtypes, and the store threads' priority.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..errors import StoreError
 from ..plan import Plan
 from ..zdtype import BF16
 from .chunkwriter import numcodec
-from .preflight import TMP_SUFFIX
+from .location import TMP_SUFFIX, open_location
 
 
 STORE_NICE = 10       # the store's threads' niceness: the model's threads (0) win a contended core
@@ -47,11 +48,18 @@ def numpy_dtype(name: str) -> np.dtype:
 
 class ArrayFile:
     """An array zarr-python created whose chunk files and shape dmi writes itself. A chunk file
-    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``."""
+    holds exactly what zarr-python would store: its codec chain is read from ``zarr.json``.
+    ``store``: a local directory or a :mod:`dmi.store.location` (an object store)."""
 
-    def __init__(self, store: Path, name: str):
-        self.name, self.dir = name, store / name
-        self.meta = json.loads((self.dir / "zarr.json").read_text())
+    def __init__(self, store, name: str):
+        self.loc = open_location(store)
+        self.name = name
+        # the array's directory (a local store), or how errors name it
+        self.dir = f"{self.loc}/{name}" if self.loc.remote else self.loc.path / name
+        raw = self.loc.read(f"{name}/zarr.json")
+        if raw is None:
+            raise FileNotFoundError(f"{self.dir}/zarr.json")
+        self.meta = json.loads(raw)
         m = self.meta
         self.chunks = tuple(m["chunk_grid"]["configuration"]["chunk_shape"])
         enc = m["chunk_key_encoding"]
@@ -67,15 +75,20 @@ class ArrayFile:
         fv = m["fill_value"]
         floating = self.dtype.kind == "f" or self.dtype == BF16
         self.fill = float(fv) if isinstance(fv, str) and floating else fv   # "NaN" -> nan
-        self._dirs: set[Path] = set()
-
-    def path(self, chunk: int) -> Path:
-        """The chunk file of token chunk ``chunk`` (every other dim is one chunk), per chunk_key_encoding."""
-        return self.dir.joinpath(*self.key(chunk))
+        self._dirs: set = set()       # chunk directories known to exist (a local store): paths, put's keys
 
     def key(self, chunk: int) -> list[str]:
-        """The chunk key of token chunk ``chunk`` as path parts below the array's directory."""
+        """The chunk key of token chunk ``chunk`` (every other dim is one chunk), per
+        chunk_key_encoding, as path parts below the array's directory."""
         return (self._prefix + self._sep.join(map(str, (chunk,) + (0,) * (len(self.chunks) - 1)))).split("/")
+
+    def store_key(self, chunk: int) -> str:
+        """The store key of token chunk ``chunk`` (``layers/resid_post/resid_post/c/0/0/0``)."""
+        return "/".join([self.name, *self.key(chunk)])
+
+    def path(self, chunk: int) -> Path:
+        """The chunk file of token chunk ``chunk`` in a local store."""
+        return self.loc.path.joinpath(self.name, *self.key(chunk))
 
     def encode(self, block: np.ndarray):
         data = VLEN.encode(block.reshape(-1)) if self.vlen else np.ascontiguousarray(block).view(np.uint8).reshape(-1)
@@ -84,7 +97,7 @@ class ArrayFile:
         return data
 
     def write(self, chunk: int, data) -> tuple[Path, Path]:
-        """Write an encoded chunk to a temp file beside its final name: (temp, final)."""
+        """Write an encoded chunk to a temp file beside its final name, in a local store: (temp, final)."""
         path = self.path(chunk)
         if path.parent not in self._dirs:
             d = self.dir          # below the array's directory only: a removed store is not recreated
@@ -100,9 +113,18 @@ class ArrayFile:
             f.write(data)
         return tmp, path
 
+    def put(self, chunk: int, data) -> None:
+        """Write an encoded chunk atomically (a local temp file renamed into place, or one PUT on an
+        object store): a reader sees the old chunk or the new one, whole."""
+        key = self.store_key(chunk)
+        parent = key.rpartition("/")[0]
+        # directories below the array's own only: a removed store is not recreated
+        self.loc.write(key, data, under=None if parent in self._dirs else self.name)
+        self._dirs.add(parent)
+
     def set_rows(self, n: int) -> None:
         self.meta["shape"][0] = int(n)
-        write_atomic(self.dir / "zarr.json", json.dumps(self.meta, indent=2).encode())
+        self.loc.write(f"{self.name}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
 
 def default_threads() -> int:

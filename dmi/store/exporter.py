@@ -12,8 +12,9 @@ Write path: zarr-python creates the groups and arrays (their ``zarr.json``); dmi
 files itself. The exporter thread copies each step's rows straight into the open chunk of their
 group (bf16 widened on the way); a full chunk is encoded exactly as zarr-python would store it
 (``bytes`` codec: the raw little-endian C-order bytes, then numcodecs' Blosc or Zstd, which release
-the GIL) and written by a thread pool (one thread per core) as a temp file + ``os.replace``: chunks
-are written in parallel and a reader never sees a torn one.
+the GIL) and written by a thread pool (one thread per core) as a temp file + ``os.replace`` (on an
+object store, one PUT per chunk: :mod:`dmi.store.location`): chunks are written in parallel and a
+reader never sees a torn one.
 
 Commit protocol (crash consistency): an array's ``shape`` only grows over rows whose chunk files
 are on disk, and only to whole steps. At least every ``COMMIT_S`` the exporter writes the open
@@ -45,9 +46,10 @@ from zarr.codecs import BloscCodec
 from ..errors import StoreError
 from ..plan import Plan, SitePlan, chunk_rows
 from ..ring.budget import Drop
-from .chunks import ArrayFile, LZ4, default_threads, lower_priority, storage_dtype, unlink_all, write_atomic
-from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, disk_usage, jsonable, reserve,
-                        reserve_path, store_gone, stored_request_ids)
+from .chunks import ArrayFile, LZ4, default_threads, lower_priority, storage_dtype, unlink_all
+from .location import Remote, open_location
+from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, create_remote, jsonable,
+                        reserve, store_gone, stored_request_ids, unreserve)
 from .rows import PHASE_NAMES, computed_rows, copy_all, output_views
 
 
@@ -107,6 +109,7 @@ class GroupBuffer:
     durable: int = 0          # rows on disk, from row 0
     landed: dict = field(default_factory=dict)   # chunk >= whole -> (gen, rows end) of its newest file
     sizes: dict = field(default_factory=dict)    # chunk >= whole -> bytes of its files
+    writing: dict = field(default_factory=dict)  # chunk >= whole -> its lock: one write of a chunk at a time
     shape_rows: int = 0       # rows the arrays' zarr.json covers (exporter thread)
 
     @property
@@ -174,7 +177,7 @@ class ZarrExporter:
         self._all = list(self.groups.values()) + [self.drops_group]
         try:
             if resume:
-                self._reopen(Path(path), attrs)
+                self._reopen(path, attrs)
             else:
                 self._create(path, attrs, overwrite)
         except BaseException:
@@ -183,20 +186,25 @@ class ZarrExporter:
 
     # --- layout ---------------------------------------------------------------------------------
     def _create(self, path, attrs: dict, overwrite: bool) -> None:
-        self.path = check_writable(path, overwrite)
+        self.path = check_writable(path, overwrite, self.plan.storage_options)
+        self.loc = open_location(self.path, self.plan.storage_options)
         try:
-            create_atomically(self.path, overwrite, lambda stage: self._build(stage, attrs))
-            self.root = zarr.open_group(str(self.path), mode="r+", use_consolidated=False)
+            if isinstance(self.loc, Remote):
+                create_remote(self.loc, lambda stage: self._build(stage, attrs))
+            else:
+                create_atomically(self.path, overwrite, lambda stage: self._build(stage, attrs))
+            self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=False)
             for g in self._all:
                 self._open_files(g)
-            reserve(self.path)
+            reserve(self.loc)
         except OSError as e:
             raise StoreError(f"store {str(self.path)!r} cannot be created: {e}. Fix: choose a writable path") from e
-        self.store_bytes = disk_usage(self.path)
+        self.store_bytes = self.loc.total_bytes()
 
-    def _build(self, stage: Path, attrs: dict) -> None:
-        """The new store's layout, in its staging directory (see create_atomically)."""
-        self.root = zarr.open_group(str(stage), mode="w", zarr_format=3)
+    def _build(self, stage, attrs: dict) -> None:
+        """The new store's layout, in its staging directory or in memory (see create_atomically,
+        create_remote)."""
+        self.root = zarr.open_group(stage, mode="w", zarr_format=3)
         self.root.attrs.update(jsonable(attrs) | {"dmi_status": "open", "dmi_writer": writer_info()})
         # captured floats barely compress and zstd runs at a fraction of disk speed; blosc-lz4 keeps
         # near disk speed and shrinks the fill of partial tail chunks
@@ -239,9 +247,9 @@ class ZarrExporter:
 
     def _open_files(self, g: GroupBuffer) -> None:
         # (a store written before a coordinate existed is resumed without it)
-        coords = [c for c in COORDS if (self.path / g.name / c / "zarr.json").is_file()]
+        coords = [c for c in COORDS if self.loc.exists(f"{g.name}/{c}/zarr.json")]
         names = [o.name for o in g.sites[0].outputs] + coords if g.sites else list(DROP_COLUMNS)
-        g.files = {k: ArrayFile(self.path, f"{g.name}/{k}") for k in names}
+        g.files = {k: ArrayFile(self.loc, f"{g.name}/{k}") for k in names}
         g.chunk_rows = g.files[names[0]].chunks[0]
         g.buf = self._fresh(g)
         g.chunk_nbytes = sum(b.nbytes for b in g.buf.values())
@@ -249,23 +257,25 @@ class ZarrExporter:
     def _stored(self, kind: str) -> np.dtype:
         return self.float_dtype if kind == "float" else np.dtype(kind)
 
-    def _reopen(self, path: Path, attrs: dict) -> None:
+    def _reopen(self, path, attrs: dict) -> None:
         """Resume: append after the committed steps of an existing store (crashed or closed)."""
-        self.path = path
-        meta = check_resumable(path, jsonable(attrs), self.plan.hook_file)
+        self.loc = open_location(path, self.plan.storage_options)
+        self.path = self.loc.url if isinstance(self.loc, Remote) else self.loc.path
+        meta = check_resumable(self.loc, jsonable(attrs), self.plan.hook_file)
         stored = meta["attributes"]
         mark = stored["dmi_committed"]
-        for p in path.rglob(f"*{TMP_SUFFIX}"):      # temp files of a killed writer
-            unlink_all([p])
+        if not isinstance(self.loc, Remote):             # (an object store has no temp objects: a PUT is whole)
+            for p in self.loc.path.rglob(f"*{TMP_SUFFIX}"):      # temp files of a killed writer
+                unlink_all([p])
         try:
             meta.pop("consolidated_metadata", None)  # stale as soon as anything is appended
-            write_atomic(path / "zarr.json", json.dumps(meta, indent=2).encode())
-            self.root = zarr.open_group(str(path), mode="r+", use_consolidated=False)
+            self.loc.write("zarr.json", json.dumps(meta, indent=2).encode())
+            self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=False)
             resumed = list(stored.get("resumed") or []) + [
                 {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
             self.root.attrs.update({"dmi_status": "open", "dmi_writer": writer_info(), "resumed": resumed})
-            reserve(path)
+            reserve(self.loc)
             for g in self._all:
                 self._open_files(g)
                 if g.sites:
@@ -288,8 +298,8 @@ class ZarrExporter:
                 self.prior[k][:] = values
         self.committed_step = int(mark["step"])
         self.next_step = int(mark["next_step"])
-        self.stored_request_ids = stored_request_ids(path)
-        self.store_bytes = disk_usage(path)
+        self.stored_request_ids = stored_request_ids(self.loc)
+        self.store_bytes = self.loc.total_bytes()
 
     def _restore(self, g: GroupBuffer, n: int) -> None:
         """Truncate a group to its committed rows and reload the rows of its partial last chunk."""
@@ -302,7 +312,7 @@ class ZarrExporter:
         g.fill = n % c
         if g.fill:
             g.landed[g.chunk] = (0, n)
-            g.sizes[g.chunk] = sum(f.path(g.chunk).stat().st_size for f in g.files.values() if f.path(g.chunk).exists())
+            g.sizes[g.chunk] = sum(self.loc.size(f.store_key(g.chunk)) for f in g.files.values())
             for name in g.files:
                 values = np.asarray(self.root[f"{g.name}/{name}"][g.chunk * c:n])
                 g.buf[name][:g.fill] = values.astype(object) if g.files[name].vlen else values
@@ -503,13 +513,16 @@ class ZarrExporter:
             encoded = [(f, f.encode(bufs[k])) for k, f in g.files.items()]
             size = sum(memoryview(d).nbytes for _, d in encoded)
             self._throttle(size)
-            files = []
-            for f, data in encoded:
-                tmp, path = f.write(i, data)
-                tmps.append(tmp)
-                files.append((tmp, path))
-            tmps = []
-            self._land(g, i, gen, end, size, files)
+            if self.loc.remote:
+                self._put(g, i, gen, end, size, encoded)
+            else:
+                files = []
+                for f, data in encoded:
+                    tmp, path = f.write(i, data)
+                    tmps.append(tmp)
+                    files.append((tmp, path))
+                tmps = []
+                self._land(g, i, gen, end, size, files)
         except StoreError:
             raise
         except OSError as e:
@@ -535,19 +548,40 @@ class ZarrExporter:
                     left = files[k:]
                     os.replace(tmp, path)
                 left = []
-                g.landed[i] = (gen, end)
-                c = g.chunk_rows
-                while g.landed.get(g.whole, (0, 0))[1] == (g.whole + 1) * c:
-                    del g.landed[g.whole]
-                    g.sizes.pop(g.whole, None)
-                    g.whole += 1
-                g.durable = g.landed.get(g.whole, (0, g.whole * c))[1]
+                self._landed(g, i, gen, end)
         finally:
             unlink_all(tmp for tmp, _ in left)
 
+    def _put(self, g: GroupBuffer, i: int, gen: int, end: int, size: int, encoded: list) -> None:
+        """Chunk ``i``'s objects PUT over its old ones on an object store (each PUT lands whole; there
+        is no rename to do under the lock), unless a newer write of the chunk landed first."""
+        with self._lock:
+            writing = g.writing.setdefault(i, threading.Lock())
+        with writing:            # one write of a chunk at a time: an older write never lands over a newer one
+            with self._lock:
+                if i < g.whole or g.landed.get(i, (0, 0))[0] > gen:
+                    return       # stale: a newer write of this chunk is stored
+                self._charge(g, i, size)
+            for f, data in encoded:
+                f.put(i, data)
+            with self._lock:
+                self._landed(g, i, gen, end)
+
+    def _landed(self, g: GroupBuffer, i: int, gen: int, end: int) -> None:
+        """Chunk ``i`` (rows up to ``end``) is stored: the group's whole chunks and rows stored move on
+        (under the lock)."""
+        g.landed[i] = (gen, end)
+        c = g.chunk_rows
+        while g.landed.get(g.whole, (0, 0))[1] == (g.whole + 1) * c:
+            del g.landed[g.whole]
+            g.sizes.pop(g.whole, None)
+            g.writing.pop(g.whole, None)
+            g.whole += 1
+        g.durable = g.landed.get(g.whole, (0, g.whole * c))[1]
+
     def _write_error(self, g: GroupBuffer, i: int, e) -> StoreError:
         """A failed chunk write as the store's error (the store's directory removed, or an I/O error)."""
-        return store_gone(self.path) or StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")
+        return store_gone(self.loc) or StoreError(f"{self.path}: {g.name}: writing chunk {i} failed: {e}. {_FIX_IO}")
 
     def _charge(self, g: GroupBuffer, i: int, size: int) -> None:
         """Bytes on disk after replacing chunk i's files (under the lock); refuses past store.max_bytes."""
@@ -615,7 +649,7 @@ class ZarrExporter:
             return
         self.committed_step = last.step
         try:
-            gone = store_gone(self.path)
+            gone = store_gone(self.loc)
             if gone is not None:
                 raise gone
             for g, n in zip(self._all, last.cum.tolist()):
@@ -627,7 +661,7 @@ class ZarrExporter:
         except (OSError, StoreError) as e:
             with self._lock:
                 if self.error is None:
-                    self.error = e if isinstance(e, StoreError) else (store_gone(self.path) or StoreError(
+                    self.error = e if isinstance(e, StoreError) else (store_gone(self.loc) or StoreError(
                         f"{self.path}: committing step {last.step} failed: {e}. {_FIX_IO}"))
             self._on_failure()
 
@@ -755,16 +789,16 @@ class ZarrExporter:
             self.finish()
         except StoreError:
             clean = False
-        gone = store_gone(self.path)
+        gone = store_gone(self.loc)
         if gone is not None:      # removed under the run: nothing more is written (zarr would recreate a half store)
             self._shutdown(wait=False)
-            unlink_all([reserve_path(self.path)])
+            unreserve(self.loc)
             with self._lock:
                 if self.error is None:
                     self.error = gone
             raise gone
         try:
-            unlink_all([reserve_path(self.path)])    # its space is for what follows, should the disk be full
+            unreserve(self.loc)    # its space is for what follows, should the disk be full
             attrs = jsonable(summary) | {"dmi_status": "closed" if clean else "failed",
                                           "store_error": None if self.error is None else str(self.error)}
             if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
@@ -788,7 +822,7 @@ class ZarrExporter:
             self.root.attrs.update(attrs)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # consolidated metadata is not in the v3 spec yet
-                zarr.consolidate_metadata(str(self.path))
+                zarr.consolidate_metadata(self.loc.zarr())
         except OSError as e:
             self._shutdown(wait=False)
             if self.error is None:

@@ -25,22 +25,24 @@ COORD_NAMES = ("request", "position", "step", "phase", "token_id", "layer", "hea
 MAX_IDS = 5
 
 
-def _open_root(path: str | Path):
+def _open_root(path: str | Path, storage_options: dict | None = None):
     import zarr
 
     from .. import zdtype
+    from .location import Local, open_location
     zdtype.register()        # bfloat16 arrays open (zarr-python 3.1 has no bfloat16 of its own)
-    p = Path(path)
-    if not p.exists():
+    loc = open_location(path, storage_options, write=False)
+    if isinstance(loc, Local) and not loc.path.exists():
         raise StoreError(f"store {str(path)!r} does not exist. Fix: check the path (dmi capture --out writes one)")
-    if not (p / "zarr.json").is_file():
+    raw = loc.read("zarr.json")
+    if raw is None:
         raise StoreError(f"{str(path)!r} is not a Zarr v3 store (no zarr.json). "
-                         f"Fix: pass the directory that `dmi capture --out` wrote")
+                         f"Fix: pass the directory (or URL) that `dmi capture --out` wrote")
     try:
-        meta = json.loads((p / "zarr.json").read_text())
+        meta = json.loads(raw)
         # consolidated metadata is only trusted on a closed store: appends make it stale
         closed = (meta.get("attributes") or {}).get("dmi_status") in ("closed", "failed")
-        root = zarr.open_group(str(p), mode="r", use_consolidated=closed and bool(meta.get("consolidated_metadata")))
+        root = zarr.open_group(loc.zarr(), mode="r", use_consolidated=closed and bool(meta.get("consolidated_metadata")))
     except Exception as e:   # noqa: BLE001 - any failure to open means "not a readable store"
         raise StoreError(f"{str(path)!r} cannot be opened as a Zarr group: {e}. "
                          f"Fix: pass the directory that `dmi capture --out` wrote") from None
@@ -84,12 +86,13 @@ def layers_text(layers: list[int]) -> str:
     return ",".join(out)
 
 
-def summarize(path: str | Path) -> dict[str, Any]:
-    """A JSON-serializable summary of the dmi store at ``path``.
+def summarize(path: str | Path, storage_options: dict | None = None) -> dict[str, Any]:
+    """A JSON-serializable summary of the dmi store at ``path`` (a directory, or an object store
+    URL opened with ``storage_options``).
 
     Raises :class:`dmi.StoreError` if the path does not exist or is not a dmi store.
     """
-    root, attrs = _open_root(path)
+    root, attrs = _open_root(path, storage_options)
     status = attrs.get("dmi_status", "unknown")
     committed = attrs.get("dmi_committed") or {}
     cut = committed.get("rows", {}) if status == "open" else {}    # rows past the last commit are not the store's

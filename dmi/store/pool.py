@@ -33,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
+from ..errors import SpecError, StoreError
 from ..ring.share import shared_file
 from .chunks import STORE_NICE, VLEN, default_threads, unlink_all
 from .exporter import GroupBuffer, ZarrExporter
-from .preflight import TMP_SUFFIX
+from .location import TMP_SUFFIX, is_remote
+from .preflight import POOL_FIX, POOL_ON_OBJECT_STORE
 from .writer import STORE_MALLOC
 
 
@@ -72,6 +73,9 @@ class PoolExporter(ZarrExporter):
         self._job_ids = itertools.count(1)
         self._stopping = False
         self._collector: threading.Thread | None = None
+        if is_remote(path):      # (dmi.load refuses it first, naming the hook spec's line)
+            raise SpecError(POOL_ON_OBJECT_STORE.format(store=str(path)), file=plan.hook_file or None,
+                            key="store.writer", fix=POOL_FIX)
         super().__init__(path, plan, capture_dtype, attrs, overwrite=overwrite, resume=resume)
         try:
             self._start_pool(plan.writers or default_writers())

@@ -1,6 +1,7 @@
-"""Checks before anything is written, and a store's life on disk around them: whether a path may be
-written or resumed, a new store built beside its path then renamed into place, the reserve file
-that keeps room for the final metadata on a full disk.
+"""Checks before anything is written, and a store's life on disk around them: whether a path (or an
+object store URL, :mod:`dmi.store.location`) may be written or resumed, a new store built beside its
+path then renamed into place (on an object store: built in memory, then its root ``zarr.json``
+written last), the reserve file that keeps room for the final metadata on a full disk.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import zarr
 
 from ..errors import StoreError
 from .inspect import writer_alive
+from .location import TMP_SUFFIX, Local, Remote, is_remote, open_location
 
 
-TMP_SUFFIX = ".dmi-tmp"
+CREATING = ".dmi-creating"     # an object store's store being created: who creates it (removed once it is whole)
 
 
 STAGE_SUFFIX = ".dmi-new"      # a store being created: built beside its path, then renamed into place
@@ -32,22 +34,29 @@ RESERVE = ".dmi-reserve"       # .NAME.dmi-reserve beside an open store: space f
 RESERVE_BYTES = 1 << 20
 
 
-def check_writable(path: str | Path, overwrite: bool) -> Path:
-    """Fail early, naming the path and the fix, if the store cannot be created."""
-    path = Path(path)
+POOL_ON_OBJECT_STORE = ("store.writer: pool writes each chunk to a temp file that it renames into a local "
+                       "directory; store {store!r} is an object store")
+POOL_FIX = ("remove store.writer (the thread writer sends each chunk as one PUT), or write to a local "
+            "directory and copy the store afterwards")
+
+
+def check_store_writer(store, hook) -> None:
+    """``store.writer: pool`` needs a local directory: refused for an object store at load, naming
+    the hook spec's key and line."""
+    if (hook.data.get("store") or {}).get("writer") == "pool" and is_remote(store):
+        raise hook.error(("store", "writer"), POOL_ON_OBJECT_STORE.format(store=str(store)), fix=POOL_FIX)
+
+
+def check_writable(path, overwrite: bool, storage_options: dict | None = None) -> Path | str:
+    """Fail early, naming the path and the fix, if the store cannot be created. Returns the local
+    path, or an object store's URL."""
+    loc = open_location(path, storage_options)
+    if isinstance(loc, Remote):
+        return _check_remote_writable(loc, overwrite)
+    path = loc.path
     if path.exists() and not path.is_dir():
         raise StoreError(f"store {str(path)!r} exists and is not a directory. Fix: choose another path")
-    attrs = root_attrs(path) if path.is_dir() else {}
-    if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
-        # (overwrite too: deleting a store another run is writing loses its data and breaks that run)
-        raise StoreError(f"store {str(path)!r} is being written by process {attrs['dmi_writer']['pid']}"
-                         + (" (overwrite=True / --overwrite does not delete a store another run is writing)"
-                            if overwrite else "") + ". Fix: choose a new path, or wait until that run closes it")
-    if path.exists() and not overwrite:
-        crashed = attrs.get("dmi_status") == "open"
-        raise StoreError(f"store {str(path)!r} already exists" + (" and did not close cleanly" if crashed else "")
-                         + ". Fix: " + ("continue it with resume=True (CLI: --resume), " if crashed else "")
-                         + "pass overwrite=True (CLI: --overwrite), or choose a new path")
+    _refuse_existing(str(path), root_attrs(path) if path.is_dir() else {}, path.exists(), overwrite)
     if path.exists() and any(path.iterdir()) and not (path / "zarr.json").exists():
         raise StoreError(f"store {str(path)!r} is a directory that is not a Zarr store; overwrite=True would delete "
                          f"everything in it. Fix: choose a new path, or remove that directory yourself")
@@ -63,16 +72,59 @@ def check_writable(path: str | Path, overwrite: bool) -> Path:
     return path
 
 
-def check_resumable(path: str | Path, attrs: dict | None = None, hook_file: str | None = None) -> dict:
+def _refuse_existing(name: str, attrs: dict, exists: bool, overwrite: bool) -> None:
+    """A store at ``name`` that another run writes, or that exists when no overwrite was asked."""
+    if attrs.get("dmi_status") == "open" and writer_alive(attrs.get("dmi_writer")):
+        # (overwrite too: deleting a store another run is writing loses its data and breaks that run)
+        raise StoreError(f"store {name!r} is being written by process {attrs['dmi_writer']['pid']}"
+                         + (" (overwrite=True / --overwrite does not delete a store another run is writing)"
+                            if overwrite else "") + ". Fix: choose a new path, or wait until that run closes it")
+    if exists and not overwrite:
+        crashed = attrs.get("dmi_status") == "open"
+        raise StoreError(f"store {name!r} already exists" + (" and did not close cleanly" if crashed else "")
+                         + ". Fix: " + ("continue it with resume=True (CLI: --resume), " if crashed else "")
+                         + "pass overwrite=True (CLI: --overwrite), or choose a new path")
+
+
+def _check_remote_writable(loc: Remote, overwrite: bool) -> str:
+    """check_writable on an object store: the bucket answers, and what is under the URL may go."""
+    keys = loc.keys()
+    if keys and "zarr.json" not in keys:
+        creator = _creator(loc) if CREATING in keys else None
+        if creator is not None and writer_alive(creator):
+            raise StoreError(f"store {loc.url!r} is being created by process {creator.get('pid')}. Fix: choose a "
+                             f"new URL, or wait until that run has created it")
+        if creator is None:
+            raise StoreError(f"store {loc.url!r} holds {len(keys)} object(s) but no Zarr store (no zarr.json); "
+                             f"overwrite=True would delete them all. Fix: choose a new URL, or remove those "
+                             f"objects yourself")
+        return loc.url           # a creation that died: creating the store again removes what it left
+    _refuse_existing(loc.url, root_attrs(loc) if keys else {}, bool(keys), overwrite)
+    return loc.url
+
+
+def _creator(loc: Remote) -> dict:
+    try:
+        return json.loads(loc.read(CREATING) or b"{}")
+    except ValueError:
+        return {}
+
+
+def check_resumable(path, attrs: dict | None = None, hook_file: str | None = None,
+                    storage_options: dict | None = None) -> dict:
     """The root ``zarr.json`` of a store that a new run may append to; refuses (naming the file, the
     key and the fix) a path that is no dmi store, or one whose hook spec / model differ from
     ``attrs`` (the new run's root attributes; only the keys given are compared)."""
-    path = Path(path)
-    meta_file = path / "zarr.json"
-    if not meta_file.is_file():
+    loc = open_location(path, storage_options)
+    if isinstance(loc, Remote):
+        loc.keys()              # the bucket answers (else: the cause and the fix)
+    path = loc.path if isinstance(loc, Local) else loc.url
+    meta_file = f"{loc}/zarr.json"
+    raw = loc.read("zarr.json")
+    if raw is None:
         raise StoreError(f"store {str(path)!r} does not exist (no zarr.json): there is nothing to resume. "
                          f"Fix: leave out resume (CLI: --resume) to create it")
-    meta = json.loads(meta_file.read_text())
+    meta = json.loads(raw)
     stored = meta.get("attributes") or {}
     if "dmi_format" not in stored:
         raise StoreError(f"{meta_file}: dmi_format: not a dmi store. Fix: resume a store written by dmi")
@@ -103,7 +155,8 @@ def _comparable(key: str, value, new):
     if key == "hook_spec" and isinstance(value, dict):
         value = {k: v for k, v in value.items() if k not in ("policy", "engine")}   # how, not what, is captured
         if isinstance(value.get("store"), dict):
-            value["store"] = {k: v for k, v in value["store"].items() if k not in ("path", "max_bytes", "bytes_per_s")}
+            value["store"] = {k: v for k, v in value["store"].items()
+                              if k not in ("path", "max_bytes", "bytes_per_s", "storage_options")}
     if key == "model" and isinstance(value, dict):
         value = {k: value.get(k) for k in ("name_or_path", "model_type", "dtype", "class") if k in (new or {})}
     return value
@@ -125,12 +178,12 @@ def _first_diff(a, b, where: str):
     return None if a == b else (where, a, b)
 
 
-def stored_request_ids(path: str | Path) -> list[str]:
+def stored_request_ids(path, storage_options: dict | None = None) -> list[str]:
     """Request ids in the committed rows of a store (a resumed run gives its requests new ones)."""
-    path = Path(path)
-    attrs = root_attrs(path)
+    loc = open_location(path, storage_options)
+    attrs = root_attrs(loc)
     rows = (attrs.get("dmi_committed") or {}).get("rows", {})
-    root = zarr.open_group(str(path), mode="r", use_consolidated=False)
+    root = zarr.open_group(loc.zarr(), mode="r", use_consolidated=False)
     ids: dict[str, None] = {}
     for name, n in rows.items():
         if name != "drops" and n:
@@ -138,11 +191,33 @@ def stored_request_ids(path: str | Path) -> list[str]:
     return list(ids)
 
 
-def root_attrs(path: Path) -> dict:
+def root_attrs(path) -> dict:
+    """A store's root attributes ({} where it has none): ``path`` a local path or a location."""
+    loc = open_location(path)
     try:
-        return json.loads((Path(path) / "zarr.json").read_text()).get("attributes") or {}
+        return json.loads(loc.read("zarr.json") or b"{}").get("attributes") or {}
     except (OSError, ValueError):
         return {}
+
+
+def create_remote(loc: Remote, build) -> None:
+    """Create a store on an object store as a whole: ``build(store)`` lays it out in memory, and
+    its objects are written with the root ``zarr.json`` last, so that no half store is ever taken
+    for a store. A marker object (``.dmi-creating``: who writes) stands until then: a process
+    killed meanwhile leaves a prefix the next creation of the same URL clears. Whatever was under
+    the URL (``check_writable`` allowed it: overwrite, or a creation that died) is removed first."""
+    from zarr.storage import MemoryStore
+
+    from .exporter import writer_info
+    objects: dict = {}
+    build(MemoryStore(objects))
+    loc.remove()
+    loc.write(CREATING, json.dumps(writer_info()).encode())
+    data = {k: v.to_bytes() for k, v in objects.items()}
+    root = data.pop("zarr.json")
+    loc.write_many(data)
+    loc.write("zarr.json", root)
+    loc.delete(CREATING)
 
 
 def create_atomically(path: Path, overwrite: bool, build) -> None:
@@ -187,14 +262,24 @@ def _remove_stale(path: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def store_gone(path: Path) -> StoreError | None:
+def store_gone(path) -> StoreError | None:
     """The error of a store whose directory was removed (or replaced) while this run wrote it."""
-    if (Path(path) / "zarr.json").is_file():
+    loc = open_location(path)
+    if loc.exists("zarr.json"):
         return None
     return StoreError(f"store {str(path)!r} was removed while this run was writing it (no {str(path)}/zarr.json): "
                       f"its captures are lost and nothing is written there any more (a half store is not "
                       f"recreated). Fix: leave the store in place until its run has closed it (another run's "
                       f"--overwrite is refused while it is open), then capture again into a new store")
+
+
+def unreserve(path) -> None:
+    """Free the reserve file of :func:`reserve` (none on an object store)."""
+    if not isinstance(path, Remote):
+        try:
+            os.unlink(reserve_path(open_location(path).path))
+        except OSError:
+            pass
 
 
 def reserve_path(path: Path) -> Path:
@@ -203,9 +288,13 @@ def reserve_path(path: Path) -> Path:
     return Path(path).parent / f".{Path(path).name}{RESERVE}"
 
 
-def reserve(path: Path) -> None:
+def reserve(path) -> None:
     """Hold ``RESERVE_BYTES`` beside the store for its final metadata: on a full disk ``close``
-    frees them first, so the status, the error and the drops table can still be written."""
+    frees them first, so the status, the error and the drops table can still be written (an
+    object store is never full: nothing to hold)."""
+    if isinstance(path, Remote):
+        return
+    path = open_location(path).path
     with open(reserve_path(path), "wb") as f:
         f.write(bytes(RESERVE_BYTES))
 

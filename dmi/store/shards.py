@@ -52,6 +52,7 @@ import numpy as np
 
 from ..errors import DmiError, StoreError
 from .chunks import ArrayFile, storage_dtype, write_atomic
+from .location import is_remote
 from .exporter import DROP_CHUNK, DROP_COLUMNS, ZarrExporter, writer_info
 from .preflight import check_writable, create_atomically, jsonable
 from .rows import PHASE_NAMES, copy_rows
@@ -650,6 +651,10 @@ class ShardedExporter(ZarrExporter):
         if resume:
             raise DmiError("dmi: resume=True is not supported with tensor parallelism (each rank's open chunk would "
                            "have to be reloaded). Fix: capture into a new store")
+        if is_remote(path):
+            raise StoreError(f"store {str(path)!r}: tensor parallelism writes its merged store in a local directory "
+                             f"only (its ranks meet in the store's files). Fix: capture into a local path (a shared "
+                             f"file system mounted on every rank's host) and copy the store to the object store")
         self.tp = tp
         self.writer: ShardWriter | None = None
         self.rank_drops: list = []

@@ -54,6 +54,7 @@ from ..ring.records import META_DTYPE
 from ..ring.share import map_shared, shared_file
 from .chunks import lower_priority
 from .exporter import TICK_S, sink_policy
+from .location import is_remote, scheme_of
 
 
 log = logging.getLogger("dmi")
@@ -73,6 +74,10 @@ class ProcessExporter:
 
     def __init__(self, path, plan, capture_dtype: str, attrs: dict, overwrite: bool = False, resume: bool = False,
                  handoff_bytes: int | None = None):
+        if scheme_of(str(path)) == "memory":
+            raise StoreError(f"store {str(path)!r}: store.writer: process writes from a child process, which does not "
+                             f"see this process's memory:// file system. Fix: remove store.writer and policy.drain "
+                             f"(or set them to thread), or write to a local directory or an object store")
         self.plan = plan
         self._capture_dtype, self._attrs = capture_dtype, attrs
         self.error: StoreError | None = None
@@ -118,7 +123,7 @@ class ProcessExporter:
             self._stop()
             raise StoreError(opened[1])
         _, path, self.next_step, self.stored_request_ids, self.store_bytes, self.committed_step = opened
-        self.path = Path(path)
+        self.path = path if is_remote(path) else Path(path)
         self._reader.start()
         # the store's accounting before this run: a failover hands the rest to the new exporter as this run's
         self._open_prior = self._call("accounting")[0] if sink_policy(plan) == "drop" else None
