@@ -138,6 +138,7 @@ def section_kernel() -> None:
         r.payload, r.ctrl, r.meta_dev = ring, ctrl, meta_t
         r.meta_records, r.max_rows, r.ctrl_words = META, 512, ctrl.numel()
         r.arange, r.geometry, r.null = torch.arange(512), (batch, step_seq), False
+        r.pdl = False                              # (programmatic dependent launch: CUDA devices only)
         r.payload_t, r.meta_view = ring, (lambda: meta)
         r.publish_record = types.MethodType(Ring.publish_record, r)      # eager steps: the host writes records
         r._meta_words = None
