@@ -11,12 +11,13 @@ import torch
 
 from ..errors import CaptureError, PolicyError, SpecError, StoreError
 from ..interventions import Interventions
-from ..plan import Plan, check_policy_fits
+from ..plan import Plan, auto_host_bytes, check_policy_fits
 from ..ring.factory import make_ring
 from ..ring.protocol import Ring
 from ..siteop import register_run, unregister_run
 from ..spec import parse_bytes
 from ..store.exporter import ZarrExporter
+from ..store.preflight import choose_writer
 from ..subscribers import Subscribers, Subscription
 from ..tokens import RequestTable
 from .steps import EngineHooks
@@ -47,6 +48,16 @@ class Run(EngineHooks):
         check_policy_fits(plan, self.itemsize)
         self.requests = RequestTable()
         device = next(model.parameters()).device
+        plan.writer, why = choose_writer(plan.writer, device, store, tp is not None, memory_bytes is not None)
+        auto = {"store.writer": {"value": plan.writer, "why": why}} if why else {}
+        if plan.writer == "pool" and why:
+            from ..store.pool import default_writers
+            auto["store.writers"] = {"value": plan.writers or default_writers(),
+                                     "why": "set" if plan.writers else "half the cores, at least 2 and at most 8"}
+        staging = auto_host_bytes(device) if plan.policy.host_bytes_auto and ring is None else None
+        if staging:
+            plan.policy.host_bytes, why_staging = staging
+            auto["policy.host_bytes"] = {"value": plan.policy.host_bytes, "why": why_staging}
         remote = plan.policy.drain == "process"     # the drain runs in the writer's child (dmi.ring.share)
         if remote and tp is not None:
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
@@ -73,7 +84,8 @@ class Run(EngineHooks):
                 exporter = partial(MemoryExporter, memory_bytes=memory_bytes)
             try:
                 self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                         run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+                                         run_attrs(model, plan, auto) | (attrs or {}), overwrite=overwrite,
+                                         resume=resume)
             except BaseException:
                 if self.ring.share is not None:
                     self.ring.share.unlink()
@@ -85,7 +97,7 @@ class Run(EngineHooks):
                                 key="store.writer", fix="remove store.writer or set it to thread")
             from ..store.shards import ShardedExporter
             self.exporter = ShardedExporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                            run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,
+                                            run_attrs(model, tp.plan, auto) | (attrs or {}), overwrite=overwrite,
                                             resume=resume, tp=tp)
         if remote:
             if self.ring.share is None:
@@ -282,7 +294,9 @@ class Run(EngineHooks):
         return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} {where}>"
 
 
-def run_attrs(model, plan: Plan) -> dict:
+def run_attrs(model, plan: Plan, sized_automatically: dict | None = None) -> dict:
+    """The store's root attributes of a run: what produced it. ``sized_automatically``: settings
+    the hook spec left to dmi, each as {value, why} (``dmi inspect`` lists them)."""
     versions = {}
     for dist in ("dmi", "torch", "transformers", "zarr", "numpy"):
         try:
@@ -294,4 +308,4 @@ def run_attrs(model, plan: Plan) -> dict:
             "hook_spec": plan.hook_spec, "policy": vars(plan.policy), "versions": versions,
             "model": {"name_or_path": getattr(cfg, "_name_or_path", None), "model_type": getattr(cfg, "model_type", None),
                       "dtype": str(next(model.parameters()).dtype), "class": type(model).__name__},
-            "sites": [s.name for s in plan.sites]}
+            "sites": [s.name for s in plan.sites], "sized_automatically": sized_automatically or {}}
