@@ -87,7 +87,6 @@ class Policy:
     mode: str = "full"
     ring_bytes: int = DEFAULT_RING_BYTES
     host_bytes: int = 256 << 20
-    host_bytes_auto: bool = True         # policy.host_bytes unset: sized for the device (auto_host_bytes)
     meta_records: int = 4096
     max_step_tokens: int | None = None
     on_store_error: str = "raise"
@@ -493,7 +492,6 @@ def _policy(hook: Document) -> Policy:
                 setattr(out, key, parse_bytes(p[key]))
             except ValueError as e:
                 raise hook.error(("policy", key), str(e), fix="write a size such as 64MiB") from None
-    out.host_bytes_auto = "host_bytes" not in p
     out.meta_records = p.get("meta_records", out.meta_records)
     out.max_step_tokens = p.get("max_step_tokens")
     out.drain = p.get("drain", out.drain)
@@ -557,25 +555,6 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-AUTO_HOST_BYTES = (256 << 20, 4 << 30)     # policy.host_bytes unset on a GPU: 1/32 of RAM within these
-
-
-def auto_host_bytes(device: Any) -> tuple[int, str] | None:
-    """``policy.host_bytes`` unset: host staging for a model on ``device``, and why (None: the
-    default stays). On a GPU a prefill step (about 1 GB for Qwen3-8B at batch 32) lands in staging
-    at copy-engine speed and the store writes it during the decode steps after it; staging smaller
-    than that burst makes the ring, and then the model, wait for the store at every prefill
-    (perf/offline.py --headline). A CPU model captures slower than a store writes."""
-    if getattr(device, "type", device) != "cuda":
-        return None
-    low, high = AUTO_HOST_BYTES
-    ram = physical_memory()
-    size = high if ram is None else max(low, min(high, ram // 32 >> 20 << 20))
-    return size, (f"1/32 of this host's RAM ({_size(ram)}), at least {_size(low)} and at most {_size(high)}: "
-                  f"a prefill step's burst waits in host memory, not in the ring" if ram else
-                  f"{_size(high)}: this host's RAM is unknown")
 
 
 def check_memory(plan: Plan, device: Any, hook: Document | None = None) -> None:

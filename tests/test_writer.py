@@ -385,8 +385,3 @@ def test_auto_writer_is_recorded_in_the_store_and_shown_by_inspect(tmp_path):
             ((str(tmp_path / "b.zarr"), True, False), (str(tmp_path / "b.zarr"), False, True),
              ("s3://bucket/b.zarr", False, False))] == ["thread"] * 3
     assert choose_writer("process", cuda, str(tmp_path / "b.zarr"), False, False) == ("process", None)
-    # policy.host_bytes unset: a GPU model's staging takes a prefill's burst; the CPU keeps the default
-    from dmi.plan import AUTO_HOST_BYTES, auto_host_bytes, physical_memory
-    size, why = auto_host_bytes(cuda)
-    assert AUTO_HOST_BYTES[0] <= size <= AUTO_HOST_BYTES[1] and size <= physical_memory() // 32 + AUTO_HOST_BYTES[0]
-    assert "RAM" in why and auto_host_bytes(torch.device("cpu")) is None

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import CaptureError, PolicyError, SpecError, StoreError
 from ..interventions import Interventions
-from ..plan import Plan, auto_host_bytes, check_policy_fits
+from ..plan import Plan, check_policy_fits
 from ..ring.factory import make_ring
 from ..ring.protocol import Ring
 from ..siteop import register_run, unregister_run
@@ -54,10 +54,6 @@ class Run(EngineHooks):
             from ..store.pool import default_writers
             auto["store.writers"] = {"value": plan.writers or default_writers(),
                                      "why": "set" if plan.writers else "half the cores, at least 2 and at most 8"}
-        staging = auto_host_bytes(device) if plan.policy.host_bytes_auto and ring is None else None
-        if staging:
-            plan.policy.host_bytes, why_staging = staging
-            auto["policy.host_bytes"] = {"value": plan.policy.host_bytes, "why": why_staging}
         remote = plan.policy.drain == "process"     # the drain runs in the writer's child (dmi.ring.share)
         if remote and tp is not None:
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
