@@ -122,3 +122,123 @@ def test_request_options_name_only_offered_interventions():
                        ({"interventions": "steer"}, "non-empty list"), ({"interventions": []}, "non-empty list")]:
         with pytest.raises(RequestRefused, match=words):
             check(bad, policy, {"final_norm"}, set(), offered)
+
+
+def _client_spec(vec, capture=None):
+    """An operator spec: ``steer`` (add at mlp.out of layer 1) offered on request with client
+    bounds on its scale and vector; ``clip`` (clamp, after it) offered with bounds on min/max;
+    ``always`` applied to nobody (requests: [none]) and not offered."""
+    spec = {"interventions": [
+        {"name": "steer", "site": "mlp.out", "layers": [1], "kind": "add", "vector": vec.tolist(), "scale": 1.0,
+         "requests": "on_request", "client": {"scale": [-8.0, 8.0], "vector": {"max_norm": 50.0}}},
+        {"name": "clip", "site": "mlp.out", "layers": [1], "kind": "clamp", "min": -1.0, "max": 1.0,
+         "requests": "on_request", "client": {"min": [-1.0, 0.0], "max": [0.0, 1.0]}},
+        {"name": "always", "site": "mlp.out", "layers": [0], "kind": "zero", "requests": ["none"]}]}
+    if capture:
+        spec["capture"] = capture
+    return spec
+
+
+def _offered(spec):
+    """The offered interventions' plans, as the API server's request validation resolves them."""
+    from dmi.adapters.vllm.policy import offered_plans
+    from dmi.interventions import plan_interventions
+    from dmi.models import BUILTIN, tiny_config
+    from dmi.spec import Document, find_arch_spec
+    arch = find_arch_spec("qwen3")
+    plans = plan_interventions(arch, Document(spec, "<hook spec>"), tiny_config(BUILTIN["tiny-qwen3"]),
+                               available=None, engine="vllm", anchor_of=lambda c, lay: {})
+    return offered_plans(plans)
+
+
+def test_request_values_are_checked_against_the_operator_bounds():
+    """What vLLM's request validation refuses (offline: ValueError; serve: HTTP 400), each message
+    naming the key and the allowed range, for values as extra_args and as flat vllm_xargs."""
+    from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, check, options, request_values
+    hidden = 64
+    offered = _offered(_client_spec(np.ones(hidden)))
+    policy = ServePolicy()
+    assert options({"dmi_steer.scale": 2.5, "dmi_interventions": "clip"}) == {
+        "interventions": {"clip": {}, "steer": {"scale": 2.5}}}
+    for ok in ({"interventions": {"steer": {"scale": -8.0, "vector": [0.1] * hidden}}},
+               {"interventions": {"clip": {"min": -0.5, "max": 0.25}, "steer": {}}},
+               options({"dmi_steer.scale": "3", "dmi_clip.max": 0.5})):
+        check(ok, policy, set(), set(), offered)
+    got = request_values({"interventions": {"steer": {"scale": 3.0}, "clip": {"max": 0.5}}}, offered)
+    assert got["steer"]["scale"] == 3.0 and got["steer"]["vector"] is None
+    assert (got["clip"]["lo"], got["clip"]["hi"]) == (-1.0, 0.5)     # the operator's min where the request gives none
+    for bad, words in [
+            ({"dmi_steer.scale": 9}, r"interventions.steer.scale = 9 is outside the allowed range \[-8.0, 8.0\]"),
+            ({"dmi_clip.min": -2}, r"interventions.clip.min = -2 is outside the allowed range \[-1.0, 0.0\]"),
+            ({"dmi_steer.bogus": 1}, r"interventions.steer.bogus is not a value a request may set .*scale in "
+                                     r"\[-8.0, 8.0\], vector in a vector of L2 norm <= 50.0"),
+            ({"dmi_clip.scale": 1}, r"interventions.clip.scale is not a value .*max in \[0.0, 1.0\]"),
+            ({"dmi_steer.vector": [1.0, 2.0]}, r"interventions.steer.vector has shape \[2\]; allowed: \[64\]"),
+            ({"dmi_steer.vector": [10.0] * hidden}, r"interventions.steer.vector has L2 norm 80, above the allowed 50"),
+            ({"dmi_steer.scale": "big"}, r"interventions.steer.scale must be a finite number in \[-8.0, 8.0\]"),
+            ({"dmi_always.scale": 1}, r"intervention 'always' is not offered on request"),
+            ({"dmi_interventions": "always"}, r"intervention 'always' is not offered on request"),
+            ({"dmi_return": "top_logits"}, r"never returned to API clients")]:
+        with pytest.raises(RequestRefused, match=words):
+            check(options(bad), policy, set(), set(), offered)
+    offers = ServePolicy(returns=(("top_logits", 3),))
+    check(options({"dmi_return": 1}), offers, set(), set(), offered)
+    with pytest.raises(RequestRefused, match=r"return 'hidden' is not offered by this server; allowed: \['top_logits'\]"):
+        check(options({"dmi_return": "hidden"}), offers, set(), set(), offered)
+
+
+def test_request_values_steer_their_own_requests_without_capture():
+    """A hook spec with interventions and no capture runs with no store. In one batch, requests
+    that set their own scale / vector / clamp range get exactly that: each request's sampled
+    logprobs equal those of the unpatched HF model with a forward hook doing the same on every row;
+    a request that sets nothing gets the unpatched model's."""
+    from vllm import SamplingParams
+
+    import transformers as tf
+    from test_interventions import hook
+    hidden = 64
+    g = torch.Generator().manual_seed(7)
+    vec, own = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g) * 2
+    asks = [None, {"steer": {"scale": 6.0}}, {"steer": {"scale": -4.0, "vector": own.tolist()}},
+            {"steer": {}}, {"steer": {"scale": 6.0}, "clip": {"min": -0.5, "max": 0.25}}]
+    path = save_builtin("tiny-qwen3")
+    run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **ENGINE)
+    try:
+        assert run.store.startswith("memory://")
+        params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0,
+                                 extra_args={"dmi": {"interventions": a}} if a else None) for a in asks]
+        outs = run.llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"interventions.steer.scale = 9.0 is outside the allowed range \[-8.0, 8.0\]"):
+            run.llm.generate(["x"], SamplingParams(max_tokens=1, extra_args={"dmi": {"interventions": {"steer": {"scale": 9.0}}}}),
+                             use_tqdm=False)
+    finally:
+        run.shutdown()
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base = (PROMPTS + PROMPTS[:1])
+
+    def logprobs_with(fn, prompt, out):
+        h = hook(ref, "qwen3", "mlp.out", 1, fn) if fn else None
+        try:
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([prompt + out])).logits[0].double()
+        finally:
+            if h:
+                h.remove()
+        lp = torch.log_softmax(logits, -1)
+        return np.array([lp[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(out)])
+
+    for a, o, b in zip(asks, outs, base):
+        prompt, out = b["prompt_token_ids"], list(o.outputs[0].token_ids)
+        got = np.array([o.outputs[0].logprobs[t][tok].logprob for t, tok in enumerate(out)])
+        fn = None
+        if a:
+            s = a["steer"].get("scale", 1.0)
+            v = torch.tensor(a["steer"]["vector"]) if "vector" in a["steer"] else vec
+            lo, hi = (a["clip"]["min"], a["clip"]["max"]) if "clip" in a else (-np.inf, np.inf)
+            fn = lambda x, s=s, v=v, lo=lo, hi=hi: (x + s * v).clamp(lo, hi)      # noqa: E731
+        want = logprobs_with(fn, prompt, out)
+        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=str(a))
+        if fn is not None:       # the intervention mattered: the unpatched model's logprobs differ
+            assert not np.allclose(got, logprobs_with(None, prompt, out), atol=2e-4), a
+        if a and "clip" in a:    # and so did the request's own clamp range
+            assert not np.allclose(got, logprobs_with(lambda x: x + 6.0 * vec, prompt, out), atol=2e-4), a
