@@ -14,7 +14,8 @@ import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
 
-from test_vllm import ENGINE, generate, rows  # noqa: E402
+from dmi.adapters.vllm.respond import MIDDLEWARE  # noqa: E402
+from test_vllm import ENGINE, NO_PLUGIN, _post, _vllm_serve, generate, rows  # noqa: E402
 
 PROMPTS = [{"prompt_token_ids": list(range(10 + 3 * i, 22 + 5 * i))} for i in range(4)]
 
@@ -242,3 +243,82 @@ def test_request_values_steer_their_own_requests_without_capture():
             assert not np.allclose(got, logprobs_with(None, prompt, out), atol=2e-4), a
         if a and "clip" in a:    # and so did the request's own clamp range
             assert not np.allclose(got, logprobs_with(lambda x: x + 6.0 * vec, prompt, out), atol=2e-4), a
+
+
+@NO_PLUGIN
+def test_serve_request_values_refusals_and_returned_captures(tmp_path):
+    """One `vllm serve` (dmi's plugin, its response middleware): a client's own scale within the
+    operator's bounds steers its request (its stored mlp.out rows equal a forward hook on the
+    unpatched HF model doing the same); values outside the bounds, unknown names, wrong shapes and
+    items not offered are HTTP 400 naming the key and the range, before the request runs; a
+    request that asks gets the operator's top-k logits of its last token under `dmi`, equal to the
+    store's logits row, and no other request gets the field."""
+    import transformers as tf
+    import yaml
+    from test_interventions import hook
+    hidden = 64
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(11))
+    spec = _client_spec(vec, capture=[{"sites": ["mlp.out"], "layers": [1]}, {"sites": ["logits"]}])
+    spec["requests"] = {"return": {"top_logits": 3}}
+    store = tmp_path / "serve.zarr"
+    prompt = list(range(10, 22))
+    with _vllm_serve(tmp_path, yaml.safe_dump(spec), store, ("--middleware", MIDDLEWARE)) as srv:
+        base = {"model": srv.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        status, plain = _post(srv.port, base)
+        assert status == 200 and "dmi" not in plain and "dmi" not in plain["choices"][0], plain   # off by default
+        status, steered = _post(srv.port, base | {"vllm_xargs": {"dmi_steer.scale": 6.0}})
+        assert status == 200 and "dmi" not in steered["choices"][0], steered
+        status, back = _post(srv.port, base | {"vllm_xargs": {"dmi_return": "top_logits", "dmi_steer.scale": -3}})
+        assert status == 200, back
+        status, both = _post(srv.port, base | {"prompt": [prompt, prompt[:7]], "vllm_xargs": {"dmi_return": 1}})
+        assert status == 200 and len(both["choices"]) == 2, both
+        for xargs, words in [
+                ({"dmi_steer.scale": 9}, "interventions.steer.scale = 9 is outside the allowed range [-8.0, 8.0]"),
+                ({"dmi_steer.vector": [1.0, 2.0]}, "interventions.steer.vector has shape [2]; allowed: [64]"),
+                ({"dmi_steer.vector": [10.0] * hidden}, "interventions.steer.vector has L2 norm 80"),
+                ({"dmi_clip.scale": 1}, "interventions.clip.scale is not a value a request may set"),
+                ({"dmi_always.scale": 1}, "intervention 'always' is not offered on request"),
+                ({"dmi_return": "hidden"}, "return 'hidden' is not offered by this server; allowed: ['top_logits']")]:
+            status, body = _post(srv.port, base | {"vllm_xargs": xargs})
+            assert status == 400 and words in body["error"]["message"], (xargs, body)
+            assert "choices" not in body
+        status, body = _post(srv.port, base | {"stream": True, "vllm_xargs": {"dmi_return": 1}})
+        assert status == 400 and "whole response only" in body["error"]["message"], body
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed", srv.log.read_text()[-3000:]
+    logits = tree["logits"].dataset
+
+    def rows_of(response_id, prompt_index=0, group="logits", name="logits"):
+        ds = tree[group].dataset
+        keep = [i for i, r in enumerate(ds.request.values) if str(r).startswith(f"{response_id}-{prompt_index}")]
+        order = sorted(keep, key=lambda i: int(ds.position.values[i]))
+        return ds.position.values[order], ds.token_id.values[order], ds[name].values[order].reshape(len(order), -1)
+
+    checked = 0
+    for response, index in ((back, 0), (both, 0), (both, 1)):
+        got = response["choices"][index]["dmi"]
+        pos, _, values = rows_of(response["id"], index)
+        assert got["position"] == int(pos[-1])          # the last sampled token's row
+        row = values[-1]
+        assert set(got) == {"position", "top_logits"} and len(got["top_logits"]["logits"]) == 3
+        np.testing.assert_array_equal(np.asarray(got["top_logits"]["logits"], np.float32),
+                                      row[got["top_logits"]["token_ids"]])
+        np.testing.assert_array_equal(np.sort(row)[::-1][:3], np.asarray(got["top_logits"]["logits"], np.float32))
+        checked += 1
+    assert checked == 3 and len(logits.request) > 0
+    # the client's scale reached its rows: mlp.out of layer 1 equals the unpatched model's + 6 * vec
+    ref = tf.AutoModelForCausalLM.from_pretrained(srv.model, dtype=torch.float32)
+    for response, scale in ((plain, 0.0), (steered, 6.0), (back, -3.0)):
+        _, ids, values = rows_of(response["id"], group="layers/mlp/out", name="out")
+        seen = {}
+
+        def steer(x, scale=scale):
+            seen["x"] = x + scale * vec
+            return seen["x"]
+        h = hook(ref, "qwen3", "mlp.out", 1, steer)
+        try:
+            with torch.no_grad():
+                ref(input_ids=torch.tensor([ids.tolist()]))
+        finally:
+            h.remove()
+        np.testing.assert_allclose(values, seen["x"][0].numpy(), atol=2e-5, rtol=1e-4, err_msg=str(scale))
