@@ -372,8 +372,8 @@ class Intervention:
             self.head_mask = torch.tensor(hm, device=device)
         self.layouts = layouts
         if device.type == "cuda":      # read by CUDA graphs: static addresses, updated in place
-            for t in (self.mask, self.index, self.value, self.scale, self.lo, self.hi, self.head_mask, self.slot,
-                      *(self.slots or {}).values()):
+            held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
+            for t in (self.mask, self.index, self.head_mask, self.slot, *held):     # (not the views of slot 0)
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
 

@@ -188,11 +188,13 @@ def test_request_values_are_checked_against_the_operator_bounds():
         check(options({"dmi_return": "hidden"}), offers, set(), set(), offered)
 
 
-def test_request_values_steer_their_own_requests_without_capture():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_request_values_steer_their_own_requests_without_capture(compiled):
     """A hook spec with interventions and no capture runs with no store. In one batch, requests
     that set their own scale / vector / clamp range get exactly that: each request's sampled
     logprobs equal those of the unpatched HF model with a forward hook doing the same on every row;
-    a request that sets nothing gets the unpatched model's."""
+    a request that sets nothing gets the unpatched model's. The compiled engine reads the values
+    from the same slots."""
     from vllm import SamplingParams
 
     import transformers as tf
@@ -203,7 +205,7 @@ def test_request_values_steer_their_own_requests_without_capture():
     asks = [None, {"steer": {"scale": 6.0}}, {"steer": {"scale": -4.0, "vector": own.tolist()}},
             {"steer": {}}, {"steer": {"scale": 6.0}, "clip": {"min": -0.5, "max": 0.25}}]
     path = save_builtin("tiny-qwen3")
-    run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **ENGINE)
+    run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **dict(ENGINE, enforce_eager=not compiled))
     try:
         assert run.store.startswith("memory://")
         params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0,
