@@ -450,7 +450,7 @@ def start(worker) -> Session | None:
                         **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
     session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
     session.rank = session_rank
-    if policy.returns:
+    if policy.returns and session_rank == 0:       # (one rank answers)
         from .returns import StepReturns
         session.returns = StepReturns(policy, runner, model, compat.return_dir(vllm_config), compat.request_extra_args)
     # (under tensor parallelism every rank would have to stop at the same step: there drop counts the captures)
