@@ -266,6 +266,13 @@ def test_compiled_generate_takes_new_vectors_without_recompiling(encoded, tmp_pa
     ({"site": "final_norm", "kind": "zero", "layers": [0]}, "layers", "not per-layer"),
     ({"site": "resid_post", "kind": "zero", "tokens": {"every_n_steps": 2}}, "every_n_steps", "unknown key"),
     ({"site": "resid_post", "kind": "wipe"}, "kind", "wipe"),
+    ({"site": "resid_post", "kind": "scale", "client": {"scale": [0, 1]}}, "client", "requests: on_request"),
+    ({"site": "resid_post", "kind": "zero", "requests": "on_request", "client": {"scale": [0, 1]}}, "client.scale",
+     "takes no 'scale'"),
+    ({"site": "resid_post", "kind": "scale", "requests": "on_request", "client": {"scale": [1, 0]}}, "client.scale",
+     "is empty"),
+    ({"site": "resid_post", "kind": "replace", "vector": [[0.0] * 64] * 2, "requests": "on_request",
+      "client": {"vector": {"max_norm": 1}}}, "client.vector", "replacement table"),
 ])
 def test_bad_interventions_are_refused_before_anything_runs(entry, key, words, write_spec, tmp_path):
     import yaml
