@@ -205,17 +205,26 @@ def test_request_values_steer_their_own_requests_without_capture(compiled):
     asks = [None, {"steer": {"scale": 6.0}}, {"steer": {"scale": -4.0, "vector": own.tolist()}},
             {"steer": {}}, {"steer": {"scale": 6.0}, "clip": {"min": -0.5, "max": 0.25}}]
     path = save_builtin("tiny-qwen3")
-    run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **dict(ENGINE, enforce_eager=not compiled))
-    try:
+    if compiled:
+        run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **dict(ENGINE, enforce_eager=False))
+        llm, stop = run.llm, run.shutdown
         assert run.store.startswith("memory://")
+    else:       # started as `vllm serve` starts it: the engine's config names a hook spec, no store anywhere
+        from dmi.adapters.vllm import plugin
+        from dmi.adapters.vllm.compat import shutdown_llm
+        plugin.register()
+        llm = vllm.LLM(model=path, additional_config={"dmi": {"hook_spec": _client_spec(vec), "serving": False}},
+                       **ENGINE)
+        stop = lambda: shutdown_llm(llm)          # noqa: E731
+    try:
         params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0,
                                  extra_args={"dmi": {"interventions": a}} if a else None) for a in asks]
-        outs = run.llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False)
+        outs = llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False)
         with pytest.raises(ValueError, match=r"interventions.steer.scale = 9.0 is outside the allowed range \[-8.0, 8.0\]"):
-            run.llm.generate(["x"], SamplingParams(max_tokens=1, extra_args={"dmi": {"interventions": {"steer": {"scale": 9.0}}}}),
-                             use_tqdm=False)
+            llm.generate(["x"], SamplingParams(max_tokens=1, extra_args={"dmi": {"interventions": {"steer": {"scale": 9.0}}}}),
+                         use_tqdm=False)
     finally:
-        run.shutdown()
+        stop()
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     base = (PROMPTS + PROMPTS[:1])
 
