@@ -213,7 +213,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
 
     chosen: dict[str, tuple[str, int | None, dict, tuple]] = {}
     chosen_by: dict[str, tuple[int, int]] = {}      # full name -> (entry, pattern) that chose it
-    for i, entry in enumerate(spec["capture"]):
+    for i, entry in enumerate(spec.get("capture") or []):
         path = ("capture", i)
         layers = layers_of(entry, n_layers, hook, path)
         for j, pattern in enumerate(entry["sites"]):

@@ -40,7 +40,8 @@ class Run(EngineHooks):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
                  attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None,
-                 traced: str | None = None, memory_bytes: int | None = None, write_rows: int | None = None):
+                 traced: str | None = None, memory_bytes: int | None = None, write_rows: int | None = None,
+                 write_slots: int = 1):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -106,7 +107,8 @@ class Run(EngineHooks):
         self.store = str(self.exporter.path)
         self._tp = tp is not None
         self.subscribers = Subscribers(plan, str(self.dtype).removeprefix("torch."))
-        self.interventions = Interventions(plan.interventions, device, self.dtype, rows=write_rows or plan.policy.max_step_tokens)
+        self.interventions = Interventions(plan.interventions, device, self.dtype, rows=write_rows or plan.policy.max_step_tokens,
+                                           slots=write_slots)
         self.id = register_run(self)
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
