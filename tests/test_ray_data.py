@@ -21,7 +21,10 @@ from dmi.adapters.vllm import save_builtin  # noqa: E402
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 SPEC = {"capture": [{"sites": ["resid_post"], "layers": [0, 1]}, {"sites": ["final_norm", "logits"]}]}
-ENGINE = dict(kv_cache_memory_bytes=256 << 20, dtype="float32", enforce_eager=True, enable_prefix_caching=False)
+# no prefill is split into chunks (the reference runs every prompt in one step's budget): a chunk's end
+# would be a logits row of its own, so which rows a request stores would depend on the batching
+ENGINE = dict(kv_cache_memory_bytes=256 << 20, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              max_num_batched_tokens=16384)
 SAMPLING = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing near one old river".split()
 
@@ -129,3 +132,42 @@ def test_worker_killed_mid_run_loses_and_duplicates_nothing(tmp_path, local_ray)
     names = [p.name for p in parts.glob("*.zarr")]
     assert any(f"-{killed[0]}-" in n for n in names) and len(names) >= 3, names
     assert_same_store(tmp_path / "ray.zarr", reference(tmp_path, rows), {r["id"] for r in rows})
+
+
+@pytest.mark.slow
+def test_two_hundred_prompts_store_equals_single_engine_run(tmp_path, local_ray):
+    rows = prompts(200)
+    summary = capture(tmp_path, rows, batch_size=16)
+    assert summary["requests"] == 200
+    assert assert_same_store(tmp_path / "ray.zarr", reference(tmp_path, rows), {r["id"] for r in rows}) > 0
+
+
+@pytest.mark.slow
+def test_cli_capture_ray_writes_one_store(tmp_path, local_ray):
+    """`dmi capture --ray`: the prompts file's ids are the store's requests, with their texts."""
+    import json
+    import subprocess
+    import sys
+    lines = [{"id": f"c{i}", "prompt": r["text"]} for i, r in enumerate(prompts(6))]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "hooks.yaml").write_text("capture:\n  - sites: [final_norm, logits]\n")
+    engine = {k: v for k, v in ENGINE.items()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.run([sys.executable, "-m", "dmi.cli", "capture", "--ray", "--workers", "2", "--spec",
+                           str(tmp_path / "hooks.yaml"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                           str(tmp_path / "cli.zarr"), "--max-new-tokens", "3", "--batch-size", "2", "-q",
+                           "--engine", json.dumps(engine)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "captured 6 requests with 2 Ray worker(s)" in proc.stdout
+    tree = dmi.open(tmp_path / "cli.zarr")
+    assert set(map(str, tree["logits"].dataset.request.values.tolist())) == {x["id"] for x in lines}
+    assert {k: v[0] for k, v in tree.attrs["texts"].items()} == {x["id"]: x["prompt"] for x in lines}
+    # each request's logits: one row per generated token (greedy, 3 tokens: prompt end + 2 decodes)
+    assert len(tree["logits"].dataset.request) == 6 * 3
+
+
+def test_cli_ray_flags_need_ray(tmp_path):
+    from dmi.cli import main
+    assert main(["capture", "--workers", "2", "--out", str(tmp_path / "x.zarr")]) == 2
+    assert not (tmp_path / "x.zarr").exists()
