@@ -229,11 +229,12 @@ def merge_parts(store: str, options: dict | None = None, *, keep_parts: bool = F
             dst[at: at + len(data)] = data
             at += len(data)
     attrs = first.attrs.asdict()
-    attrs.update({"dmi_status": "closed", "texts": texts,
+    attrs.update({"dmi_status": "closed", "texts": texts, "steps": next_step,
+                  "stall_seconds": sum(float(g.attrs.get("stall_seconds") or 0.0) for g in parts.values()),
                   "dmi_committed": {"step": next_step - 1, "next_step": next_step, "rows": totals},
                   "ray": {"parts": [{"part": n, "step_offset": offsets[n],
                                      "requests": sum(1 for o in owner.values() if o == n)} for n in names]}})
-    for k in ("rows_selected", "rows_stored", "rows_dropped", "rows_not_computed", "stats", "dmi_writer"):
+    for k in ("rows_selected", "rows_stored", "rows_dropped", "rows_not_computed", "stats", "dmi_writer", "vllm"):
         attrs.pop(k, None)       # per-part figures; the parts' own are in the parts (keep_parts=True)
     out.attrs.update(attrs)
     with warnings.catch_warnings():
