@@ -45,13 +45,18 @@ class CaptureActor:
         self.parts = open_location(parts, self.options)
         # host, pid and a random tail: a restarted actor (a new process) never reuses a part
         self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.run = load(model, hook.data, f"{parts}/{self.name}.zarr", backend="vllm", **engine_kwargs)
+        # the engine and its part start with the first batch: an actor Ray starts but never gives a
+        # batch (and ends once the dataset is done) leaves nothing behind the merge
+        self.start = lambda: load(model, hook.data, f"{parts}/{self.name}.zarr", backend="vllm", **engine_kwargs)
+        self.run = None
         from vllm import SamplingParams
         self.params = SamplingParams(**sampling)
         self.batches = 0
         self.seen: set[str] = set()
 
     def __call__(self, batch: dict) -> dict:
+        if self.run is None:
+            self.run = self.start()
         ids = [str(i) for i in batch["id"]]
         texts = [str(t) for t in batch["text"]]
         dup = sorted(set(ids) & self.seen) or sorted(i for i in set(ids) if ids.count(i) > 1)
@@ -130,9 +135,7 @@ def capture_dataset(dataset, model: Any, hook_spec, store: str | Path, *, num_wo
         **({"num_gpus": num_gpus} if num_gpus is not None else {}))
     total = dataset.count()
     bar = _progress(total, progress)
-    done = 0
-    for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
-        done += len(batch["id"])
+    for batch in results.iter_batches(batch_size=None, batch_format="numpy"):   # rows as workers finish them
         bar.update(len(batch["id"]))
     bar.close()
     summary = merge_parts(store, options, keep_parts=keep_parts)

@@ -151,13 +151,12 @@ def test_cli_capture_ray_writes_one_store(tmp_path, local_ray):
     lines = [{"id": f"c{i}", "prompt": r["text"]} for i, r in enumerate(prompts(6))]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (tmp_path / "hooks.yaml").write_text("capture:\n  - sites: [final_norm, logits]\n")
-    engine = {k: v for k, v in ENGINE.items()}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
            "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.run([sys.executable, "-m", "dmi.cli", "capture", "--ray", "--workers", "2", "--spec",
                            str(tmp_path / "hooks.yaml"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
                            str(tmp_path / "cli.zarr"), "--max-new-tokens", "3", "--batch-size", "2", "-q",
-                           "--engine", json.dumps(engine)], capture_output=True, text=True, env=env, timeout=900)
+                           "--engine", json.dumps(ENGINE)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "captured 6 requests with 2 Ray worker(s)" in proc.stdout
     tree = dmi.open(tmp_path / "cli.zarr")
