@@ -41,9 +41,12 @@ _bfloat16_for_zarr()
 def __getattr__(name: str):
     # load/open pull in torch and transformers: import them on first use, so the CLI's
     # `specs` and `inspect` commands start fast
-    if name in ("load", "open"):
-        from . import api
-        return {"load": api.load, "open": api.open_store}[name]
+    if name == "load":
+        from .api import load
+        return load
+    if name == "open":
+        from .store.read import open_store
+        return open_store
     if name == "plot":       # matplotlib only when pictures are asked for
         import importlib
         return importlib.import_module(".plot", __name__)

@@ -390,7 +390,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from . import plot
-    from .api import open_store
+    from .store.read import open_store
     tree = open_store(args.store)
     tok = _load_tokenizer(args.tokenizer or args.model) if (args.tokenizer or args.model) else None
     if args.plot_command == "attention":

@@ -189,7 +189,8 @@ def check_on_tiny_model(arch, seed: int = 0) -> dict[str, int]:
     import torch
     import transformers as tf
 
-    from .api import load, open_store
+    from .api import load
+    from .store.read import open_store
     from .errors import DmiError
     config = tiny_config(arch)
     torch.manual_seed(seed)

@@ -259,7 +259,7 @@ class Run(EngineHooks):
         store path) returns its result, held in memory; a store's run opens its store."""
         self.close()
         if not self.in_memory:
-            from ..api import open_store
+            from ..store.read import open_store
             return open_store(self.store, self.plan.storage_options)
         if self._result is None:
             raise StoreError("the run's in-memory result could not be read back (see the warning logged at "

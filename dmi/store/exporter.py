@@ -31,7 +31,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -49,7 +48,7 @@ from ..ring.budget import Drop
 from .chunks import ArrayFile, LZ4, default_threads, lower_priority, storage_dtype, unlink_all
 from .location import Remote, open_location
 from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, create_remote, jsonable,
-                        reserve, store_gone, stored_request_ids, unreserve)
+                        reserve, store_gone, stored_request_ids, unreserve, writer_info)
 from .rows import PHASE_NAMES, computed_rows, copy_all, output_views
 
 
@@ -834,6 +833,3 @@ class ZarrExporter:
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=wait)
 
-
-def writer_info() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname()}

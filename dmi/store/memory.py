@@ -65,7 +65,7 @@ class MemoryExporter(ZarrExporter):
         """The closed store as an in-memory ``xarray.DataTree`` (as ``dmi.open`` opens it); the
         temporary directory is removed whatever happens."""
         try:
-            from ..api import open_store
+            from .read import open_store
             import xarray as xr
             tree = open_store(self.path)
             # each node read by itself (DataTree.load() left a node's variable of the node's own

@@ -208,7 +208,6 @@ def create_remote(loc: Remote, build) -> None:
     the URL (``check_writable`` allowed it: overwrite, or a creation that died) is removed first."""
     from zarr.storage import MemoryStore
 
-    from .exporter import writer_info
     objects: dict = {}
     build(MemoryStore(objects))
     loc.remove()
@@ -305,3 +304,8 @@ def disk_usage(path: Path) -> int:
 
 def jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))
+
+
+def writer_info() -> dict:
+    """Who writes the store (its markers and attributes name the process)."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}

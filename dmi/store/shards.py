@@ -53,8 +53,8 @@ import numpy as np
 from ..errors import DmiError, StoreError
 from .chunks import ArrayFile, storage_dtype, write_atomic
 from .location import is_remote
-from .exporter import DROP_CHUNK, DROP_COLUMNS, ZarrExporter, writer_info
-from .preflight import check_writable, create_atomically, jsonable
+from .exporter import DROP_CHUNK, DROP_COLUMNS, ZarrExporter
+from .preflight import check_writable, create_atomically, jsonable, writer_info
 from .rows import PHASE_NAMES, copy_rows
 
 

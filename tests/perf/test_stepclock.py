@@ -166,8 +166,8 @@ def test_engine_steps_carry_dmi_host_time_that_adds_up_to_the_session_totals(tmp
         assert 0 < row["launch_cpu"] <= row["exec_cpu"] and row["exec_cpu"] <= row["exec"] * 1.1 + 0.05   # CPU within wall
         assert row["threads"] >= 0
         assert row["graphs"] == 0 and row["replay"] == 0      # enforce_eager: the forward replays no CUDA graph
-        mixed = row["tokens"] > row["reqs"]
-        assert (row["pre"] - begin >= busy_ms) == mixed, row      # busy work before a prefill step's forward only
+        if row["tokens"] > row["reqs"]:      # busy work before a prefill step's forward (a decode step's
+            assert row["pre"] - begin >= busy_ms, row     # time before its forward depends on the machine's load)
     probed = [i for i, row in enumerate(rows) if "probe" in row]
     assert probed == list(range(0, len(rows), 2))                # every second step, before its clock started
     for i in probed:
