@@ -324,6 +324,9 @@ def _capture_on_ray(args: argparse.Namespace, prompts: list[Prompt], spec: Path,
                               sampling={"max_tokens": args.max_new_tokens, "temperature": 0.0},
                               overwrite=args.overwrite, progress=not args.quiet, **engine)
     print(f"captured {summary['requests']} requests with {args.workers} Ray worker(s) into {out}")
+    files = summary["chunk_files"]
+    print(f"merged {len(summary['parts'])} part(s): {files['linked']} chunk files hard-linked, "
+          f"{files['server_copied']} copied by the storage, {files['copied']} read and written")
     from .store.inspect import format_summary, summarize
     print(format_summary(summarize(out, options)))
     return 0

@@ -7,9 +7,11 @@ rows are committed in the part (``Run.flush``): the actor then writes the batch'
 no record (an actor killed mid-batch) are discarded; Ray runs that batch again on a fresh actor,
 which writes a fresh part. At the end the driver merges: for each request id the first commit
 record naming it (records in name order) says which part's rows are kept, so each request is
-stored once however often its batch ran. The merge copies the kept rows into ``store`` (one
-closed Zarr store, as one run writes), renumbering each part's steps after the previous part's,
-then removes the parts (``keep_parts=True`` keeps them). docs/ray.md.
+stored once however often its batch ran. The merge writes the kept rows into ``store`` (one
+closed Zarr store, as one run writes): a part's whole chunks whose rows all count as files (hard
+links, or server-side copies on an object store), the other rows by value; each part's steps are
+renumbered after the previous part's. Then the parts are removed (``keep_parts=True`` keeps them).
+docs/ray.md.
 """
 from __future__ import annotations
 
@@ -78,15 +80,6 @@ class CaptureActor:
         self.batches += 1
         self.seen.update(ids)
         return {"id": ids, "part": [self.name] * len(ids), "generated": [generated.get(i, "") for i in ids]}
-
-    def __del__(self):
-        run = getattr(self, "run", None)
-        if run is not None:
-            try:
-                run.close()
-            except Exception:       # (interpreter shutdown)
-                pass
-
 
 def capture_dataset(dataset, model: Any, hook_spec, store: str | Path, *, num_workers: int = 1,
                     batch_size: int = 16, sampling: dict | None = None, num_cpus: float | None = None,
@@ -165,8 +158,11 @@ def commit_records(loc) -> list[dict]:
 
 
 def merge_parts(store: str, options: dict | None = None, *, keep_parts: bool = False) -> dict:
-    """Copy the committed rows of every part under ``<store>.parts`` into one store at ``store``:
-    each request id's rows from the first commit record that names it. Returns a summary."""
+    """Merge the committed rows of every part under ``<store>.parts`` into one store at ``store``:
+    each request id's rows from the first commit record that names it. The parts are read, never
+    changed (until removed at the end), so a merge that was interrupted can run again. Returns a
+    summary; ``chunk_files`` counts the chunk files placed whole (``linked``, ``server_copied``,
+    ``copied``; ``absent``: never written, so they read as the fill value in both)."""
     import zarr
 
     from . import zdtype
@@ -208,29 +204,25 @@ def merge_parts(store: str, options: dict | None = None, *, keep_parts: bool = F
     out_loc = open_location(store, options)
     out = zarr.open_group(out_loc.zarr(), mode="w", zarr_format=3)
     first = parts[names[0]]
+    layouts = {group: _layout(keep, names, group, arrs[next(iter(arrs))].chunks[0])
+               for group, arrs in arrays[names[0]].items()}
+    placed = {"linked": 0, "server_copied": 0, "copied": 0, "absent": 0}
     for path, src in first.members(max_depth=None):
         if isinstance(src, zarr.Group):
             out.require_group(path).attrs.update(src.attrs.asdict())
             continue
         dims = list(src.metadata.dimension_names or ())
-        shape = (totals[path.rsplit("/", 1)[0]], *src.shape[1:]) if dims and dims[0] in ROW_DIMS else src.shape
-        dst = out.create_array(path, shape=shape, chunks=src.chunks, dtype=src.metadata.data_type,
-                               compressors=src.compressors, fill_value=src.metadata.fill_value,
-                               dimension_names=dims or None, attributes=src.attrs.asdict())
-        if not (dims and dims[0] in ROW_DIMS):
+        group, name = path.rsplit("/", 1) if "/" in path else ("", path)
+        layout = layouts.get(group) if dims and dims[0] in ROW_DIMS else None
+        dst = out.create_array(path, shape=(layout.rows, *src.shape[1:]) if layout else src.shape,
+                               chunks=src.chunks, dtype=src.metadata.data_type, compressors=src.compressors,
+                               fill_value=src.metadata.fill_value, dimension_names=dims or None,
+                               attributes=src.attrs.asdict(), chunk_key_encoding=src.metadata.chunk_key_encoding)
+        if layout is None:
             dst[...] = src[...]
             continue
-        group, name = path.rsplit("/", 1)
-        at = 0
-        for n in names:
-            mask = keep[n, group]
-            if not mask.any():
-                continue
-            data = np.asarray(arrays[n][group][name][: len(mask)])[mask]
-            if name == "step":
-                data = data + offsets[n]
-            dst[at: at + len(data)] = data
-            at += len(data)
+        _copy_rows(dst, {n: arrays[n][group][name] for n in names}, layout,
+                   offsets if name == "step" else None, parts_loc, out_loc, path, placed)
     attrs = first.attrs.asdict()
     attrs.update({"dmi_status": "closed", "texts": texts, "steps": next_step,
                   "stall_seconds": sum(float(g.attrs.get("stall_seconds") or 0.0) for g in parts.values()),
@@ -244,8 +236,21 @@ def merge_parts(store: str, options: dict | None = None, *, keep_parts: bool = F
         warnings.simplefilter("ignore")        # consolidated metadata is not in the v3 spec yet
         zarr.consolidate_metadata(out_loc.zarr())
     if not keep_parts:
-        parts_loc.remove()
-    return {"store": store, "requests": len(owner), "parts": names, "rows": totals}
+        _remove(parts_loc)
+    return {"store": store, "requests": len(owner), "parts": names, "rows": totals, "chunk_files": placed}
+
+
+def _remove(loc) -> None:
+    """Remove the parts. A removal racing a file being written there (an actor Ray has not ended
+    yet) leaves the directory behind: try again, briefly."""
+    import time
+    for _ in range(20):
+        loc.remove()
+        if not _keys(loc) and (loc.remote or not loc.path.exists()):
+            return
+        time.sleep(0.25)
+    warnings.warn(f"capture_dataset: {loc} could not be removed; remove it once the job's actors have ended",
+                  stacklevel=3)
 
 
 def _row_arrays(group) -> dict[str, dict]:
@@ -257,3 +262,57 @@ def _row_arrays(group) -> dict[str, dict]:
             g, name = path.rsplit("/", 1)
             out.setdefault(g, {})[name] = obj
     return out
+
+
+class _Layout:
+    """Where a group's kept rows go in the merged store: first each part's whole chunks whose rows
+    are all kept (``slots``: (part, chunk index), in part order), each to a whole chunk of the merged
+    array (so its file is placed as it is, not decoded); then every other kept row (``rest``: part ->
+    row indices), part after part."""
+
+    def __init__(self, chunk: int, slots: list, rest: dict):
+        self.chunk, self.slots, self.rest = chunk, slots, rest
+        self.rows = len(slots) * chunk + sum(len(r) for r in rest.values())
+
+
+def _layout(keep: dict, names: list[str], group: str, chunk: int) -> _Layout:
+    slots, rest = [], {}
+    for n in names:
+        mask = keep[n, group]
+        whole = mask[: len(mask) // chunk * chunk].reshape(-1, chunk).all(axis=1)
+        slots += [(n, int(i)) for i in np.flatnonzero(whole)]
+        inside = np.zeros(len(mask), bool)
+        inside[: len(whole) * chunk] = np.repeat(whole, chunk)
+        rest[n] = np.flatnonzero(mask & ~inside)
+    return _Layout(chunk, slots, rest)
+
+
+def _copy_rows(dst, srcs: dict, layout: _Layout, offsets: dict | None, parts_loc, out_loc, path: str,
+               placed: dict) -> None:
+    """Fill one row array of the merged store per ``layout``. A whole chunk goes over as its file
+    (a hard link, or a server-side copy) where the part's array is encoded exactly as ``dst``; the
+    ``step`` coordinate (shifted by ``offsets``) and the rest are written by value."""
+    r = layout.chunk
+    files = []
+    for slot, (n, i) in enumerate(layout.slots):
+        src = srcs[n]
+        same = (offsets is None and src.metadata.codecs == dst.metadata.codecs and src.chunks == dst.chunks
+                and src.chunks[1:] == src.shape[1:])
+        if same:
+            files.append((f"{n}.zarr/{path}/{src.metadata.encode_chunk_key((i,) + (0,) * (src.ndim - 1))}",
+                          f"{path}/{dst.metadata.encode_chunk_key((slot,) + (0,) * (dst.ndim - 1))}"))
+            continue
+        data = src[i * r: (i + 1) * r]
+        dst[slot * r: (slot + 1) * r] = data + offsets[n] if offsets is not None else data
+    if files:
+        from .store.location import place_files
+        for how, k in place_files(parts_loc, out_loc, files).items():
+            placed[how] += k
+    at = len(layout.slots) * r
+    pieces = []
+    for n, idx in layout.rest.items():
+        if len(idx):
+            data = srcs[n].oindex[idx]
+            pieces.append(data + offsets[n] if offsets is not None else data)
+    if pieces:
+        dst[at:] = np.concatenate(pieces)
