@@ -342,6 +342,7 @@ class Intervention:
         self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self.index = torch.zeros(rows, dtype=torch.int64, device=device) if self.is_table else None
         self._last_mask: np.ndarray | None = None
+        self._cleared = True               # the mask is all false
         self._last_index: np.ndarray | None = None
         shape = plan.shape
         self.value = None
@@ -411,10 +412,18 @@ class Intervention:
             keep &= named
         return keep
 
+    def clear(self) -> None:
+        """The whole mask false (no row touched, at any step size), written once while disabled."""
+        if not self._cleared:
+            self.mask.zero_()
+            self._last_mask = None
+            self._cleared = True
+
     def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The step's mask (and table index, and each row's slot of values: ``slots`` over
         ``st``'s rows) over its ``n_rows`` engine rows, copied to the device when it differs from
         the last step's."""
+        self._cleared = False
         if n_rows > self.mask.shape[0]:
             self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)     # eager steps only
             if self.index is not None:
@@ -552,6 +561,9 @@ class Interventions:
         st's rows} an engine adds (vLLM: requests that asked for it); ``slots``: {name: each of
         st's rows' slot of values} (vLLM: requests that set their own)."""
         for iv in self.by_name.values():
+            if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
+                iv.clear()
+                continue
             keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name))
             iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
 
