@@ -9,7 +9,7 @@ array's codecs after ``bytes`` (Blosc, Zstd: those zarr-python stores), writes a
 answers with the temp files and their sizes; the model's process renames them over the chunk
 keys in write order, so the files are byte for byte what the thread writer writes.
 
-It imports numpy and numcodecs only (no zarr, no torch): it starts in a fraction of a second. It
+It imports numpy, numcodecs and :mod:`dmi.shared_memory` only (no zarr, no torch): it starts in a fraction of a second. It
 exits at end-of-file on its socket (the model's process closed the pool, or died: the temp files
 it leaves are removed when the store is resumed).
 
@@ -17,7 +17,6 @@ Run as ``python -m dmi.store.chunkwriter FD ARENA``.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import sys
@@ -26,6 +25,8 @@ from multiprocessing.connection import Connection
 import numcodecs
 import numcodecs.blosc
 import numpy as np
+
+from ..shared_memory import map_shared
 
 
 def numcodec(c: dict, where):
@@ -118,8 +119,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, path = int(argv[0]), argv[1]
-    with open(path, "r+b") as f:
-        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
+    mapping = map_shared(path)
     conn = Connection(fd)
     try:
         serve(conn, np.frombuffer(mapping, np.uint8))

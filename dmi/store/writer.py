@@ -51,7 +51,7 @@ from ..ring.budget import DropLog
 from ..ring.bytering import ByteRing
 from ..ring.layout import slot_views
 from ..ring.records import META_DTYPE
-from ..ring.share import map_shared, shared_file
+from ..shared_memory import map_shared, shared_file
 from .chunks import lower_priority
 from .exporter import TICK_S, sink_policy
 from .location import is_remote, scheme_of
@@ -375,7 +375,7 @@ class ProcessExporter:
 
 
 def _handoff_buffer(size: int) -> tuple[str, mmap.mmap]:
-    """The shared handoff buffer (:func:`dmi.ring.share.shared_file`), or a StoreError with the fix."""
+    """The shared handoff buffer (:func:`dmi.shared_memory.shared_file`), or a StoreError with the fix."""
     try:
         return shared_file(size, "dmi-handoff-")
     except OSError as e:
