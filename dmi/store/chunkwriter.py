@@ -113,9 +113,12 @@ def serve(conn: Connection, arena: np.ndarray) -> None:
                        isinstance(e, OSError)))
 
 
-def main(argv: list[str]) -> None:
-    # Ctrl-C or a stop signal is the model's process's to handle: it closes the pool, or dies and
-    # this process sees end-of-file
+def run_child(argv: list[str], serve) -> None:
+    """A store child process started as ``FD PATH`` (this one, the writer process of
+    :mod:`dmi.store.writer`): ``serve(conn, shared)`` over the socket ``FD``, with the shared file
+    ``PATH`` mapped. Ctrl-C or a stop signal is the model's process's to handle (the child runs in
+    its own session, and ignores them where they still reach it, e.g. a whole cgroup stopped): that
+    process closes the child, or dies and the child sees end-of-file."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, path = int(argv[0]), argv[1]
@@ -125,6 +128,10 @@ def main(argv: list[str]) -> None:
         serve(conn, np.frombuffer(mapping, np.uint8))
     finally:
         conn.close()
+
+
+def main(argv: list[str]) -> None:
+    run_child(argv, serve)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import collections
 import logging
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -51,9 +50,11 @@ from ..ring.budget import DropLog
 from ..ring.bytering import ByteRing
 from ..ring.layout import slot_views
 from ..ring.records import META_DTYPE
-from ..shared_memory import map_shared, shared_file
+from ..shared_memory import shared_file
 from .chunks import lower_priority
-from .exporter import TICK_S, sink_policy
+from .chunkwriter import run_child
+from .commits import TICK_S
+from .drops import sink_policy
 from .location import is_remote, scheme_of
 
 
@@ -561,23 +562,12 @@ def _load_plugins(plan) -> None:
 
 
 def main(argv: list[str]) -> None:
-    # Ctrl-C or a stop signal is the model's process's to handle (this one runs in its own session,
-    # and ignores them where they still reach it, e.g. a whole cgroup stopped): that process closes
-    # the run, and this one with it, or dies and this one sees end-of-file
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # all of this process is store work: the model's threads keep their cores (its threads started
     # at import, e.g. zarr's event loop, too; the ones it starts later inherit the main thread's)
     tasks = Path("/proc/self/task")
     for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [None]:
         lower_priority(tid=tid)
-    fd, path = int(argv[0]), argv[1]
-    mapping = map_shared(path)
-    conn = Connection(fd)
-    try:
-        _serve(conn, np.frombuffer(mapping, np.uint8))
-    finally:
-        conn.close()
+    run_child(argv, _serve)
 
 
 if __name__ == "__main__":
