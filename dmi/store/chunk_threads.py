@@ -23,7 +23,7 @@ FREE_BYTES = 512 << 20          # chunk buffers kept for reuse: fresh ones cost 
 
 
 FIX_IO = ("Fix: free space or restore write permission there (policy.on_store_error: drop keeps the model "
-           "running without the store)")
+          "running without the store)")
 
 
 class ChunkThreads:
