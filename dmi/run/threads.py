@@ -15,7 +15,7 @@ from ..ring.layout import SiteSlot, StepControl
 from ..ring.records import EXPORTED
 from ..ring.share import StepSender
 from ..stall import Stall
-from ..store.exporter import TICK_S
+from ..store.commits import TICK_S
 
 
 _STOP = object()
