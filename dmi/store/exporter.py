@@ -167,10 +167,15 @@ class ZarrExporter(StepAssembly, Commits, Drops, ChunkThreads, StoreLayout):
                 self.drops_group.shape_rows = n
             self._shutdown(wait=True)
             attrs["dmi_committed"] = self._marker(summary)
-            self.root.attrs.update(attrs)
+            status = {"dmi_status": attrs.pop("dmi_status")}
+            self.root.attrs.update(attrs)         # all but the status: until it is written the store reads as open
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # consolidated metadata is not in the v3 spec yet
                 zarr.consolidate_metadata(self.loc.zarr())
+            # the status and the consolidated metadata in one write of the root's zarr.json: a process
+            # killed in between leaves an open store, never a closed one without its metadata
+            self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=True)
+            self.root.attrs.update(status)
         except OSError as e:
             self._shutdown(wait=False)
             if self.error is None:
