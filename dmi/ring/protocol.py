@@ -71,8 +71,9 @@ class Ring:
         self.urgent = threading.Event()
         self.hurry = False
         # a step waits for room: the drain polls fast until it has it. Woken once, the drain often
-        # finds the oldest step still running on the GPU (the model's thread is ahead of it), and
-        # would otherwise sleep a whole wait (wait_s) before looking again, at every streamed part
+        # finds the oldest step still running on the GPU (the model's thread is ahead of it, and the
+        # device publishes the step's end), and would otherwise sleep a whole wait (wait_s) before
+        # looking again, at every streamed part
         self.waiting = False
         # the last step begun ahead of its forward: what retract_ahead restores, take_ahead records
         self._ahead_undo: _AheadUndo | None = None
@@ -257,7 +258,9 @@ class Ring:
         if stall is None:
             stall = Stall(f"step {step} waiting for ring space (drain)", self.stall_timeout,
                           lambda: self.describe_room(nbytes, n_meta))
-        self.waiting = True
+        # (a ring whose steps end on the model's thread needs no fast looks: woken once, the drain
+        # finds them ended, and a drain polling the GIL every 0.5 ms slowed a host-bound soak by half)
+        self.waiting = self.device_publishes_end
         self.urgent.set()
         self.cond.wait(self.wait_s)
         stall.check((self.bytes.tail, self.freed_seq))
