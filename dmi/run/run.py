@@ -51,10 +51,9 @@ class Run(EngineHooks):
         device = next(model.parameters()).device
         plan.writer, why = choose_writer(plan.writer, device, store, tp is not None, memory_bytes is not None)
         auto = {"store.writer": {"value": plan.writer, "why": why}} if why else {}
-        if plan.writer == "pool" and why:
+        if plan.writer == "pool" and why and not plan.writers:
             from ..store.pool import default_writers
-            auto["store.writers"] = {"value": plan.writers or default_writers(),
-                                     "why": "set" if plan.writers else "half the cores, at least 2 and at most 8"}
+            auto["store.writers"] = {"value": default_writers(), "why": "half the cores, at least 2 and at most 8"}
         remote = plan.policy.drain == "process"     # the drain runs in the writer's child (dmi.ring.share)
         if remote and tp is not None:
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
