@@ -412,18 +412,17 @@ class Intervention:
             keep &= named
         return keep
 
-    def clear(self) -> None:
-        """The whole mask false (no row touched, at any step size), written once while disabled."""
+    def clear(self, n_rows: int) -> None:
+        """The whole mask false (no row touched) over at least ``n_rows`` rows, written once while
+        disabled."""
+        self._fit(n_rows)
         if not self._cleared:
             self.mask.zero_()
             self._last_mask = None
             self._cleared = True
 
-    def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
-        """The step's mask (and table index, and each row's slot of values: ``slots`` over
-        ``st``'s rows) over its ``n_rows`` engine rows, copied to the device when it differs from
-        the last step's."""
-        self._cleared = False
+    def _fit(self, n_rows: int) -> None:
+        """Buffers of at least ``n_rows`` rows (fresh ones are all false)."""
         if n_rows > self.mask.shape[0]:
             self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)     # eager steps only
             if self.index is not None:
@@ -432,6 +431,13 @@ class Intervention:
                 self.slot = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
                 self._last_slot = None
             self._last_mask = None
+
+    def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
+        """The step's mask (and table index, and each row's slot of values: ``slots`` over
+        ``st``'s rows) over its ``n_rows`` engine rows, copied to the device when it differs from
+        the last step's."""
+        self._cleared = False
+        self._fit(n_rows)
         if self.slot is not None:
             slot = np.zeros(n_rows, np.int64)
             if slots is not None:
@@ -562,7 +568,7 @@ class Interventions:
         st's rows' slot of values} (vLLM: requests that set their own)."""
         for iv in self.by_name.values():
             if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
-                iv.clear()
+                iv.clear(n_rows)
                 continue
             keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name))
             iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
