@@ -329,6 +329,13 @@ def fit_value(arr: np.ndarray, kind: str, shape: tuple, sdims: tuple, head_axis:
                 "give a vector of the site's trailing shape")
 
 
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as read by CUDA graphs at a fixed address (updated in place between steps)."""
+    if t.device.type == "cuda":
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 class Intervention:
     """One entry's device state: its values (shared by its layers) and the rows it applies to this step."""
 
@@ -372,11 +379,10 @@ class Intervention:
             hm[list(plan.heads)] = True
             self.head_mask = torch.tensor(hm, device=device)
         self.layouts = layouts
-        if device.type == "cuda":      # read by CUDA graphs: static addresses, updated in place
-            held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
-            for t in (self.mask, self.index, self.head_mask, self.slot, *held):     # (not the views of slot 0)
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+        held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
+        for t in (self.mask, self.index, self.head_mask, self.slot, *held):     # (not the views of slot 0)
+            if t is not None:
+                _static(t)
 
     def load_slot(self, k: int, values: dict) -> None:
         """Write a request's values (:func:`client_values`) into slot ``k`` (between steps)."""
@@ -422,13 +428,15 @@ class Intervention:
             self._cleared = True
 
     def _fit(self, n_rows: int) -> None:
-        """Buffers of at least ``n_rows`` rows (fresh ones are all false)."""
+        """Buffers of at least ``n_rows`` rows (fresh ones are all false), at static addresses as
+        those made at load: a CUDA graph recorded after a large eager step (generate()'s prefill,
+        then its compiled decode) reads them in place instead of copying each one in per replay."""
         if n_rows > self.mask.shape[0]:
-            self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)     # eager steps only
+            self.mask = _static(torch.zeros(n_rows, dtype=torch.bool, device=self.device))
             if self.index is not None:
-                self.index = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
+                self.index = _static(torch.zeros(n_rows, dtype=torch.int64, device=self.device))
             if self.slot is not None:
-                self.slot = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
+                self.slot = _static(torch.zeros(n_rows, dtype=torch.int64, device=self.device))
                 self._last_slot = None
             self._last_mask = None
 

@@ -520,10 +520,10 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
 
 def sampling(fn, where: str | None, name: str, gil: bool):
     """``fn``, or with ``--pyspy DIR`` a call of it that py-spy records into DIR/NAME[-gil].txt
-    (perf/pyspy.py summary/compare read them): odd rounds sample only the GIL's holder."""
+    (perf/common/pyspy.py summary/compare read them): odd rounds sample only the GIL's holder."""
     if not where:
         return fn
-    import pyspy
+    from common import pyspy
     out = Path(where) / f"{name}{'-gil' if gil else ''}.txt"
     return lambda: pyspy.sampled(fn, out, gil=gil)
 
