@@ -108,7 +108,8 @@ def test_mixed_batch_steers_only_the_requests_that_ask(compiled, tmp_path):
             np.testing.assert_allclose(mine[key], theirs[key][:n], atol=2e-5, rtol=1e-4)
 
 
-def test_interventions_apply_after_a_full_store_stopped_capture(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_interventions_apply_after_a_full_store_stopped_capture(compiled, tmp_path):
     """``policy.on_store_error: drop``: a full store stops capture (the store closes, saying why),
     but the interventions keep steering their requests until the engine shuts down: a steered
     request's tokens and logprobs after the stop equal a run whose store never filled, and differ
@@ -127,7 +128,7 @@ def test_interventions_apply_after_a_full_store_stopped_capture(tmp_path):
     for label, store in (("stopped", {"chunk_bytes": "4KiB", "max_bytes": "192KiB"}), ("whole", {})):
         spec = _spec(vec) | {"store": store, "policy": {"mode": "full", "on_store_error": "drop"}}
         where = tmp_path / f"{label}.zarr"
-        run = dmi.load(path, hook_spec=spec, store=where, backend="vllm", **ENGINE)
+        run = dmi.load(path, hook_spec=spec, store=where, backend="vllm", **dict(ENGINE, enforce_eager=not compiled))
         try:
             run.llm.generate(filler, [params(i % 2 == 0, 48) for i in range(len(filler))], use_tqdm=False)
             run.llm.generate(filler[:1], params(True, 4), use_tqdm=False)    # (a step after the exporter failed)
