@@ -108,6 +108,57 @@ def test_mixed_batch_steers_only_the_requests_that_ask(compiled, tmp_path):
             np.testing.assert_allclose(mine[key], theirs[key][:n], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_interventions_apply_after_a_full_store_stopped_capture(compiled, tmp_path):
+    """``policy.on_store_error: drop``: a full store stops capture (the store closes, saying why),
+    but the interventions keep steering their requests until the engine shuts down: a steered
+    request's tokens and logprobs after the stop equal a run whose store never filled, and differ
+    from the same prompt unsteered in the same batch."""
+    from vllm import SamplingParams
+    from dmi.adapters.vllm.metrics import store_state
+    vec = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    path = save_builtin("tiny-qwen3")
+
+    def params(steer, n):
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1,
+                              extra_args={"dmi": {"interventions": ["steer"]}} if steer else None)
+    filler = [{"prompt_token_ids": list(range(40 + i, 70 + i))} for i in range(8)]    # 240 prompt rows, then 8 a step
+    checked = PROMPTS + PROMPTS                  # steered, then the same prompts unsteered, in one batch
+    results = {}
+    for label, store in (("stopped", {"chunk_bytes": "4KiB", "max_bytes": "192KiB"}), ("whole", {})):
+        spec = _spec(vec) | {"store": store, "policy": {"mode": "full", "on_store_error": "drop"}}
+        where = tmp_path / f"{label}.zarr"
+        run = dmi.load(path, hook_spec=spec, store=where, backend="vllm", **dict(ENGINE, enforce_eager=not compiled))
+        try:
+            run.llm.generate(filler, [params(i % 2 == 0, 48) for i in range(len(filler))], use_tqdm=False)
+            run.llm.generate(filler[:1], params(True, 4), use_tqdm=False)    # (a step after the exporter failed)
+            state = store_state(where)
+            if label == "stopped":
+                assert state["status"] == "closed" and not state["active"], state
+                assert "store full" in state["reason"] and state["stopped_at_step"] is not None, state
+            else:
+                assert state["status"] == "open" and state["active"], state
+            outs = run.llm.generate(checked, [params(j < len(PROMPTS), 8) for j in range(len(checked))],
+                                    use_tqdm=False)
+        finally:
+            run.shutdown()
+        results[label] = [(list(o.outputs[0].token_ids),
+                           [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                          for o in sorted(outs, key=lambda o: _num(o.request_id))]
+    stopped, whole = results["stopped"], results["whole"]
+    for j, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(stopped, whole)):
+        assert tokens == ref_tokens, f"request {j}: tokens changed after capture stopped"
+        np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=1e-6, err_msg=f"request {j}")
+    for j in range(len(PROMPTS)):                # the steering is real: the same prompt unsteered differs
+        assert stopped[j][1] != stopped[j + len(PROMPTS)][1], j
+    tree = dmi.open(tmp_path / "stopped.zarr")
+    assert tree.attrs["dmi_status"] == "closed"
+    stop = tree.attrs["capture_stopped"]
+    assert "store full" in stop["reason"] and 0 <= stop["committed_step"] < stop["step"]
+    assert int(tree["final_norm"].dataset.step.max()) <= stop["committed_step"]    # nothing after the stop
+    assert "capture_stopped" not in dmi.open(tmp_path / "whole.zarr").attrs
+
+
 def test_request_options_name_only_offered_interventions():
     """The check vLLM's request validation runs (offline: ValueError; serve: HTTP 400), on the
     options as they come through ``extra_args`` or flat ``vllm_xargs``."""

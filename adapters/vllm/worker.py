@@ -61,6 +61,7 @@ class Session:
         self._batch = None
         self._unwrap = None
         self.closed = False
+        self.capturing = True                   # False once capture stopped (stop_capture): the store is closed
         self.error: BaseException | None = None
         self.padded_steps = 0                   # steps run on a CUDA graph padded past their real tokens
         self.padding_rows = 0                   # those padding rows (never selected, never copied)
@@ -74,7 +75,7 @@ class Session:
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, scheduler_output) -> None:
         t0 = self.clock.now()
-        last = self.steps.last_ids
+        last = self.steps.last_ids if self.capturing else None
         if last is not None and compat.repeats_last_step(runner, scheduler_output, last):
             self._batch = (runner, scheduler_output)      # read only if the step cannot repeat the last
             self.clock.add("batch", t0)
@@ -98,6 +99,12 @@ class Session:
             self.clock.add("begin", t0, repeated=self.steps_repeated > repeated)
 
     def _begin(self, batch, num_tokens_padded: int, input_ids=None) -> None:
+        if not self.capturing:      # capture stopped: the interventions and the return channel go on
+            if self.writes is not None:
+                self.writes.begin(batch, num_tokens_padded)
+            if self.returns is not None:
+                self.returns.begin(batch)
+            return
         if isinstance(batch, tuple):       # on_batch saw the last step's requests decoding again
             got = self.steps.repeat(num_tokens_padded)
             if got is not None:
@@ -145,7 +152,7 @@ class Session:
           block, so padding rows are never copied.
         """
         launching = getattr(self.run.ring, "launching_without_step", None)    # kernel rings only
-        if self.closed or launching is None:
+        if self.closed or not self.capturing or launching is None:
             yield
             return
         with launching():
@@ -157,6 +164,9 @@ class Session:
         t0 = self.clock.now()
         if self.returns is not None:
             self.returns.end()
+        if not self.capturing:
+            self.clock.add("end", t0)
+            return
         # the device side of the end marker (CUDA ring), called directly: this runs after
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
@@ -184,7 +194,17 @@ class Session:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         log.error("dmi: capture stopped at step %d, the engine serves on without it (policy.on_store_error: "
                   "drop): %s", self.run._step, reason)
-        self.close_quietly()
+        if self.writes is None and self.returns is None:
+            self.close_quietly()
+            return
+        # the interventions and the return channel keep serving their requests until the engine
+        # shuts down (close): the model stays patched, only the store closes now
+        self.capturing = False
+        try:
+            self._close_run(keep_model=True)
+        except BaseException as e:       # the engine serves on: report, as close_quietly does
+            self.error = e
+            log.error("dmi: closing the capture store %s failed: %s", self.run.store, e)
 
     def close(self) -> None:
         with _lock:
@@ -198,8 +218,15 @@ class Session:
         if self.returns is not None:
             self.returns.close()
         self.clock.stop()
-        try:
+        if not self.capturing:      # the store closed when capture stopped: the model's patches go now
             self.run.close()
+            return
+        self._close_run()
+
+    def _close_run(self, keep_model: bool = False) -> None:
+        """Close the run's store and note the engine's stats in it (``keep_model``: :meth:`Run.close`'s)."""
+        try:
+            self.run.close(keep_model=keep_model)
         finally:
             if self.rank == 0:      # under tensor parallelism rank 0 finalizes the merged store
                 _note_engine_stats(self.run.store, {

@@ -118,6 +118,7 @@ class Run(EngineHooks):
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
         self.close_attrs: dict = {}             # root attributes an engine adapter adds to the close summary
         self._on_close: list = []               # what detaches the adapter's patches (on_close)
+        self._released = False                  # ring freed, patches undone, run unregistered (_release)
         self._init_hooks(device, self.itemsize, first_step=self.exporter.next_step)
         self.threads = DrainExport(self.ring, self.exporter, plan, lambda: self.requests.ids, self.subscribers,
                                    str(self.id))
@@ -222,17 +223,23 @@ class Run(EngineHooks):
         ``ids=None`` with ``capture`` keeps the made-up ids."""
         self.requests.set_next(None if ids is None else list(ids), capture)
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None, *, keep_model: bool = False) -> None:
         """Flush everything captured and close the store. ``error``: the caller failed (the
-        store is then marked ``failed``, not ``closed``, though all it holds is consistent)."""
+        store is then marked ``failed``, not ``closed``, though all it holds is consistent).
+
+        ``keep_model``: close the store only. Capture stops (null mode: no step is begun again),
+        but the patched model keeps running its interventions, and the ring's device memory
+        (which captured CUDA graphs address) stays, until ``close()`` is called again."""
         if self.threads.closed:
+            if not keep_model:
+                self._release()
             return
+        if keep_model:
+            self.set_enabled(False)
         self.end_open_step(aborted=error is not None)
         self.threads.stop()
-        self.ring.close()
-        for detach in self._on_close:
-            detach()
-        unregister_run(self.id)
+        if not keep_model:
+            self._release()
         try:       # tail chunks on disk and every step committed (or, if the store failed, accounted as dropped)
             self.exporter.finish(self.ring.stats.drops)
         except StoreError as e:
@@ -266,6 +273,16 @@ class Run(EngineHooks):
                     self._result = self.exporter.take_result()
                 except Exception as e:      # noqa: BLE001 - the run's own error (if any) is what propagates
                     log.warning("dmi: the in-memory result cannot be read back: %s", e)
+
+    def _release(self) -> None:
+        """Free the ring, undo the adapter's patches and unregister the run (once, after the threads stopped)."""
+        if self._released:
+            return
+        self._released = True
+        self.ring.close()
+        for detach in self._on_close:
+            detach()
+        unregister_run(self.id)
 
     def result(self):
         """What the run captured, as an ``xarray.DataTree`` with the groups, variables and
