@@ -154,8 +154,9 @@ def test_interventions_apply_after_a_full_store_stopped_capture(compiled, tmp_pa
     tree = dmi.open(tmp_path / "stopped.zarr")
     assert tree.attrs["dmi_status"] == "closed"
     stop = tree.attrs["capture_stopped"]
-    assert "store full" in stop["reason"] and 0 <= stop["committed_step"] < stop["step"]
-    assert int(tree["final_norm"].dataset.step.max()) <= stop["committed_step"]    # nothing after the stop
+    # committed_step is -1 where the store filled before its first commit (how far commits got is timing)
+    assert "store full" in stop["reason"] and -1 <= stop["committed_step"] < stop["step"]
+    assert (tree["final_norm"].dataset.step.values <= stop["committed_step"]).all()    # nothing after the stop
     assert "capture_stopped" not in dmi.open(tmp_path / "whole.zarr").attrs
 
 
