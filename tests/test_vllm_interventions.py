@@ -133,6 +133,12 @@ def test_interventions_apply_after_a_full_store_stopped_capture(compiled, tmp_pa
             run.llm.generate(filler, [params(i % 2 == 0, 48) for i in range(len(filler))], use_tqdm=False)
             run.llm.generate(filler[:1], params(True, 4), use_tqdm=False)    # (a step after the exporter failed)
             state = store_state(where)
+            # the exporter fails on its own thread, the engine sees it at a step's end: steps until it
+            # has (bounded: a stop that never comes fails here instead of hanging)
+            deadline = time.monotonic() + 120
+            while label == "stopped" and state["status"] != "closed" and time.monotonic() < deadline:
+                run.llm.generate(filler[:1], params(True, 4), use_tqdm=False)
+                state = store_state(where)
             if label == "stopped":
                 assert state["status"] == "closed" and not state["active"], state
                 assert "store full" in state["reason"] and state["stopped_at_step"] is not None, state
