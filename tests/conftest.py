@@ -12,7 +12,14 @@ from dmi.models import build_tiny_model, tiny_tokenizer
 import failure_log
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# torch's intra-op threads: 2, or each pytest-xdist worker's share of the cores (scripts/test.sh runs
+# two workers on CI's two cores), also for the processes the tests start (OMP_NUM_THREADS). Two
+# workers of two OpenMP threads each on two cores wait in each other's barriers: every op that
+# forks slows to the scheduler's time slice.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // WORKERS))))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if WORKERS > 1 else 2)
 
 
 def settle_mkl_vml() -> None:
@@ -104,3 +111,19 @@ def write_spec(tmp_path):
         path.write_text(textwrap.dedent(text))
         return path
     return write
+
+
+@pytest.fixture
+def shared_files_made(monkeypatch):
+    """The paths of the shared files (dmi.ring.share.shared_file: rings, handoff buffers) this
+    process makes during the test, to check that none outlives its run. (A look at /dev/shm before
+    and after would also see the files of runs in other pytest-xdist workers.)"""
+    from dmi.ring import share
+    made, mkstemp = [], share.tempfile.mkstemp
+
+    def recorded(*args, **kwargs):
+        fd, path = mkstemp(*args, **kwargs)
+        made.append(path)
+        return fd, path
+    monkeypatch.setattr(share.tempfile, "mkstemp", recorded)
+    return made

@@ -212,6 +212,11 @@ def compiled_engines() -> dict:
     return {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
 
 
+# both tests of the compiled engines in one pytest-xdist worker (scripts/test.sh): one compile each
+COMPILED_ENGINES = pytest.mark.xdist_group("vllm-compiled-engines")
+
+
+@COMPILED_ENGINES
 def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path, compiled_engines):
     """torch.compile'd vLLM (its default): dmi's ops compile in, tokens do not change, values match.
     The tokens without dmi: the vanilla engine of ``compiled_engines``, with the same engine
@@ -237,6 +242,7 @@ def test_compiled_engine_tokens_identical_with_and_without_dmi(tmp_path, compile
                                                                 for r, (p, o) in seqs.items()}
 
 
+@COMPILED_ENGINES
 def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without(compiled_engines):
     """Inductor fuses nothing across a site op, which orders itself through its ticket. vLLM's
     fused add + RMSNorm returns (normalized, sum) and its lowering placed the normalization after a
