@@ -39,7 +39,7 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def captured(tmp_path_factory):
     """One capture with the packaged example hook spec: 3 prompts, batches of 2, 3 new tokens."""
     d = tmp_path_factory.mktemp("cli")

@@ -44,12 +44,12 @@ def _sections(tmp_path_factory, names: tuple) -> tuple:
     return (json.loads(results.read_text()) if results.exists() else {}), r
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def outcomes(tmp_path_factory):
     return _sections(tmp_path_factory, EAGER)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def compiled_outcomes(tmp_path_factory):
     return _sections(tmp_path_factory, COMPILED)
 

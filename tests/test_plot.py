@@ -20,7 +20,7 @@ import matplotlib.image  # noqa: E402
 SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["attn.pattern"], "layers": [0, 1]}]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def captured(tmp_path_factory):
     """A tiny-qwen3 capture of two prompts (in memory), the model and a store of the same run."""
     from dmi.models import tiny_tokenizer

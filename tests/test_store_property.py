@@ -34,7 +34,7 @@ HOOKS = "capture: [{sites: [resid_post]}]\nstore: {chunk_bytes: 4KiB}\n"    # ma
 pytestmark = pytest.mark.xdist_group("store-property")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def reference(tmp_path_factory):
     """text index -> resid_post rows of an uninterrupted run (positions 0, 1, ...), and the spec."""
     tmp = tmp_path_factory.mktemp("reference")

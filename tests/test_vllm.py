@@ -201,7 +201,7 @@ def test_store_keeps_callers_request_ids_and_each_rows_token_id(tmp_path):
     assert list(mine.token_id.values) == (seqs["1"][0] + seqs["1"][1])[:-1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
 def compiled_engines() -> dict:
     """engine -> (compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of
     three torch.compile'd engines on PROMPTS, each in a process of its own with a fresh compile
