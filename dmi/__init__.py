@@ -53,8 +53,11 @@ def __getattr__(name: str):
     if name == "request":
         from .select import request
         return request
+    if name == "capture_dataset":     # Ray only when a dataset is captured
+        from .dataset import capture_dataset
+        return capture_dataset
     raise AttributeError(f"module 'dmi' has no attribute {name!r}")
 
 __version__ = "0.1.0"
-__all__ = ["load", "open", "request", "DmiError", "SpecError", "AnchorError", "PolicyError", "StoreError", "CaptureError",
+__all__ = ["load", "open", "request", "capture_dataset", "DmiError", "SpecError", "AnchorError", "PolicyError", "StoreError", "CaptureError",
            "__version__"]

@@ -152,6 +152,11 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UsageError("--max-new-tokens and --batch-size must be >= 1. Fix: pass a positive integer")
     from .store.preflight import check_resumable, check_store_writer, check_writable, stored_request_ids
+    if args.ray and (args.resume or args.device or args.dtype):
+        raise UsageError("--ray runs vLLM engines on Ray workers and writes a new store: --resume, --device and "
+                         "--dtype do not apply. Fix: leave them out (engine keywords go in --engine)")
+    if not args.ray and (args.workers != 1 or args.engine or args.ray_address):
+        raise UsageError("--workers, --engine and --ray-address are for --ray. Fix: add --ray, or leave them out")
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other. Fix: pass one of them")
     check_store_writer(out, hook)
@@ -165,6 +170,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     if args.quiet:
         quiet_libraries()
+    if args.ray:
+        return _capture_on_ray(args, prompts, spec, out, options)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     import torch
     from . import load
@@ -285,6 +292,44 @@ class PromptProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _capture_on_ray(args: argparse.Namespace, prompts: list[Prompt], spec: Path, out: str, options) -> int:
+    """``dmi capture --ray``: the prompts as a Ray dataset, captured by ``--workers`` vLLM engines
+    into one store (``dmi.capture_dataset``, docs/ray.md)."""
+    import json
+    try:
+        engine = json.loads(args.engine) if args.engine else {}
+    except ValueError as e:
+        raise UsageError(f"--engine: not JSON ({e}). Fix: pass an object of vllm.LLM keywords, e.g. "
+                         f"--engine '{{\"max_model_len\": 4096}}'") from None
+    if not isinstance(engine, dict):
+        raise UsageError("--engine: expected a JSON object of vllm.LLM keywords. Fix: --engine '{\"max_model_len\": 4096}'")
+    if args.workers < 1:
+        raise UsageError("--workers must be >= 1. Fix: pass a positive integer")
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray Data. Fix: pip install 'dmi[ray]'") from None
+    from .dataset import capture_dataset
+    if not ray.is_initialized():
+        ray.init(address=args.ray_address, log_to_driver=not args.quiet)
+    ds = ray.data.from_items([{"id": p.id, "text": p.text} for p in prompts])
+    model = args.model
+    from .models import BUILTIN
+    if model in BUILTIN:             # a built-in tiny model: saved once, where every local worker reads it
+        from .adapters.vllm import save_builtin
+        model = save_builtin(model, seed=args.seed)
+    summary = capture_dataset(ds, model, str(spec), out, num_workers=args.workers, batch_size=args.batch_size,
+                              sampling={"max_tokens": args.max_new_tokens, "temperature": 0.0},
+                              overwrite=args.overwrite, progress=not args.quiet, **engine)
+    print(f"captured {summary['requests']} requests with {args.workers} Ray worker(s) into {out}")
+    files = summary["chunk_files"]
+    print(f"merged {len(summary['parts'])} part(s): {files['linked']} chunk files hard-linked, "
+          f"{files['server_copied']} copied by the storage, {files['copied']} read and written")
+    from .store.inspect import format_summary, summarize
+    print(format_summary(summarize(out, options)))
+    return 0
 
 
 def quiet_libraries() -> None:
@@ -632,6 +677,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="random seed (weights of built-in models; default 0)")
     c.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars (the capture's, and transformers' and the hub's while the model loads)")
+    c.add_argument("--ray", action="store_true",
+                   help="capture with vLLM engines on Ray Data workers into one store (docs/ray.md; needs dmi[ray])")
+    c.add_argument("--workers", type=int, default=1, help="with --ray: engines (Ray actors) running at once (default 1)")
+    c.add_argument("--ray-address", metavar="ADDRESS",
+                   help="with --ray: the Ray cluster (default: RAY_ADDRESS, else a local Ray)")
+    c.add_argument("--engine", metavar="JSON", help='with --ray: vllm.LLM keywords, e.g. \'{"max_model_len": 4096}\'')
     c.set_defaults(func=cmd_capture)
 
     i = sub.add_parser("inspect", help="summarize a store: model, sites, arrays, requests, bytes, drops",

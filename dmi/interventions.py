@@ -64,6 +64,7 @@ class InterventionPlan:
     lo: float | None = None
     hi: float | None = None
     anchors: dict = field(default_factory=dict)    # layer -> the engine anchor it is patched at
+    client: dict | None = None       # what a request may set for itself, within bounds (``client:``)
 
 
 def _load_value(value: Any, hook: Document, path: tuple) -> np.ndarray:
@@ -184,6 +185,7 @@ def plan_interventions(arch: Document, hook: Document, config: Any, *, available
         if extra:
             raise hook.error(path + (extra[0],), f"kind {kind!r} takes no {extra[0]!r}",
                              fix=f"remove it (kind {kind!r} takes {sorted(_TAKES[kind]) or 'nothing more'})")
+        client = _client(entry, kind, value, shape, hook, path)
         capture_first = entry.get("capture", "after") == "before"
         for lay in layer_list:
             prior = order.get((canonical, lay))
@@ -197,13 +199,92 @@ def plan_interventions(arch: Document, hook: Document, config: Any, *, available
             name=name, index=i, canonical=canonical, layers=layer_list, kind=kind, dims=sdims, shape=shape,
             heads=heads, tokens=tokens, requests=None if requests in ("all", "on_request") else tuple(requests),
             on_request=requests == "on_request", enabled=entry.get("enabled", True), capture_first=capture_first,
-            value=value, scale=float(entry.get("scale", 1.0)), lo=entry.get("min"), hi=entry.get("max"),
+            value=value, scale=float(entry.get("scale", 1.0)), lo=entry.get("min"), hi=entry.get("max"), client=client,
             anchors=anchors))
     return out
 
 
 _TAKES = {"add": {"vector", "scale"}, "scale": {"scale"}, "zero": set(), "mean": {"vector"},
           "replace": {"vector"}, "clamp": {"min", "max"}}
+
+
+def _client(entry: dict, kind: str, value, shape: tuple, hook: Document, path: tuple) -> dict | None:
+    """The entry's ``client:`` bounds, checked: only for ``requests: on_request`` entries, only for
+    the values its kind takes, ``low <= high``; a client vector only where one vector is written."""
+    client = entry.get("client")
+    if client is None:
+        return None
+    here = path + ("client",)
+    if entry.get("requests") != "on_request":
+        raise hook.error(here, "client values apply to requests that name the intervention",
+                         fix="add `requests: on_request` to this intervention, or remove `client`")
+    for key, bounds in client.items():
+        if key not in _TAKES[kind]:
+            raise hook.error(here + (key,), f"kind {kind!r} takes no {key!r}",
+                             fix=f"remove it (kind {kind!r} takes {sorted(_TAKES[kind]) or 'nothing'})")
+        if key != "vector" and bounds[0] > bounds[1]:
+            raise hook.error(here + (key,), f"the range {bounds} is empty (low above high)", fix="write [low, high]")
+    if "vector" in client and value is not None and value.ndim == len(shape) + 1:
+        raise hook.error(here + ("vector",), "a replacement table ([positions, ...]) takes no client vector",
+                         fix="give one vector of the site's shape, or remove client.vector")
+    return dict(client)
+
+
+def client_values(plan: InterventionPlan, values, error) -> dict:
+    """A request's own values for ``plan`` (``{"scale": 2.0, "vector": [...], "min": .., "max": ..}``),
+    checked against the operator's ``client:`` bounds: ``{"scale", "lo", "hi", "vector"}`` with the
+    operator's value where the request gives none. ``error(key, problem)`` makes the exception
+    raised otherwise (a request refused before it runs: HTTP 400 under ``vllm serve``)."""
+    bounds = plan.client or {}
+    if not isinstance(values, dict):
+        raise error("", f"must be an object of values ({sorted(bounds) or 'none allowed'}), not {type(values).__name__}")
+    unknown = sorted(set(values) - set(bounds))
+    if unknown:
+        allowed = ", ".join(f"{k} in {_range_text(k, b)}" for k, b in sorted(bounds.items())) or "none"
+        raise error(str(unknown[0])[:40], f"is not a value a request may set (operator hook spec: "
+                    f"interventions[{plan.index}].client allows {allowed})")
+    out = {"scale": plan.scale, "lo": plan.lo, "hi": plan.hi, "vector": None}
+    for key in ("scale", "min", "max"):
+        if key not in values:
+            continue
+        v, (low, high) = values[key], bounds[key]
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise error(key, f"must be a finite number in [{low}, {high}], not {str(v)[:40]!r}")
+        if not low <= v <= high:
+            raise error(key, f"= {v} is outside the allowed range [{low}, {high}] (operator hook spec: "
+                        f"interventions[{plan.index}].client.{key})")
+        out[{"scale": "scale", "min": "lo", "max": "hi"}[key]] = float(v)
+    if out["lo"] is not None and out["hi"] is not None and out["lo"] > out["hi"]:
+        raise error("min", f"= {out['lo']} is above max {out['hi']}")
+    if "vector" in values:
+        limit = bounds["vector"]["max_norm"]
+        try:
+            arr = np.asarray(values["vector"], np.float64)
+        except (TypeError, ValueError):
+            raise error("vector", "is not a rectangular array of numbers") from None
+        head_axis = next((k for k, d in enumerate(plan.dims) if d in ("head", "kv_head")), None)
+        per_head = plan.shape[head_axis + 1:] if head_axis is not None else None
+        shapes = [list(plan.shape)] + ([list(per_head)] if per_head is not None else [])
+        if list(arr.shape) not in shapes:
+            raise error("vector", f"has shape {list(arr.shape)}; allowed: {' or '.join(map(str, shapes))} "
+                        f"({', '.join(plan.dims)})")
+        if not np.all(np.isfinite(arr)):
+            raise error("vector", "holds NaN or infinity")
+        norm = float(np.linalg.norm(arr))
+        if norm > limit:
+            raise error("vector", f"has L2 norm {norm:.6g}, above the allowed {limit} (operator hook spec: "
+                        f"interventions[{plan.index}].client.vector.max_norm)")
+        out["vector"] = fit_value(arr, plan.kind, plan.shape, plan.dims, head_axis, lambda p, f: error("vector", p))
+    return out
+
+
+def _range_text(key: str, bounds) -> str:
+    return f"a vector of L2 norm <= {bounds['max_norm']}" if key == "vector" else f"[{bounds[0]}, {bounds[1]}]"
 
 
 def _tokens(entry: dict, hook: Document, path: tuple) -> TokenFilter:
@@ -251,7 +332,7 @@ def fit_value(arr: np.ndarray, kind: str, shape: tuple, sdims: tuple, head_axis:
 class Intervention:
     """One entry's device state: its values (shared by its layers) and the rows it applies to this step."""
 
-    def __init__(self, plan: InterventionPlan, device, dtype, rows: int, layouts: dict):
+    def __init__(self, plan: InterventionPlan, device, dtype, rows: int, layouts: dict, slots: int = 1):
         self.plan = plan
         self.name = plan.name
         self.device, self.dtype = device, dtype
@@ -261,6 +342,7 @@ class Intervention:
         self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self.index = torch.zeros(rows, dtype=torch.int64, device=device) if self.is_table else None
         self._last_mask: np.ndarray | None = None
+        self._cleared = True               # the mask is all false
         self._last_index: np.ndarray | None = None
         shape = plan.shape
         self.value = None
@@ -271,6 +353,17 @@ class Intervention:
         self.scale = torch.tensor(plan.scale, dtype=dtype, device=device)
         self.lo = torch.tensor(-math.inf if plan.lo is None else plan.lo, dtype=dtype, device=device)
         self.hi = torch.tensor(math.inf if plan.hi is None else plan.hi, dtype=dtype, device=device)
+        # requests' own values (``client:``): one slot of values per request that set some, slot 0
+        # the operator's; each row reads its request's slot (a per-row index, like a table's)
+        self.slot = self.slots = None
+        self._last_slot: np.ndarray | None = None
+        if plan.client is not None:
+            self.slot = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.slots = {k: t.unsqueeze(0).repeat(slots, *([1] * t.ndim))
+                          for k, t in (("value", self.value), ("scale", self.scale), ("lo", self.lo), ("hi", self.hi))
+                          if t is not None}
+            self.value = self.slots["value"][0] if self.value is not None else None    # views: set() writes slot 0
+            self.scale, self.lo, self.hi = self.slots["scale"][0], self.slots["lo"][0], self.slots["hi"][0]
         self._vector = None if plan.value is None else np.asarray(plan.value)     # add: before the scale
         self.head_mask = None
         if plan.heads is not None:
@@ -280,9 +373,22 @@ class Intervention:
             self.head_mask = torch.tensor(hm, device=device)
         self.layouts = layouts
         if device.type == "cuda":      # read by CUDA graphs: static addresses, updated in place
-            for t in (self.mask, self.index, self.value, self.scale, self.lo, self.hi, self.head_mask):
+            held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
+            for t in (self.mask, self.index, self.head_mask, self.slot, *held):     # (not the views of slot 0)
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
+
+    def load_slot(self, k: int, values: dict) -> None:
+        """Write a request's values (:func:`client_values`) into slot ``k`` (between steps)."""
+        p = self.plan
+        scale = values["scale"]
+        if "value" in self.slots:
+            vec = values["vector"] if values["vector"] is not None else self._vector
+            vec = torch.tensor(vec, dtype=torch.float64)
+            self.slots["value"][k].copy_((vec * scale if p.kind == "add" else vec).to(self.device, self.dtype))
+        self.slots["scale"][k].fill_(scale)
+        self.slots["lo"][k].fill_(-math.inf if values["lo"] is None else values["lo"])
+        self.slots["hi"][k].fill_(math.inf if values["hi"] is None else values["hi"])
 
     @property
     def is_table(self) -> bool:
@@ -306,14 +412,33 @@ class Intervention:
             keep &= named
         return keep
 
-    def write_rows(self, st, n_rows: int, keep: np.ndarray) -> None:
-        """The step's mask (and table index) over its ``n_rows`` engine rows, copied to the device
-        when it differs from the last step's."""
+    def clear(self) -> None:
+        """The whole mask false (no row touched, at any step size), written once while disabled."""
+        if not self._cleared:
+            self.mask.zero_()
+            self._last_mask = None
+            self._cleared = True
+
+    def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
+        """The step's mask (and table index, and each row's slot of values: ``slots`` over
+        ``st``'s rows) over its ``n_rows`` engine rows, copied to the device when it differs from
+        the last step's."""
+        self._cleared = False
         if n_rows > self.mask.shape[0]:
             self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)     # eager steps only
             if self.index is not None:
                 self.index = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
+            if self.slot is not None:
+                self.slot = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
+                self._last_slot = None
             self._last_mask = None
+        if self.slot is not None:
+            slot = np.zeros(n_rows, np.int64)
+            if slots is not None:
+                slot[st.rows] = slots
+            if self._last_slot is None or len(self._last_slot) != n_rows or not np.array_equal(self._last_slot, slot):
+                self.slot[:n_rows].copy_(torch.from_numpy(slot), non_blocking=True)
+                self._last_slot = slot
         mask = np.zeros(n_rows, bool)
         mask[st.rows[keep]] = True
         index = None
@@ -347,6 +472,8 @@ class Intervention:
         kind = self.plan.kind
         if kind == "zero":
             return x.masked_fill(m, 0)
+        if self.slot is not None:
+            return self._apply_slots(x, m, rows, n, bshape)
         if kind == "add":
             return torch.where(m, x + self.value.view(self.layouts["feature_shape"]), x)
         if kind == "scale":
@@ -358,6 +485,19 @@ class Intervention:
         table = self.value[self.index[:n]]     # [rows, *shape] in row order
         table = table.view(*[x.shape[k] for k in rows], *self.plan.shape).permute(self.layouts["perm"])
         return torch.where(m, table, x)
+
+
+    def _apply_slots(self, x, m, rows, n, bshape):
+        """:meth:`apply` where each row reads its request's slot of values."""
+        slot = self.slot[:n]
+        kind = self.plan.kind
+        if kind == "scale":
+            return torch.where(m, x * self.slots["scale"][slot].view(bshape), x)
+        if kind == "clamp":
+            return torch.where(m, torch.clamp(x, self.slots["lo"][slot].view(bshape), self.slots["hi"][slot].view(bshape)), x)
+        table = self.slots["value"][slot]          # [rows, *shape] in row order
+        table = table.view(*[x.shape[k] for k in rows], *self.plan.shape).permute(self.layouts["perm"])
+        return torch.where(m, x + table if kind == "add" else table, x)
 
 
 class WriteSite:
@@ -391,7 +531,7 @@ def full_layout(layout, dims: tuple) -> tuple:
 class Interventions:
     """Every intervention of a run: device buffers, the per-step masks, the user's setters."""
 
-    def __init__(self, plans: list[InterventionPlan], device, dtype, rows: int | None = None):
+    def __init__(self, plans: list[InterventionPlan], device, dtype, rows: int | None = None, slots: int = 1):
         self.plans = plans
         self.device, self.dtype = torch.device(device), dtype
         self.rows = rows or DEFAULT_ROWS
@@ -399,7 +539,8 @@ class Interventions:
         self.sites: dict[tuple, WriteSite] = {}
         for p in plans:
             layout = full_layout(p.anchors[p.layers[0]].get("layout"), p.dims)
-            self.by_name[p.name] = Intervention(p, self.device, dtype, self.rows, _layout_info(layout, p.dims, p.shape))
+            self.by_name[p.name] = Intervention(p, self.device, dtype, self.rows, _layout_info(layout, p.dims, p.shape),
+                                                slots=slots)
         for p in plans:
             for lay in p.layers:
                 key = (p.canonical, lay)
@@ -413,14 +554,18 @@ class Interventions:
     def site(self, canonical: str, layer) -> WriteSite | None:
         return self.sites.get((canonical, layer))
 
-    def begin_step(self, st, n_rows: int, ids: list[str], extra: dict | None = None) -> None:
+    def begin_step(self, st, n_rows: int, ids: list[str], extra: dict | None = None, slots: dict | None = None) -> None:
         """Write each intervention's mask for a step of ``n_rows`` engine rows whose real rows are
         ``st`` (all of them: rows a capture filter or opt-out leaves out are rows here too).
         ``ids``: the run's request ids (``st.request`` indexes them); ``extra``: {name: bool over
-        st's rows} an engine adds (vLLM: requests that asked for it)."""
+        st's rows} an engine adds (vLLM: requests that asked for it); ``slots``: {name: each of
+        st's rows' slot of values} (vLLM: requests that set their own)."""
         for iv in self.by_name.values():
+            if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
+                iv.clear()
+                continue
             keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name))
-            iv.write_rows(st, n_rows, keep)
+            iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
 
     def set(self, name: str, *, vector=None, scale=None, min=None, max=None, enabled=None, requests="keep") -> None:
         """Change an intervention between steps: values are copied into its buffers in place
@@ -473,3 +618,48 @@ def _layout_info(layout: tuple, dims: tuple, shape: tuple) -> dict:
     return {"feature_shape": [1 if d in ROW_DIMS else sizes[d] for d in layout],
             "head_shape": [sizes[d] if d in ("head", "kv_head") else 1 for d in layout],
             "perm": [canon.index(d) for d in layout]}
+
+
+def values_from_store(tree, request_id: str, site: str, *, layer: int | None = None,
+                      positions: tuple[int, int] | None = None) -> np.ndarray:
+    """A replacement table from a closed store (``dmi.open``): request ``request_id``'s rows of
+    ``site`` (of ``layer``) at ``positions`` ``[start, stop)`` (default: all its rows), as
+    ``[positions, *trailing dims]`` for ``run.set_intervention(name, vector=...)`` of a
+    ``replace`` intervention whose ``tokens.positions`` starts at ``start`` (activation patching).
+    Raises :class:`InterventionError` naming what is missing when the store has not captured it."""
+    group = ("layers/" if layer is not None else "") + site.replace(".", "/")
+    try:
+        node = tree[group]
+    except KeyError:
+        raise InterventionError(f"values_from_store: the store holds no site {site!r} (group {group!r}). Fix: "
+                                f"capture it in the source run (capture: [{{sites: [{site}]}}]) and read that "
+                                f"run's store once it is closed") from None
+    ds = node.to_dataset(inherit=False) if hasattr(node, "to_dataset") else node.dataset
+    name = site.rsplit(".", 1)[-1]
+    if name not in ds.data_vars:
+        name = next(iter(ds.data_vars))
+    arr = ds[name]
+    if layer is not None:
+        if "layer" not in arr.dims or layer not in arr.coords["layer"].values.tolist():
+            raise InterventionError(f"values_from_store: {site!r} was not captured at layer {layer}. Fix: capture "
+                                    f"that layer in the source run")
+        arr = arr.sel(layer=layer)
+    req = np.asarray(arr.coords["request"].values)       # (object, str or numpy's StringDType)
+    idx = np.flatnonzero(req == str(request_id))
+    if not len(idx):
+        some = sorted(set(map(str, req.tolist())))[:10]
+        raise InterventionError(f"values_from_store: request {request_id!r} has no rows of {site!r} in this store "
+                                f"(it holds {some}). Fix: run the source request first, with a capture of "
+                                f"{site!r}, and read its store once that run is closed")
+    pos = np.asarray(arr.coords["position"].values)[idx]
+    idx = idx[np.argsort(pos, kind="stable")]
+    pos = np.sort(pos)
+    if positions is not None:
+        want = np.arange(*positions)
+        missing = sorted(set(want.tolist()) - set(pos.tolist()))
+        if missing:
+            raise InterventionError(f"values_from_store: request {request_id!r} has no rows of {site!r} at "
+                                    f"positions {missing[:10]} (stored: {pos.min()}..{pos.max()}). Fix: patch "
+                                    f"positions the source captured (its capture's tokens filter keeps them)")
+        idx = idx[np.searchsorted(pos, want)]
+    return np.asarray(arr.isel(token=idx).values)

@@ -106,7 +106,7 @@ class Plan:
     compression: str = "lz4"
     max_bytes: int | None = None       # store.max_bytes: cap on chunk bytes on disk
     bytes_per_s: int | None = None     # store.bytes_per_s: write-rate cap of the exporter
-    writer: str = "thread"             # store.writer: the exporter in a thread, or in its own process
+    writer: str = "auto"               # store.writer: thread, process, pool, or auto (Run picks: resolve_writer)
     threads: int | None = None         # store.threads: the exporter's encode/copy threads (None: its default)
     writers: int | None = None         # store.writers: store.writer pool's processes (None: its default)
     storage_options: dict | None = None   # store.storage_options: an object store's file system options
@@ -213,7 +213,7 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
 
     chosen: dict[str, tuple[str, int | None, dict, tuple]] = {}
     chosen_by: dict[str, tuple[int, int]] = {}      # full name -> (entry, pattern) that chose it
-    for i, entry in enumerate(spec["capture"]):
+    for i, entry in enumerate(spec.get("capture") or []):
         path = ("capture", i)
         layers = layers_of(entry, n_layers, hook, path)
         for j, pattern in enumerate(entry["sites"]):
@@ -323,11 +323,11 @@ def build_plan(arch: Document, hook: Document, config: Any, *, model_dtype_items
                 chunk_bytes=parse_bytes(store.get("chunk_bytes", 4 << 20)), compression=store.get("compression", "lz4"),
                 max_bytes=parse_bytes(store["max_bytes"]) if "max_bytes" in store else None,
                 bytes_per_s=parse_bytes(store["bytes_per_s"]) if "bytes_per_s" in store else None,
-                writer=store.get("writer", "thread"), threads=store.get("threads"), writers=store.get("writers"),
+                writer=store.get("writer", "auto"), threads=store.get("threads"), writers=store.get("writers"),
                 storage_options=store.get("storage_options"), arch_file=arch.file,
                 hook_file=hook.file, hook_spec=_stored_spec(spec),
                 engine=EngineOptions.from_spec(hook.data.get("engine")), unavailable=skipped)
-    if "writers" in store and plan.writer != "pool":
+    if "writers" in store and plan.writer not in ("pool", "auto"):
         raise hook.error(("store", "writers"), "store.writers is the number of store.writer pool's processes",
                          fix="set store.writer: pool, or remove store.writers")
     if policy.drain == "process":      # the child that drains the ring writes the store too

@@ -27,7 +27,7 @@ that captured them writes fresh slots on every replay; the host work of a step (
 bookkeeping, reservation, the H2D copy of the control tensors) happens in ``step_begin`` only in
 eager forwards, and outside the graph otherwise (``Run.begin_step`` / ``Run.stepped``).
 
-Compiled code captures a site the ring names traceable (:meth:`dmi.kernels.kernel_ring.KernelRing.traced_site`)
+Compiled code captures a site the ring names traceable (:meth:`dmi.kernels.traced_sites.TracedSites.traced_site`)
 as traced torch ops instead (:mod:`dmi.kernels.traced`): a scatter into the ring that inductor fuses
 into the kernel computing the site's tensor, where the op would cut that kernel in two. Its order
 against the step's ops is data flow: the scatter reads ``ticket`` (so it follows the begin, which

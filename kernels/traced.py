@@ -16,7 +16,7 @@ disarmed or dropped capture) go to scratch rows past the ring's end (row ``i`` t
 
 The ops never write a record: the end-marker kernel publishes the records of a step's traced
 sites (their row count is the host's reservation: only sites holding every step row are traced,
-see :meth:`dmi.kernels.kernel_ring.KernelRing.traced_site`), before its fence.
+see :meth:`dmi.kernels.traced_sites.TracedSites.traced_site`), before its fence.
 
 Two ways in: code traced with the ring's :class:`TracedSite` calls :func:`capture` (the hook spec's
 ``engine.traced: all``: every compiled forward), or a post-grad compile pass turns the ``dmi::capture`` ops of one compiled

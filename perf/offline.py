@@ -443,9 +443,13 @@ def table(rows: list[dict]) -> str:
 
 # the headline's configurations (hook specs); "default" is what a new user runs
 HEADLINE_CONFIGS = {"default": HEADLINE_SPEC,
+                    "writer-thread": HEADLINE_SPEC | {"store": {"writer": "thread"}},
                     "writer-process": HEADLINE_SPEC | {"store": {"writer": "process"}},
                     "writer-pool": HEADLINE_SPEC | {"store": {"writer": "pool"}},
                     "writer-pool-16mib": HEADLINE_SPEC | {"store": {"writer": "pool", "chunk_bytes": "16MiB"}},
+                    "writer-pool-host-256mib": HEADLINE_SPEC | {"store": {"writer": "pool"}, "policy": {"host_bytes": "256MiB"}},
+                    "writer-thread-host-256mib": HEADLINE_SPEC | {"store": {"writer": "thread"},
+                                                                  "policy": {"host_bytes": "256MiB"}},
                     "chunks-16mib": HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}},
                     "traced": HEADLINE_SPEC | {"engine": {"traced": "all"}}}
 

@@ -158,7 +158,10 @@ def _example_yaml(path: list[str], value) -> str:
             entry = value if isinstance(value, dict) else {}
             if part == "capture[]" and "sites" not in entry:
                 entry = {"sites": ["resid_post"], **entry}
-            if part == "interventions[]":      # the keys every intervention names
+            if part == "interventions[]" and "client" in entry:     # values a request sets: a steering entry
+                entry = {"name": "steer", "site": "resid_post", "kind": "add", "vector": "steer.npy",
+                         "requests": "on_request", **entry}
+            elif part == "interventions[]":      # the keys every intervention names
                 entry = {"name": "ablate", "site": "resid_post", "kind": "zero", **entry}
             value = {part[:-2]: [entry]}
         else:

@@ -115,15 +115,15 @@ def write_spec(tmp_path):
 
 @pytest.fixture
 def shared_files_made(monkeypatch):
-    """The paths of the shared files (dmi.ring.share.shared_file: rings, handoff buffers) this
+    """The paths of the shared files (dmi.shared_memory.shared_file: rings, handoff buffers) this
     process makes during the test, to check that none outlives its run. (A look at /dev/shm before
     and after would also see the files of runs in other pytest-xdist workers.)"""
-    from dmi.ring import share
-    made, mkstemp = [], share.tempfile.mkstemp
+    from dmi import shared_memory
+    made, mkstemp = [], shared_memory.tempfile.mkstemp
 
     def recorded(*args, **kwargs):
         fd, path = mkstemp(*args, **kwargs)
         made.append(path)
         return fd, path
-    monkeypatch.setattr(share.tempfile, "mkstemp", recorded)
+    monkeypatch.setattr(shared_memory.tempfile, "mkstemp", recorded)
     return made

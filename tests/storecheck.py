@@ -1,6 +1,8 @@
 """Helpers shared by test files (and the TRITON_INTERPRET subprocess): reference rows of a
-generate() call in capture order, and bit-for-bit store comparison."""
+generate() call in capture order, bit-for-bit store comparison, and whole chunk files."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -48,3 +50,36 @@ def _where(path: str, name: str, x: np.ndarray, y: np.ndarray) -> str:
         d = np.abs(x[rows].astype(np.float64) - y[rows].astype(np.float64))
         text += f", max |diff| {np.nanmax(d) if np.isfinite(d).any() else 'nan'}"
     return text
+
+
+def store_keys(loc) -> set[str]:
+    """Every key of a store (a :mod:`dmi.store.location`): its objects, or its directory's files."""
+    if loc.remote:
+        return set(loc.keys())
+    return {str(p.relative_to(loc.path)) for p in loc.path.rglob("*") if p.is_file()}
+
+
+def assert_no_torn_chunk(store) -> int:
+    """Every chunk file or object of a store (committed or not; a killed writer's temp files aside)
+    decodes to a whole chunk; returns how many. ``store``: a local path or a location."""
+    import numcodecs
+
+    from dmi.store.chunks import ArrayFile
+    from dmi.store.location import TMP_SUFFIX, open_location
+    loc = open_location(store)
+    keys, n = store_keys(loc), 0
+    for meta in sorted(k for k in keys if k == "zarr.json" or k.endswith("/zarr.json")):
+        name = meta.rsplit("/", 1)[0] if "/" in meta else ""
+        if json.loads(loc.read(meta)).get("node_type") != "array":
+            continue
+        f = ArrayFile(loc, name)
+        for key in sorted(k for k in keys if k.startswith(f"{name}/c/") and not k.endswith(TMP_SUFFIX)):
+            raw = loc.read(key)
+            for codec in reversed(f.codecs):
+                raw = codec.decode(raw)
+            if f.vlen:
+                assert len(numcodecs.VLenUTF8().decode(raw)) == f.chunks[0], key
+            else:
+                assert len(raw) == np.prod(f.chunks) * f.dtype.itemsize, key
+            n += 1
+    return n

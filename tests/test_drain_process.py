@@ -43,10 +43,13 @@ def test_drain_process_stores_what_the_drain_thread_stores(tmp_path, encoded, po
     assert assert_stores_equal(tmp_path / "thread.zarr", tmp_path / "process.zarr") > 10
     a, b = (zarr.open_group(str(tmp_path / f"{d}.zarr"), mode="r") for d in ("thread", "process"))
     timing = {"stall_seconds", "stall_bandwidth_seconds"}
-    skip = {"dmi_writer", "created", "store_bytes", "hook_spec", "policy"} | timing
+    skip = {"dmi_writer", "created", "store_bytes", "hook_spec", "policy", "sized_automatically"} | timing
     assert {k: v for k, v in b.attrs.asdict().items() if k not in skip} == \
         {k: v for k, v in a.attrs.asdict().items() if k not in skip}
     assert b.attrs["policy"] == a.attrs["policy"] | {"drain": "process"}
+    # the thread run's writer was left to dmi; policy.drain: process decides the other's
+    assert a.attrs["sized_automatically"]["store.writer"]["value"] == "thread"
+    assert b.attrs["sized_automatically"] == {}
     assert b.attrs["dmi_status"] == "closed" and b.attrs["dmi_writer"]["pid"] != os.getpid()
     # and against the unpatched model itself: the first prefill step's final_norm rows
     final = dmi.open(tmp_path / "process.zarr")["final_norm"].dataset

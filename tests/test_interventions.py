@@ -266,6 +266,13 @@ def test_compiled_generate_takes_new_vectors_without_recompiling(encoded, tmp_pa
     ({"site": "final_norm", "kind": "zero", "layers": [0]}, "layers", "not per-layer"),
     ({"site": "resid_post", "kind": "zero", "tokens": {"every_n_steps": 2}}, "every_n_steps", "unknown key"),
     ({"site": "resid_post", "kind": "wipe"}, "kind", "wipe"),
+    ({"site": "resid_post", "kind": "scale", "client": {"scale": [0, 1]}}, "client", "requests: on_request"),
+    ({"site": "resid_post", "kind": "zero", "requests": "on_request", "client": {"scale": [0, 1]}}, "client.scale",
+     "takes no 'scale'"),
+    ({"site": "resid_post", "kind": "scale", "requests": "on_request", "client": {"scale": [1, 0]}}, "client.scale",
+     "is empty"),
+    ({"site": "resid_post", "kind": "replace", "vector": [[0.0] * 64] * 2, "requests": "on_request",
+      "client": {"vector": {"max_norm": 1}}}, "client.vector", "replacement table"),
 ])
 def test_bad_interventions_are_refused_before_anything_runs(entry, key, words, write_spec, tmp_path):
     import yaml
@@ -292,3 +299,65 @@ def test_set_intervention_refuses_what_the_intervention_cannot_take(tmp_path):
             run.set_intervention("steer", vector=[1.0, 2.0])
         with pytest.raises(ValueError, match="only clamp takes min/max"):
             run.set_intervention("steer", min=0.0)
+
+
+def test_interventions_without_capture(encoded, tmp_path):
+    """A hook spec with interventions and no capture: no store needed (an empty result), or an
+    empty store; the model's outputs are those of a forward hook doing the same."""
+    model, ref = model_pair("qwen3", attn="eager")
+    spec = {"interventions": [{"name": "ablate", "site": "mlp.out", "layers": [0], "kind": "zero"}]}
+    h = hook(ref, "qwen3", "mlp.out", 0, torch.zeros_like)
+    with torch.no_grad():
+        want = ref(**encoded).logits
+        h.remove()
+        real = encoded["attention_mask"].bool()
+        for store in (None, tmp_path / "out.zarr"):
+            with dmi.load(model, hook_spec=spec, store=store) as run:
+                got = run.model(**encoded).logits
+            assert torch.equal(got[real], want[real])
+            assert not torch.equal(got[real], ref(**encoded).logits[real])
+    tree = dmi.open(tmp_path / "out.zarr")
+    assert tree.attrs["dmi_status"] == "closed"
+    assert not [n.path for n in tree.subtree if "token" in n.dataset.dims]      # no site's rows: nothing captured
+
+
+def test_patching_from_a_previous_capture(tokenizer, tmp_path):
+    """Activation patching from a store: a clean run captures resid_post; a second run replaces
+    positions [1, 4) of another prompt with the clean request's rows (values_from_store), bit for
+    bit what a forward hook writing those rows does on the unpatched model. A source the store
+    has not captured is an error naming it."""
+    from dmi.interventions import InterventionError, values_from_store
+    model, ref = model_pair("qwen3", attn="eager")
+    hidden = model.config.hidden_size
+    clean = tokenizer(["Paris is the capital of France"], return_tensors="pt")
+    corrupt = tokenizer(["Rome is the capital of Italy!"], return_tensors="pt")
+    with torch.no_grad(), dmi.load(model, hook_spec={"capture": [{"sites": ["resid_post"], "layers": [1]}]},
+                                   store=tmp_path / "clean.zarr") as run:
+        run.set_request_ids(["clean"])
+        run.model(**clean)
+    tree = dmi.open(tmp_path / "clean.zarr")
+    table = values_from_store(tree, "clean", "resid_post", layer=1, positions=(1, 4))
+    assert table.shape == (3, hidden)
+    spec = {"interventions": [{"name": "patch", "site": "resid_post", "layers": [1], "kind": "replace",
+                               "vector": np.zeros((3, hidden)).tolist(), "tokens": {"positions": [1, 4]}}]}
+    with torch.no_grad():
+        with dmi.load(model, hook_spec=spec) as run:
+            run.set_intervention("patch", vector=table)
+            got = run.model(**corrupt).logits
+
+        def write(x):
+            y = x.clone()
+            y[0, 1:4] = torch.from_numpy(table)
+            return y
+        h = hook(ref, "qwen3", "resid_post", 1, write)
+        want = ref(**corrupt).logits
+        h.remove()
+    assert torch.equal(got, want)
+    assert not torch.equal(got, ref(**corrupt).logits)
+    for args, words in [(("nope", "resid_post"), "request 'nope' has no rows"),
+                        (("clean", "mlp.out"), "holds no site 'mlp.out'"),
+                        (("clean", "resid_post"), "not captured at layer 0")]:
+        with pytest.raises(InterventionError, match=words):
+            values_from_store(tree, *args, layer=0 if words.startswith("not captured") else 1)
+    with pytest.raises(InterventionError, match=r"no rows of 'resid_post' at positions \[40, 41\]"):
+        values_from_store(tree, "clean", "resid_post", layer=1, positions=(40, 42))

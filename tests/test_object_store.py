@@ -13,17 +13,15 @@ import subprocess
 import sys
 import time
 
-import numcodecs
 import numpy as np
 import pytest
 import torch
 
 import dmi
 from dmi.cli import main
-from dmi.store.chunks import ArrayFile
 from dmi.store.inspect import writer_alive
 from dmi.store.location import open_location
-from storecheck import assert_stores_equal
+from storecheck import assert_no_torn_chunk, assert_stores_equal, store_keys
 from test_reliability import _check_accounting, _cli_env, _prompts, _reference_rows
 
 pytest.importorskip("s3fs")
@@ -86,32 +84,6 @@ def _capture(spec, store, encoded, **kw):
     return run
 
 
-def _keys(loc) -> set[str]:
-    if loc.remote:
-        return set(loc.keys())
-    return {str(p.relative_to(loc.path)) for p in loc.path.rglob("*") if p.is_file()}
-
-
-def _assert_no_torn_chunk(loc) -> int:
-    """Every chunk object of the store (committed or not) decodes to a whole chunk."""
-    keys, n = _keys(loc), 0
-    for meta in (k for k in keys if k.endswith("/zarr.json")):
-        name = meta.rsplit("/", 1)[0]
-        if json.loads(loc.read(meta)).get("node_type") != "array":
-            continue
-        f = ArrayFile(loc, name)
-        for key in (k for k in keys if k.startswith(f"{name}/c/")):
-            raw = loc.read(key)
-            for codec in reversed(f.codecs):
-                raw = codec.decode(raw)
-            if f.vlen:
-                assert len(numcodecs.VLenUTF8().decode(raw)) == f.chunks[0], key
-            else:
-                assert len(raw) == np.prod(f.chunks) * f.dtype.itemsize, key
-            n += 1
-    return n
-
-
 def test_capture_into_s3_is_the_local_store_of_the_same_run(s3, tmp_path, write_spec, encoded, capsys, monkeypatch):
     """dmi.load(store='s3://...') writes the same Zarr layout, and the same values, as a local
     directory; dmi.open and dmi inspect read it by URL; credentials are masked in its attributes."""
@@ -123,7 +95,7 @@ def test_capture_into_s3_is_the_local_store_of_the_same_run(s3, tmp_path, write_
     _capture(spec, tmp_path / "local.zarr", encoded)
 
     remote, local = open_location(url, _options(s3)), open_location(tmp_path / "local.zarr")
-    assert _keys(remote) == _keys(local)        # the same objects as the directory's files
+    assert store_keys(remote) == store_keys(local)        # the same objects as the directory's files
     tree = dmi.open(url, storage_options=_options(s3))
     assert tree.attrs["dmi_status"] == "closed"
     assert tree.attrs["hook_spec"]["store"]["storage_options"] == {"endpoint_url": s3, "key": "***", "secret": "***"}
@@ -195,7 +167,7 @@ def test_kill_9_on_s3_then_resume(s3, tmp_path, tokenizer, capsys):
     assert attrs["dmi_status"] == "open" and writer_alive(attrs["dmi_writer"]) is False
     mark = attrs["dmi_committed"]
     last = mark["step"]
-    assert _assert_no_torn_chunk(loc) > 0
+    assert assert_no_torn_chunk(loc) > 0
     tree = dmi.open(url, storage_options=_options(s3))
     ds = tree["layers/resid_post"].dataset
     n = ds.sizes["token"]

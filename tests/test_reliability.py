@@ -13,7 +13,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numcodecs
 import numpy as np
 import pytest
 import torch
@@ -24,12 +23,11 @@ from zarr.codecs import BloscCodec
 import dmi
 from dmi.cli import main
 from dmi.store.chunks import LZ4, ArrayFile
-from dmi.store.preflight import TMP_SUFFIX
 from dmi.store.exporter import ZarrExporter
 from dmi.zdtype import BF16
 from dmi.store.inspect import writer_alive
 from dmi.models import build_tiny_model
-from storecheck import expected_rows
+from storecheck import assert_no_torn_chunk, expected_rows
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = """
@@ -139,7 +137,7 @@ def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(t
         assert blosc == [{"typesize": 2, "cname": "lz4", "clevel": 1, "shuffle": "bitshuffle", "blocksize": 0}]
     else:
         assert blosc == [] and [c["name"] for c in meta["codecs"]] == ["bytes"]
-    assert meta["data_type"] == "bfloat16" and _assert_no_torn_chunk(store) > 0
+    assert meta["data_type"] == "bfloat16" and assert_no_torn_chunk(store) > 0
     want_resid = np.stack([fed[f"layers.{i}.resid_post"] for i in range(3)], axis=1)
     plain = xr.open_datatree(str(store), engine="zarr")          # dmi.zdtype is imported: bf16 reads
     ds = plain["layers/resid_post"].dataset
@@ -194,28 +192,6 @@ def _reference_rows(tokenizer, texts: list[str], batch: int, new_tokens: int) ->
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def _assert_no_torn_chunk(store: Path) -> int:
-    """Every chunk file in the store (committed or not) decodes to a whole chunk."""
-    n = 0
-    for meta_file in store.rglob("zarr.json"):
-        meta = json.loads(meta_file.read_text())
-        if meta.get("node_type") != "array":
-            continue
-        f = ArrayFile(store, str(meta_file.parent.relative_to(store)))
-        for chunk in (meta_file.parent / "c").rglob("*") if (meta_file.parent / "c").is_dir() else []:
-            if chunk.is_dir() or chunk.name.endswith(TMP_SUFFIX):
-                continue
-            raw = chunk.read_bytes()
-            for codec in reversed(f.codecs):
-                raw = codec.decode(raw)
-            if f.vlen:
-                assert len(numcodecs.VLenUTF8().decode(raw)) == f.chunks[0], chunk
-            else:
-                assert len(raw) == np.prod(f.chunks) * f.dtype.itemsize, chunk
-            n += 1
-    return n
-
-
 # store.writer: the exporter in the model's process, or in its own; "drain": that process drains the
 # ring too (policy.drain: process)
 WRITERS = ["thread", "process", "drain", "pool"]
@@ -259,7 +235,7 @@ def test_kill_9_leaves_committed_steps_then_resume_appends(tmp_path, tokenizer, 
 
     mark = _committed(store)
     last = mark["step"]
-    assert _assert_no_torn_chunk(store) > 0
+    assert assert_no_torn_chunk(store) > 0
     with warnings.catch_warnings():      # plain xarray opens it too (no consolidated metadata: it says so)
         warnings.simplefilter("ignore", RuntimeWarning)
         plain = xr.open_datatree(str(store), engine="zarr")

@@ -24,7 +24,8 @@ import xarray as xr
 
 import dmi
 from dmi.cli import main
-from test_reliability import _assert_no_torn_chunk, _cli_env, _committed, _prompts
+from storecheck import assert_no_torn_chunk
+from test_reliability import _cli_env, _committed, _prompts
 
 TEXTS = [f"Prompt {k} " + "goes on and on " * (k % 4) + "to the end" for k in range(8)]
 NEW = 12                       # tokens generated per prompt
@@ -161,7 +162,7 @@ def check_store(store: Path, ref: dict, plain: bool = True) -> None:
         assert (ds.position.values[mine] == np.arange(n)).all(), (store, rid)
         np.testing.assert_array_equal(ds.resid_post.values[mine], want[:n], err_msg=f"{store} {rid}")
     if plain:
-        assert _assert_no_torn_chunk(store) >= 0
+        assert assert_no_torn_chunk(store) >= 0
         with warnings.catch_warnings():  # (an open store has no consolidated metadata: xarray says so)
             warnings.simplefilter("ignore", RuntimeWarning)
             raw = xr.open_datatree(str(store), engine="zarr", consolidated=closed)["layers/resid_post"].dataset

@@ -14,7 +14,8 @@ import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.adapters.vllm.compat import external_request_id  # noqa: E402
 
-from test_vllm import ENGINE, generate, rows  # noqa: E402
+from dmi.adapters.vllm.respond import MIDDLEWARE  # noqa: E402
+from test_vllm import ENGINE, NO_PLUGIN, _post, _vllm_serve, generate, rows  # noqa: E402
 
 PROMPTS = [{"prompt_token_ids": list(range(10 + 3 * i, 22 + 5 * i))} for i in range(4)]
 
@@ -122,3 +123,213 @@ def test_request_options_name_only_offered_interventions():
                        ({"interventions": "steer"}, "non-empty list"), ({"interventions": []}, "non-empty list")]:
         with pytest.raises(RequestRefused, match=words):
             check(bad, policy, {"final_norm"}, set(), offered)
+
+
+def _client_spec(vec, capture=None):
+    """An operator spec: ``steer`` (add at mlp.out of layer 1) offered on request with client
+    bounds on its scale and vector; ``clip`` (clamp, after it) offered with bounds on min/max;
+    ``always`` applied to nobody (requests: [none]) and not offered."""
+    spec = {"interventions": [
+        {"name": "steer", "site": "mlp.out", "layers": [1], "kind": "add", "vector": vec.tolist(), "scale": 1.0,
+         "requests": "on_request", "client": {"scale": [-8.0, 8.0], "vector": {"max_norm": 50.0}}},
+        {"name": "clip", "site": "mlp.out", "layers": [1], "kind": "clamp", "min": -1.0, "max": 1.0,
+         "requests": "on_request", "client": {"min": [-1.0, 0.0], "max": [0.0, 1.0]}},
+        {"name": "always", "site": "mlp.out", "layers": [0], "kind": "zero", "requests": ["none"]}]}
+    if capture:
+        spec["capture"] = capture
+    return spec
+
+
+def _offered(spec):
+    """The offered interventions' plans, as the API server's request validation resolves them."""
+    from dmi.adapters.vllm.policy import offered_plans
+    from dmi.interventions import plan_interventions
+    from dmi.models import BUILTIN, tiny_config
+    from dmi.spec import Document, find_arch_spec
+    arch = find_arch_spec("qwen3")
+    plans = plan_interventions(arch, Document(spec, "<hook spec>"), tiny_config(BUILTIN["tiny-qwen3"]),
+                               available=None, engine="vllm", anchor_of=lambda c, lay: {})
+    return offered_plans(plans)
+
+
+def test_request_values_are_checked_against_the_operator_bounds():
+    """What vLLM's request validation refuses (offline: ValueError; serve: HTTP 400), each message
+    naming the key and the allowed range, for values as extra_args and as flat vllm_xargs."""
+    from dmi.adapters.vllm.policy import RequestRefused, ServePolicy, check, options, request_values
+    hidden = 64
+    offered = _offered(_client_spec(np.ones(hidden)))
+    policy = ServePolicy()
+    assert options({"dmi_steer.scale": 2.5, "dmi_interventions": "clip"}) == {
+        "interventions": {"clip": {}, "steer": {"scale": 2.5}}}
+    for ok in ({"interventions": {"steer": {"scale": -8.0, "vector": [0.1] * hidden}}},
+               {"interventions": {"clip": {"min": -0.5, "max": 0.25}, "steer": {}}},
+               options({"dmi_steer.scale": "3", "dmi_clip.max": 0.5})):
+        check(ok, policy, set(), set(), offered)
+    got = request_values({"interventions": {"steer": {"scale": 3.0}, "clip": {"max": 0.5}}}, offered)
+    assert got["steer"]["scale"] == 3.0 and got["steer"]["vector"] is None
+    assert (got["clip"]["lo"], got["clip"]["hi"]) == (-1.0, 0.5)     # the operator's min where the request gives none
+    for bad, words in [
+            ({"dmi_steer.scale": 9}, r"interventions.steer.scale = 9 is outside the allowed range \[-8.0, 8.0\]"),
+            ({"dmi_clip.min": -2}, r"interventions.clip.min = -2 is outside the allowed range \[-1.0, 0.0\]"),
+            ({"dmi_steer.bogus": 1}, r"interventions.steer.bogus is not a value a request may set .*scale in "
+                                     r"\[-8.0, 8.0\], vector in a vector of L2 norm <= 50.0"),
+            ({"dmi_clip.scale": 1}, r"interventions.clip.scale is not a value .*max in \[0.0, 1.0\]"),
+            ({"dmi_steer.vector": [1.0, 2.0]}, r"interventions.steer.vector has shape \[2\]; allowed: \[64\]"),
+            ({"dmi_steer.vector": [10.0] * hidden}, r"interventions.steer.vector has L2 norm 80, above the allowed 50"),
+            ({"dmi_steer.scale": "big"}, r"interventions.steer.scale must be a finite number in \[-8.0, 8.0\]"),
+            ({"dmi_always.scale": 1}, r"intervention 'always' is not offered on request"),
+            ({"dmi_interventions": "always"}, r"intervention 'always' is not offered on request"),
+            ({"dmi_return": "top_logits"}, r"never returned to API clients")]:
+        with pytest.raises(RequestRefused, match=words):
+            check(options(bad), policy, set(), set(), offered)
+    offers = ServePolicy(returns=(("top_logits", 3),))
+    check(options({"dmi_return": 1}), offers, set(), set(), offered)
+    with pytest.raises(RequestRefused, match=r"return 'hidden' is not offered by this server; allowed: \['top_logits'\]"):
+        check(options({"dmi_return": "hidden"}), offers, set(), set(), offered)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_request_values_steer_their_own_requests_without_capture(compiled):
+    """A hook spec with interventions and no capture runs with no store. In one batch, requests
+    that set their own scale / vector / clamp range get exactly that: each request's sampled
+    logprobs equal those of the unpatched HF model with a forward hook doing the same on every row;
+    a request that sets nothing gets the unpatched model's. The compiled engine reads the values
+    from the same slots."""
+    from vllm import SamplingParams
+
+    import transformers as tf
+    from test_interventions import hook
+    hidden = 64
+    g = torch.Generator().manual_seed(7)
+    vec, own = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g) * 2
+    asks = [None, {"steer": {"scale": 6.0}}, {"steer": {"scale": -4.0, "vector": own.tolist()}},
+            {"steer": {}}, {"steer": {"scale": 6.0}, "clip": {"min": -0.5, "max": 0.25}}]
+    path = save_builtin("tiny-qwen3")
+    if compiled:
+        run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **dict(ENGINE, enforce_eager=False))
+        llm, stop = run.llm, run.shutdown
+        assert run.store.startswith("memory://")
+    else:       # started as `vllm serve` starts it: the engine's config names a hook spec, no store anywhere
+        from dmi.adapters.vllm import plugin
+        from dmi.adapters.vllm.compat import shutdown_llm
+        plugin.register()
+        llm = vllm.LLM(model=path, additional_config={"dmi": {"hook_spec": _client_spec(vec), "serving": False}},
+                       **ENGINE)
+        stop = lambda: shutdown_llm(llm)          # noqa: E731
+    try:
+        params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0,
+                                 extra_args={"dmi": {"interventions": a}} if a else None) for a in asks]
+        outs = llm.generate(PROMPTS + PROMPTS[:1], params, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"interventions.steer.scale = 9.0 is outside the allowed range \[-8.0, 8.0\]"):
+            llm.generate(["x"], SamplingParams(max_tokens=1, extra_args={"dmi": {"interventions": {"steer": {"scale": 9.0}}}}),
+                         use_tqdm=False)
+    finally:
+        stop()
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base = (PROMPTS + PROMPTS[:1])
+
+    def logprobs_with(fn, prompt, out):
+        h = hook(ref, "qwen3", "mlp.out", 1, fn) if fn else None
+        try:
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([prompt + out])).logits[0].double()
+        finally:
+            if h:
+                h.remove()
+        lp = torch.log_softmax(logits, -1)
+        return np.array([lp[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(out)])
+
+    for a, o, b in zip(asks, outs, base):
+        prompt, out = b["prompt_token_ids"], list(o.outputs[0].token_ids)
+        got = np.array([o.outputs[0].logprobs[t][tok].logprob for t, tok in enumerate(out)])
+        fn = None
+        if a:
+            s = a["steer"].get("scale", 1.0)
+            v = torch.tensor(a["steer"]["vector"]) if "vector" in a["steer"] else vec
+            lo, hi = (a["clip"]["min"], a["clip"]["max"]) if "clip" in a else (-np.inf, np.inf)
+            fn = lambda x, s=s, v=v, lo=lo, hi=hi: (x + s * v).clamp(lo, hi)      # noqa: E731
+        want = logprobs_with(fn, prompt, out)
+        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=str(a))
+        if fn is not None:       # the intervention mattered: the unpatched model's logprobs differ
+            assert not np.allclose(got, logprobs_with(None, prompt, out), atol=2e-4), a
+        if a and "clip" in a:    # and so did the request's own clamp range
+            assert not np.allclose(got, logprobs_with(lambda x: x + 6.0 * vec, prompt, out), atol=2e-4), a
+
+
+@NO_PLUGIN
+def test_serve_request_values_refusals_and_returned_captures(tmp_path):
+    """One `vllm serve` (dmi's plugin, its response middleware): a client's own scale within the
+    operator's bounds steers its request (its stored mlp.out rows equal a forward hook on the
+    unpatched HF model doing the same); values outside the bounds, unknown names, wrong shapes and
+    items not offered are HTTP 400 naming the key and the range, before the request runs; a
+    request that asks gets the operator's top-k logits of its last token under `dmi`, equal to the
+    store's logits row, and no other request gets the field."""
+    import transformers as tf
+    import yaml
+    from test_interventions import hook
+    hidden = 64
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(11))
+    spec = _client_spec(vec, capture=[{"sites": ["mlp.out"], "layers": [1]}, {"sites": ["logits"]}])
+    spec["requests"] = {"return": {"top_logits": 3}}
+    store = tmp_path / "serve.zarr"
+    prompt = list(range(10, 22))
+    with _vllm_serve(tmp_path, yaml.safe_dump(spec), store, ("--middleware", MIDDLEWARE)) as srv:
+        base = {"model": srv.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        status, plain = _post(srv.port, base)
+        assert status == 200 and "dmi" not in plain and "dmi" not in plain["choices"][0], plain   # off by default
+        status, steered = _post(srv.port, base | {"vllm_xargs": {"dmi_steer.scale": 6.0}})
+        assert status == 200 and "dmi" not in steered["choices"][0], steered
+        status, back = _post(srv.port, base | {"vllm_xargs": {"dmi_return": "top_logits", "dmi_steer.scale": -3}})
+        assert status == 200, back
+        status, both = _post(srv.port, base | {"prompt": [prompt, prompt[:7]], "vllm_xargs": {"dmi_return": 1}})
+        assert status == 200 and len(both["choices"]) == 2, both
+        for xargs, words in [
+                ({"dmi_steer.scale": 9}, "interventions.steer.scale = 9 is outside the allowed range [-8.0, 8.0]"),
+                ({"dmi_steer.vector": [1.0, 2.0]}, "interventions.steer.vector has shape [2]; allowed: [64]"),
+                ({"dmi_steer.vector": [10.0] * hidden}, "interventions.steer.vector has L2 norm 80"),
+                ({"dmi_clip.scale": 1}, "interventions.clip.scale is not a value a request may set"),
+                ({"dmi_always.scale": 1}, "intervention 'always' is not offered on request"),
+                ({"dmi_return": "hidden"}, "return 'hidden' is not offered by this server; allowed: ['top_logits']")]:
+            status, body = _post(srv.port, base | {"vllm_xargs": xargs})
+            assert status == 400 and words in body["error"]["message"], (xargs, body)
+            assert "choices" not in body
+        status, body = _post(srv.port, base | {"stream": True, "vllm_xargs": {"dmi_return": 1}})
+        assert status == 400 and "whole response only" in body["error"]["message"], body
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed", srv.log.read_text()[-3000:]
+    logits = tree["logits"].dataset
+
+    def rows_of(response_id, prompt_index=0, group="logits", name="logits"):
+        ds = tree[group].dataset
+        keep = [i for i, r in enumerate(ds.request.values) if str(r).startswith(f"{response_id}-{prompt_index}")]
+        order = sorted(keep, key=lambda i: int(ds.position.values[i]))
+        return ds.position.values[order], ds.token_id.values[order], ds[name].values[order].reshape(len(order), -1)
+
+    checked = 0
+    for response, index in ((back, 0), (both, 0), (both, 1)):
+        got = response["choices"][index]["dmi"]
+        pos, _, values = rows_of(response["id"], index)
+        assert got["position"] == int(pos[-1])          # the last sampled token's row
+        row = values[-1]
+        assert set(got) == {"position", "top_logits"} and len(got["top_logits"]["logits"]) == 3
+        np.testing.assert_array_equal(np.asarray(got["top_logits"]["logits"], np.float32),
+                                      row[got["top_logits"]["token_ids"]])
+        np.testing.assert_array_equal(np.sort(row)[::-1][:3], np.asarray(got["top_logits"]["logits"], np.float32))
+        checked += 1
+    assert checked == 3 and len(logits.request) > 0
+    # the client's scale reached its rows: mlp.out of layer 1 equals the unpatched model's + 6 * vec
+    ref = tf.AutoModelForCausalLM.from_pretrained(srv.model, dtype=torch.float32)
+    for response, scale in ((plain, 0.0), (steered, 6.0), (back, -3.0)):
+        _, ids, values = rows_of(response["id"], group="layers/mlp/out", name="out")
+        seen = {}
+
+        def steer(x, scale=scale):
+            seen["x"] = x + scale * vec
+            return seen["x"]
+        h = hook(ref, "qwen3", "mlp.out", 1, steer)
+        try:
+            with torch.no_grad():
+                ref(input_ids=torch.tensor([ids.tolist()]))
+        finally:
+            h.remove()
+        np.testing.assert_allclose(values, seen["x"][0].numpy(), atol=2e-5, rtol=1e-4, err_msg=str(scale))

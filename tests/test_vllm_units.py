@@ -284,7 +284,6 @@ EXTRA = {"layers.1.attn.q"}
     ({"sites": ["layers.2.attn.q"]}, ServePolicy(), "not captured on this server and not offered"),   # widening
     ({"sites": ["attn.k"]}, ServePolicy(), "not captured on this server"),
     ({"return": True}, ServePolicy(), "never returned to API clients"),
-    ({"return": True}, ServePolicy(return_data=True), "no return channel exists yet"),
     ({"max_rows": 100}, ServePolicy(max_rows=10), "above this server's per-request cap 10"),
     ({"capture": False}, ServePolicy(narrow=False), "opting out is not allowed"),
     ({"sites": ["logits"]}, ServePolicy(narrow=False), "picking fewer is not allowed"),

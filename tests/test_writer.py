@@ -352,7 +352,8 @@ def test_pool_settings_are_checked_at_load(tmp_path):
     model = build_tiny_model("tiny-qwen3")
     arch = load_arch_spec(builtin_spec_dir() / "qwen3.yaml")
     with pytest.raises(SpecError, match=r"store\.writers.*Fix: set store\.writer: pool"):
-        build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writers": 2}}),
+        build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm"]}],
+                                         "store": {"writer": "thread", "writers": 2}}),
                    model.config, model_dtype_itemsize=4)
     with pytest.raises(SpecError, match=r"store\.writer: pool cannot go with policy\.drain: process.*Fix:"):
         build_plan(arch, load_hook_spec({"capture": [{"sites": ["final_norm"]}], "store": {"writer": "pool"},
@@ -361,3 +362,24 @@ def test_pool_settings_are_checked_at_load(tmp_path):
     plan = build_plan(arch, hook, model.config, model_dtype_itemsize=4)
     with pytest.raises(SpecError, match=r"store\.writer: pool is not supported with tensor parallelism.*Fix:"):
         Run(model, plan, str(tmp_path / "o.zarr"), tp=object())
+
+
+def test_auto_writer_is_recorded_in_the_store_and_shown_by_inspect(tmp_path):
+    """store.writer left to dmi: the choice and its reason are a root attribute and a line of dmi
+    inspect; a CPU model keeps the exporter's threads, a CUDA model writing a local directory gets
+    the pool, and what the pool cannot write (shards, in-memory results, object stores) the thread."""
+    from dmi.models import build_tiny_model
+    from dmi.store.inspect import format_summary, summarize
+    from dmi.store.preflight import choose_writer
+    model = build_tiny_model("tiny-qwen3")
+    with dmi.load(model, hook_spec={"capture": [{"sites": ["final_norm"]}]}, store=tmp_path / "a.zarr") as run:
+        model(torch.randint(0, 100, (1, 4)))
+    auto = dmi.open(run.store).attrs["sized_automatically"]
+    assert auto == {"store.writer": {"value": "thread", "why": choose_writer("auto", torch.device("cpu"), "x", False, False)[1]}}
+    assert "auto      store.writer thread: a model on the CPU" in format_summary(summarize(run.store))
+    cuda = torch.device("cuda", 0)
+    assert choose_writer("auto", cuda, str(tmp_path / "b.zarr"), False, False)[0] == "pool"
+    assert [choose_writer("auto", cuda, *case)[0] for case in
+            ((str(tmp_path / "b.zarr"), True, False), (str(tmp_path / "b.zarr"), False, True),
+             ("s3://bucket/b.zarr", False, False))] == ["thread"] * 3
+    assert choose_writer("process", cuda, str(tmp_path / "b.zarr"), False, False) == ("process", None)

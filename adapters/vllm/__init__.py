@@ -100,6 +100,8 @@ def load(model: Any, hook_spec, store=None, *, arch_spec=None, overwrite: bool =
     from .worker import SESSIONS
     hook = load_hook_spec(hook_spec)                  # errors before the engine starts
     store = store if store is not None else hook.data.get("store", {}).get("path")
+    if store is None and not hook.data.get("capture"):
+        store = f"memory://dmi-{uuid.uuid4().hex}"     # interventions only: nothing to keep, no store needed
     if store is None:
         raise SpecError("no store given (an in-memory result, store=None, is for backend='hf')", file=hook.file,
                         key="store.path", fix="pass store='out.zarr' to dmi.load, or set store.path in the hook spec")

@@ -15,6 +15,11 @@ Reached from the worker process that owns the model:
   ``_dummy_run`` (profiling, warm-up and CUDA-graph capture: no step is open);
   ``requests[id].sampling_params.extra_args`` (per-request options).
 
+* ``model.compute_logits`` (on the model instance, 0.25 - 0.32): the step's logits, one row per
+  request of the batch in its order (no speculative decoding), for the captures a request asks back;
+* ``vllm_config.instance_id`` (0.25 - 0.32: set once where the engine is configured, the same in
+  the API server and the engine processes): names the folder those small captures pass through.
+
 Reached from the API server / ``LLM`` process:
 
 * ``InputProcessor._build_logits_processors_params_validator`` (0.32) or
@@ -184,6 +189,31 @@ def request_extra_args(runner, req_id: str) -> dict | None:
     state = runner.requests.get(req_id)
     params = getattr(state, "sampling_params", None)
     return getattr(params, "extra_args", None)
+
+
+def wrap_compute_logits(model, on_logits) -> callable:
+    """Call ``on_logits(logits)`` with each step's logits (``model.compute_logits``: one row per
+    request of the batch, in its order); returns a function that removes the wrapper."""
+    inner = model.compute_logits
+
+    @functools.wraps(inner)
+    def compute_logits(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        if out is not None:
+            on_logits(out)
+        return out
+
+    model.compute_logits = compute_logits
+    return lambda: model.__dict__.pop("compute_logits", None)
+
+
+def return_dir(vllm_config):
+    """The folder through which the engine hands a request's small captures to the API server's
+    response (``dmi.adapters.vllm.respond``): one per server, named by the config's ``instance_id``."""
+    import tempfile
+    from pathlib import Path
+    instance = str(getattr(vllm_config, "instance_id", "") or "default")
+    return Path(tempfile.gettempdir()) / f"dmi-return-{re.sub(r'[^A-Za-z0-9_.-]', '_', instance)}"
 
 
 def wrap_runner(runner, *, on_batch, on_forward, on_step_end, on_shutdown, dummy_run=None) -> callable:

@@ -43,7 +43,7 @@ def _validator(vllm_config):
     """The front end's part (built where vLLM builds its request validation): dmi's request check,
     and on a server the store's state on /metrics."""
     from .metrics import expose
-    from .policy import make_validator
+    from .validate import make_validator
     cfg = read_config(vllm_config)
     if cfg is not None and cfg.get("serving"):
         expose(cfg)

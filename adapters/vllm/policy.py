@@ -7,10 +7,14 @@ A request says what it wants in ``SamplingParams.extra_args["dmi"]``::
     {"sites": ["resid_post", "logits"]}     # only these of the planned sites (globs, as in hook specs)
     {"max_rows": 64}                        # at most this many of its token rows (never above the operator's cap)
     {"interventions": ["steer"]}            # turn on the hook spec's interventions marked requests: on_request
+    {"interventions": {"steer": {"scale": 2.0}}}   # ... with values of its own, within the operator's client: bounds
+    {"return": ["top_logits"]}              # small captures back in the response's `dmi` field (requests.return)
 
 Through the OpenAI API (``vllm_xargs`` in the request body, whose values must be flat) the same
 options are ``dmi_capture``, ``dmi_sites`` (a list, or one comma-separated string), ``dmi_max_rows``
-(``"vllm_xargs": {"dmi_sites": "resid_post,logits"}``), or ``dmi`` holding the object as a JSON string.
+(``"vllm_xargs": {"dmi_sites": "resid_post,logits"}``), ``dmi_interventions`` (names), ``dmi_<name>.<value>``
+(an intervention's own value: ``"dmi_steer.scale": 2.0``; turns it on), ``dmi_return`` (names, or 1 for
+everything offered), or ``dmi`` holding the object as a JSON string.
 
 The operator stays in charge through the hook spec's ``requests`` section::
 
@@ -18,7 +22,7 @@ The operator stays in charge through the hook spec's ``requests`` section::
       default: capture      # capture | skip: what a request that says nothing gets
       narrow: true          # requests may opt out or pick fewer sites (false: refused)
       max_rows: 4096        # per-request cap on captured token rows (a client cannot slow everyone down)
-      return_data: false    # captured data never goes back to API clients (true is not offered yet)
+      return: {top_logits: 5}   # small captures a request may ask back (none unless given)
 
 and capture entries marked ``on_request: true``: sites patched into the model but captured only for
 requests that name them (widening within what the operator allows; none by default).
@@ -34,7 +38,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from .config import read_config
+from ...interventions import client_values
 
 
 KEYS = ("capture", "sites", "max_rows", "return", "interventions")
@@ -49,17 +53,17 @@ class ServePolicy:
     default: str = "capture"
     narrow: bool = True
     max_rows: int | None = None
-    return_data: bool = False
+    returns: tuple = ()          # ((item, bound), ...): what requests may ask back (requests.return)
 
     @classmethod
     def from_hook(cls, hook) -> "ServePolicy":
         r = (hook.data if hasattr(hook, "data") else hook).get("requests", {}) or {}
         return cls(default=r.get("default", "capture"), narrow=r.get("narrow", True),
-                   max_rows=r.get("max_rows"), return_data=r.get("return_data", False))
+                   max_rows=r.get("max_rows"), returns=tuple(sorted((r.get("return") or {}).items())))
 
     def describe(self) -> dict:
         return {"default": self.default, "narrow": self.narrow, "max_rows": self.max_rows,
-                "return_data": self.return_data}
+                "return": dict(self.returns)}
 
 
 @dataclass(frozen=True)
@@ -106,14 +110,26 @@ def options(extra_args) -> dict | None:
     if raw is not None and not isinstance(raw, dict):
         raise RequestRefused(f"dmi: extra_args['dmi'] must be an object with keys {list(KEYS)}, not "
                              f"{type(raw).__name__}")
+    values = {k: flat.pop(k) for k in [k for k in flat if "." in k]}     # dmi_<name>.<value>
     out = {**(raw or {}), **flat}
+    if values:
+        asked = out.get("interventions")
+        if isinstance(asked, str):
+            asked = [p.strip() for p in asked.split(",") if p.strip()]
+        merged = dict(asked) if isinstance(asked, dict) else {n: {} for n in asked or [] if isinstance(n, str)}
+        for key, v in values.items():
+            name, value = key.rsplit(".", 1)
+            merged[name] = {**(merged.get(name) or {}), value: v}
+        out["interventions"] = merged
     for key in ("capture", "return"):
         v = out.get(key)
         if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
             out[key] = v.lower() in ("true", "1")
         elif isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
             out[key] = bool(v)
-    for key in ("sites", "interventions"):
+    if out.get("return") is True:
+        out["return"] = ["*"]                     # everything the operator offers
+    for key in ("sites", "interventions", "return"):
         if isinstance(out.get(key), str):
             out[key] = [p.strip() for p in out[key].split(",") if p.strip()]
     if isinstance(out.get("max_rows"), str) and out["max_rows"].isdigit():
@@ -126,10 +142,24 @@ def offered_interventions(hook_spec: dict) -> frozenset:
     return frozenset(e["name"] for e in hook_spec.get("interventions") or [] if e.get("requests") == "on_request")
 
 
+def offered_plans(plans) -> dict:
+    """{name: InterventionPlan} of the planned interventions a request may turn on; their
+    ``client`` bounds say which values it may set."""
+    return {p.name: p for p in plans if p.on_request}
+
+
+def intervention_values(args) -> dict:
+    """{name: the request's own values} of the interventions a checked request turns on ({} each
+    when it only names them)."""
+    asked = (args or {}).get("interventions") or []
+    return dict(asked) if isinstance(asked, dict) else {n: {} for n in asked}
+
+
 def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[str],
-          offered: frozenset = frozenset()) -> None:
+          offered=frozenset()) -> None:
     """Raise :class:`RequestRefused` when a request's ``extra_args["dmi"]`` asks for more than allowed.
-    ``offered``: the interventions a request may turn on (:func:`offered_interventions`)."""
+    ``offered``: the interventions a request may turn on: names (:func:`offered_interventions`), or
+    {name: plan} (:func:`offered_plans`), which also checks the values it sets against the bounds."""
     if args is None:
         return
     if not isinstance(args, dict):
@@ -144,11 +174,18 @@ def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[s
     if cap is False and not policy.narrow:
         raise RequestRefused("dmi: refused: this server captures every request; opting out is not allowed "
                              "(operator policy requests.narrow is false)")
-    if args.get("return"):
-        raise RequestRefused("dmi: refused: captured data is never returned to API clients"
-                             + ("" if not policy.return_data else " by this version of dmi (requests.return_data is "
-                                                                  "set, but no return channel exists yet)")
-                             + " (operator policy requests.return_data)")
+    wanted = args.get("return")
+    if wanted:
+        offers = dict(policy.returns)
+        if not offers:
+            raise RequestRefused("dmi: refused: captured data is never returned to API clients by this server "
+                                 "(operator policy requests.return)")
+        if not isinstance(wanted, list) or not all(isinstance(n, str) for n in wanted):
+            raise RequestRefused(f"dmi: 'return' must be true or a list of {sorted(offers)}")
+        for name in wanted:
+            if name != "*" and name not in offers:
+                raise RequestRefused(f"dmi: refused: return {name[:80]!r} is not offered by this server; allowed: "
+                                     f"{sorted(offers)} (operator policy requests.return)")
     rows = args.get("max_rows")
     if rows is not None:
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
@@ -158,12 +195,22 @@ def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[s
                                  f"{policy.max_rows} (operator policy requests.max_rows)")
     asked = args.get("interventions")
     if asked is not None:
-        if not isinstance(asked, list) or not asked or not all(isinstance(n, str) for n in asked):
-            raise RequestRefused("dmi: 'interventions' must be a non-empty list of intervention names")
+        if not isinstance(asked, (list, dict)) or not asked or not all(isinstance(n, str) for n in asked):
+            raise RequestRefused("dmi: 'interventions' must be a non-empty list of intervention names, or an "
+                                 "object {name: {value: number}}")
         for name in asked:
             if name not in offered:
                 raise RequestRefused(f"dmi: refused: intervention {name[:80]!r} is not offered on request by this "
                                      f"server (operator hook spec: interventions with requests: on_request)")
+        if isinstance(asked, dict):
+            for name, values in asked.items():
+                if values == {} or values is None:
+                    continue
+                plan = offered.get(name) if isinstance(offered, dict) else None
+                if plan is None or not plan.client:
+                    raise RequestRefused(f"dmi: refused: interventions.{name}: this server takes no values of a "
+                                         f"request for it (operator hook spec: the intervention's client bounds)")
+                client_values(plan, values, _value_error(name))
     sites = args.get("sites")
     if sites is not None:
         if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites) or not sites:
@@ -181,6 +228,23 @@ def check(args, policy: ServePolicy, default_names: set[str], extra_names: set[s
                                  "picking fewer is not allowed (operator policy requests.narrow is false)")
 
 
+def _value_error(name: str):
+    def error(key: str, problem: str) -> RequestRefused:
+        return RequestRefused(f"dmi: refused: interventions.{name}{'.' + key if key else ''} {problem}")
+    return error
+
+
+def request_values(args, offered: dict) -> dict:
+    """{name: checked values (:func:`dmi.interventions.client_values`)} of the interventions a
+    request sets values of (the worker's copy of the check: never wider than the API server's)."""
+    out = {}
+    for name, values in intervention_values(args).items():
+        plan = offered.get(name)
+        if values and plan is not None and plan.client:
+            out[name] = client_values(plan, values, _value_error(name))
+    return out
+
+
 def _matches(pattern: str, full: str) -> bool:
     canonical = full.split(".", 2)[2] if full.startswith("layers.") else full
     return fnmatch.fnmatchcase(full, pattern) or fnmatch.fnmatchcase(canonical, pattern)
@@ -196,7 +260,7 @@ def resolve(args, policy: ServePolicy, plan, extra: set[str]) -> tuple[Want, str
         return base, None
     try:
         check(args, policy, {s.name for s in plan.sites if s.name not in extra}, extra,
-              frozenset(p.name for p in getattr(plan, "interventions", ()) if p.on_request))
+              offered_plans(getattr(plan, "interventions", ())))
     except RequestRefused as e:
         return base, str(e)
     rows = args.get("max_rows", policy.max_rows)
@@ -252,34 +316,3 @@ class RequestGate:
     def forget(self, finished) -> None:
         for rid in finished:
             self._wants.pop(rid, None)
-
-
-def make_validator(vllm_config):
-    """The API-server-side check: ``validate(sampling_params)`` raising :class:`RequestRefused`
-    (a ValueError: vLLM answers HTTP 400), or None when dmi is not enabled for this engine."""
-    cfg = read_config(vllm_config)
-    if cfg is None:
-        return None
-    state: dict = {}
-
-    def names():
-        if not state:
-            from ...plan import build_plan
-            from ...spec import find_arch_spec, load_arch_spec, load_hook_spec
-            hook = load_hook_spec(cfg["hook_spec"])
-            hf = vllm_config.model_config.hf_config
-            text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-            arch = load_arch_spec(cfg["arch_spec"]) if cfg.get("arch_spec") else find_arch_spec(hf.model_type)
-            plan = build_plan(arch, hook, text)
-            extra = on_request_names(plan)
-            state.update(policy=ServePolicy.from_hook(hook), default={s.name for s in plan.sites} - extra, extra=extra,
-                         offered=offered_interventions(hook.data))
-        return state
-
-    def validate(sampling_params) -> None:
-        args = options(getattr(sampling_params, "extra_args", None))
-        if args is None:
-            return
-        s = names()
-        check(args, s["policy"], s["default"], s["extra"], s["offered"])
-    return validate

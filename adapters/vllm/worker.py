@@ -69,6 +69,7 @@ class Session:
         self.stop_on_store_error = False        # policy.on_store_error drop: a failed store stops capture
         self.clock = HookClock()                # host time in the step hooks below
         self.writes = StepWrites(run, runner, compat.request_extra_args) if run.interventions else None
+        self.returns = None                     # small captures requests ask back (requests.return: StepReturns)
 
     # --- per step (called from the runner wrappers) ----------------------------------------------
     def on_batch(self, runner, scheduler_output) -> None:
@@ -102,6 +103,8 @@ class Session:
             if got is not None:
                 if self.writes is not None:
                     self.writes.begin(None, num_tokens_padded)
+                if self.returns is not None:
+                    self.returns.begin(None)
                 self._count_padding(len(self.steps.last_ids), num_tokens_padded)   # (opted-out rows are real too)
                 got[0].ids = host_ids(input_ids)
                 self.run.begin_tokens(got[0], _NO_PAD, keep=got[1], held=got[2])
@@ -111,6 +114,8 @@ class Session:
         self._count_padding(int(batch.num_scheduled.sum()), num_tokens_padded)
         if self.writes is not None:
             self.writes.begin(batch, num_tokens_padded)
+        if self.returns is not None:
+            self.returns.begin(batch)
         st, keep, held = self.steps.build(batch, num_tokens_padded, self.gate.want, len(self.run.plan.sites),
                                           wants_all=self.gate.want_all)
         self.gate.forget(batch.finished)
@@ -150,6 +155,8 @@ class Session:
         if self.closed:
             return
         t0 = self.clock.now()
+        if self.returns is not None:
+            self.returns.end()
         # the device side of the end marker (CUDA ring), called directly: this runs after
         # execute_model, outside any graph, where the dmi::step_end op would only add its dispatch
         self.run.step_end_op()
@@ -188,6 +195,8 @@ class Session:
             SESSIONS_BY_RUN.pop(self.run.id, None)
         if self._unwrap is not None:
             self._unwrap()
+        if self.returns is not None:
+            self.returns.close()
         self.clock.stop()
         try:
             self.run.close()
@@ -391,6 +400,8 @@ def start(worker) -> Session | None:
     _check_pattern(plan, vllm_config, hook)
     policy = ServePolicy.from_hook(hook)
     store = cfg.get("store") or hook.data.get("store", {}).get("path")
+    if not store and not hook.data.get("capture"):
+        store = f"memory://dmi-{cfg['token']}-{time.time_ns()}"     # interventions only: no store needed
     if not store:
         raise DmiError("dmi: no store given. Fix: pass store= to dmi.load, set store.path in the hook spec, "
                        "or DMI_STORE / additional_config.dmi.store")
@@ -416,7 +427,7 @@ def start(worker) -> Session | None:
                     checks=(lambda run: _check_graphs(run, vllm_config), lambda run: _check_step_tokens(run, vllm_config, hook)),
                     overwrite=bool(cfg.get("overwrite")), attrs=attrs, tp=tp,
                     traced=plan.engine.traced or ("range" if above is not None else "0"),
-                    write_rows=_write_rows(vllm_config))
+                    write_rows=_write_rows(vllm_config), write_slots=_write_slots(vllm_config))
     if hasattr(run.ring, "replay_eager") and run.ring.is_cuda:
         # sites on engine-held rows (the logits) run outside the graphs every step: where their rows are not
         # one range (copied by one strided copy), their launch replays as a graph. (Mixed steps above the
@@ -439,6 +450,9 @@ def start(worker) -> Session | None:
                         **({"arch_spec": cfg["arch_spec"]} if cfg.get("arch_spec") else {})}
     session = Session(cfg["token"], run, runner, RequestGate(policy, plan, runner))
     session.rank = session_rank
+    if policy.returns and session_rank == 0:       # (one rank answers)
+        from .returns import StepReturns
+        session.returns = StepReturns(policy, runner, model, compat.return_dir(vllm_config), compat.request_extra_args)
     # (under tensor parallelism every rank would have to stop at the same step: there drop counts the captures)
     session.stop_on_store_error = plan.policy.on_store_error == "drop" and tp is None
     session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,
@@ -458,6 +472,12 @@ def _write_rows(vllm_config) -> int:
     sched = vllm_config.scheduler_config.max_num_batched_tokens
     graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
     return max(int(sched), int(graphs))
+
+
+def _write_slots(vllm_config) -> int:
+    """Slots of values an intervention with ``client:`` bounds holds: the operator's, and one per
+    request a step may carry (each request that set its own values keeps one while it runs)."""
+    return int(vllm_config.scheduler_config.max_num_seqs) + 1
 
 
 def _dtype_itemsize(vllm_config) -> int:

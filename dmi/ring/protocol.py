@@ -70,6 +70,11 @@ class Ring:
         # wakes it early (ring or meta ring a quarter full, backpressure, flush, close).
         self.urgent = threading.Event()
         self.hurry = False
+        # a step waits for room: the drain polls fast until it has it. Woken once, the drain often
+        # finds the oldest step still running on the GPU (the model's thread is ahead of it, and the
+        # device publishes the step's end), and would otherwise sleep a whole wait (wait_s) before
+        # looking again, at every streamed part
+        self.waiting = False
         # the last step begun ahead of its forward: what retract_ahead restores, take_ahead records
         self._ahead_undo: _AheadUndo | None = None
         # policy.drain process (dmi.ring.share): the child's progress words, and what was taken of them
@@ -217,6 +222,7 @@ class Ring:
                 stall = self._wait_for_room(stall, step, need, n_meta)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
+                self.waiting = False
             if self.bucket is not None:
                 self.bucket.spend(need)
             base, block_end = block
@@ -252,6 +258,9 @@ class Ring:
         if stall is None:
             stall = Stall(f"step {step} waiting for ring space (drain)", self.stall_timeout,
                           lambda: self.describe_room(nbytes, n_meta))
+        # (a ring whose steps end on the model's thread needs no fast looks: woken once, the drain
+        # finds them ended, and a drain polling the GIL every 0.5 ms slowed a host-bound soak by half)
+        self.waiting = self.device_publishes_end
         self.urgent.set()
         self.cond.wait(self.wait_s)
         stall.check((self.bytes.tail, self.freed_seq))
@@ -305,6 +314,7 @@ class Ring:
                 stall = self._wait_for_room(stall, step, want, 2)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
+                self.waiting = False
             base, block_end = block
             ctrl = StepControl(step, tokens, pad, {}, self.next_seq, block_end, self.next_seq, base=base, nbytes=0,
                                stream=stream, block_start=block_end - align_up(want), keys=stream.keys)
@@ -400,6 +410,7 @@ class Ring:
                 stall = self._wait_for_room(stall, step, layout.total, n + 1)
             if t0 is not None:
                 self.stats.stall_seconds += time.perf_counter() - t0
+                self.waiting = False
             if self.bucket is not None:
                 self.bucket.spend(layout.total)
             drops = (step, tokens, whole, dropped) if len(dropped) else None

@@ -17,6 +17,7 @@ from ..ring.protocol import Ring
 from ..siteop import register_run, unregister_run
 from ..spec import parse_bytes
 from ..store.exporter import ZarrExporter
+from ..store.preflight import choose_writer
 from ..subscribers import Subscribers, Subscription
 from ..tokens import RequestTable
 from .steps import EngineHooks
@@ -39,7 +40,8 @@ class Run(EngineHooks):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, store: str, *, overwrite: bool = False,
                  attrs: dict | None = None, ring: Ring | None = None, resume: bool = False, tp=None,
-                 traced: str | None = None, memory_bytes: int | None = None, write_rows: int | None = None):
+                 traced: str | None = None, memory_bytes: int | None = None, write_rows: int | None = None,
+                 write_slots: int = 1):
         self.model = model
         self.plan = plan
         self.dtype = next(model.parameters()).dtype
@@ -47,6 +49,11 @@ class Run(EngineHooks):
         check_policy_fits(plan, self.itemsize)
         self.requests = RequestTable()
         device = next(model.parameters()).device
+        plan.writer, why = choose_writer(plan.writer, device, store, tp is not None, memory_bytes is not None)
+        auto = {"store.writer": {"value": plan.writer, "why": why}} if why else {}
+        if plan.writer == "pool" and why and not plan.writers:
+            from ..store.pool import default_writers
+            auto["store.writers"] = {"value": default_writers(), "why": "half the cores, at least 2 and at most 8"}
         remote = plan.policy.drain == "process"     # the drain runs in the writer's child (dmi.ring.share)
         if remote and tp is not None:
             raise SpecError("policy.drain: process is not supported with tensor parallelism (each rank drains its "
@@ -73,7 +80,8 @@ class Run(EngineHooks):
                 exporter = partial(MemoryExporter, memory_bytes=memory_bytes)
             try:
                 self.exporter = exporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                         run_attrs(model, plan) | (attrs or {}), overwrite=overwrite, resume=resume)
+                                         run_attrs(model, plan, auto) | (attrs or {}), overwrite=overwrite,
+                                         resume=resume)
             except BaseException:
                 if self.ring.share is not None:
                     self.ring.share.unlink()
@@ -85,7 +93,7 @@ class Run(EngineHooks):
                                 key="store.writer", fix="remove store.writer or set it to thread")
             from ..store.shards import ShardedExporter
             self.exporter = ShardedExporter(store, plan, str(self.dtype).removeprefix("torch."),
-                                            run_attrs(model, tp.plan) | (attrs or {}), overwrite=overwrite,
+                                            run_attrs(model, tp.plan, auto) | (attrs or {}), overwrite=overwrite,
                                             resume=resume, tp=tp)
         if remote:
             if self.ring.share is None:
@@ -98,7 +106,8 @@ class Run(EngineHooks):
         self.store = str(self.exporter.path)
         self._tp = tp is not None
         self.subscribers = Subscribers(plan, str(self.dtype).removeprefix("torch."))
-        self.interventions = Interventions(plan.interventions, device, self.dtype, rows=write_rows or plan.policy.max_step_tokens)
+        self.interventions = Interventions(plan.interventions, device, self.dtype, rows=write_rows or plan.policy.max_step_tokens,
+                                           slots=write_slots)
         self.id = register_run(self)
         self.requests.intern(self.exporter.stored_request_ids)   # resume: new requests get new ids
         self.policy_changes: list[dict] = []    # set_limits calls: (step, mode, d2h_bytes_per_s) from then on
@@ -282,7 +291,9 @@ class Run(EngineHooks):
         return f"<dmi.Run {self.plan.family} sites={len(self.plan.sites)} {where}>"
 
 
-def run_attrs(model, plan: Plan) -> dict:
+def run_attrs(model, plan: Plan, sized_automatically: dict | None = None) -> dict:
+    """The store's root attributes of a run: what produced it. ``sized_automatically``: settings
+    the hook spec left to dmi, each as {value, why} (``dmi inspect`` lists them)."""
     versions = {}
     for dist in ("dmi", "torch", "transformers", "zarr", "numpy"):
         try:
@@ -294,4 +305,4 @@ def run_attrs(model, plan: Plan) -> dict:
             "hook_spec": plan.hook_spec, "policy": vars(plan.policy), "versions": versions,
             "model": {"name_or_path": getattr(cfg, "_name_or_path", None), "model_type": getattr(cfg, "model_type", None),
                       "dtype": str(next(model.parameters()).dtype), "class": type(model).__name__},
-            "sites": [s.name for s in plan.sites]}
+            "sites": [s.name for s in plan.sites], "sized_automatically": sized_automatically or {}}

@@ -15,7 +15,7 @@ from ..ring.layout import SiteSlot, StepControl
 from ..ring.records import EXPORTED
 from ..ring.share import StepSender
 from ..stall import Stall
-from ..store.exporter import TICK_S
+from ..store.commits import TICK_S
 
 
 _STOP = object()
@@ -65,9 +65,11 @@ class DrainExport:
             self._queue.put(_STOP)
 
     def _until_due(self) -> None:
-        """Sleep without the GIL until the next batch is due or the ring needs room now (``urgent``)."""
+        """Sleep without the GIL until the next batch is due or the ring needs room now (``urgent``;
+        while a step waits for room, ``ring.waiting``, only briefly: the step it needs may still be
+        on the GPU)."""
         ring = self.ring
-        ring.urgent.wait(DRAIN_FAST_S if self.closed or ring.hurry else self.drain_interval)
+        ring.urgent.wait(DRAIN_FAST_S if self.closed or ring.hurry or ring.waiting else self.drain_interval)
         ring.urgent.clear()
 
     def _copy_out(self) -> bool:

@@ -9,7 +9,7 @@ array's codecs after ``bytes`` (Blosc, Zstd: those zarr-python stores), writes a
 answers with the temp files and their sizes; the model's process renames them over the chunk
 keys in write order, so the files are byte for byte what the thread writer writes.
 
-It imports numpy and numcodecs only (no zarr, no torch): it starts in a fraction of a second. It
+It imports numpy, numcodecs and :mod:`dmi.shared_memory` only (no zarr, no torch): it starts in a fraction of a second. It
 exits at end-of-file on its socket (the model's process closed the pool, or died: the temp files
 it leaves are removed when the store is resumed).
 
@@ -17,7 +17,6 @@ Run as ``python -m dmi.store.chunkwriter FD ARENA``.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import sys
@@ -26,6 +25,8 @@ from multiprocessing.connection import Connection
 import numcodecs
 import numcodecs.blosc
 import numpy as np
+
+from ..shared_memory import map_shared
 
 
 def numcodec(c: dict, where):
@@ -112,19 +113,25 @@ def serve(conn: Connection, arena: np.ndarray) -> None:
                        isinstance(e, OSError)))
 
 
-def main(argv: list[str]) -> None:
-    # Ctrl-C or a stop signal is the model's process's to handle: it closes the pool, or dies and
-    # this process sees end-of-file
+def run_child(argv: list[str], serve) -> None:
+    """A store child process started as ``FD PATH`` (this one, the writer process of
+    :mod:`dmi.store.writer`): ``serve(conn, shared)`` over the socket ``FD``, with the shared file
+    ``PATH`` mapped. Ctrl-C or a stop signal is the model's process's to handle (the child runs in
+    its own session, and ignores them where they still reach it, e.g. a whole cgroup stopped): that
+    process closes the child, or dies and the child sees end-of-file."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, path = int(argv[0]), argv[1]
-    with open(path, "r+b") as f:
-        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
+    mapping = map_shared(path)
     conn = Connection(fd)
     try:
         serve(conn, np.frombuffer(mapping, np.uint8))
     finally:
         conn.close()
+
+
+def main(argv: list[str]) -> None:
+    run_child(argv, serve)
 
 
 if __name__ == "__main__":

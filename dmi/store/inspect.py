@@ -185,11 +185,16 @@ def summarize(path: str | Path, storage_options: dict | None = None) -> dict[str
         "streamed_steps": attrs.get("streamed_steps"),
         "stream_parts": attrs.get("stream_parts"),
         "stream_buffer_bytes": attrs.get("stream_buffer_bytes"),
+        "sized_automatically": attrs.get("sized_automatically") or {},
         "versions": attrs.get("versions", {}),
         "vllm": attrs.get("vllm"),
         "sites_unavailable": attrs.get("sites_unavailable") or {},
         "sites_never_computed": attrs.get("sites_never_computed") or [],
     }
+
+
+def _auto_value(key: str, value) -> str:
+    return human_bytes(value) if key.endswith("_bytes") and isinstance(value, int) else str(value)
 
 
 def writer_alive(writer: dict | None) -> bool | None:
@@ -282,6 +287,8 @@ def format_summary(info: dict) -> str:
         *([f"streamed  {info['streamed_steps']} step(s) larger than the ring went through it in "
            f"{info['stream_parts']} parts, held in {human_bytes(info.get('stream_buffer_bytes') or 0)} of host "
            f"buffers sized automatically to the largest"] if info.get("streamed_steps") else []),
+        *[f"auto      {key} {_auto_value(key, a.get('value'))}: {a.get('why')}"
+          for key, a in (info.get("sized_automatically") or {}).items()],
         f"sites     {len(info['sites'])} groups",
     ]
     for site, why in info.get("sites_unavailable", {}).items():     # matched by the hook spec, never computed here

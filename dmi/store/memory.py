@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import StoreError
-from .exporter import GroupBuffer, ZarrExporter
+from .exporter import ZarrExporter
+from .layout import GroupBuffer
 
 
 DEFAULT_MEMORY_BYTES = 2 << 30

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecError, StoreError
-from ..ring.share import shared_file
+from ..shared_memory import shared_file
 from .chunks import STORE_NICE, VLEN, default_threads, unlink_all
-from .exporter import GroupBuffer, ZarrExporter
+from .exporter import ZarrExporter
+from .layout import GroupBuffer
 from .location import TMP_SUFFIX, is_remote
 from .preflight import POOL_FIX, POOL_ON_OBJECT_STORE
 from .writer import STORE_MALLOC

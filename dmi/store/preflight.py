@@ -309,3 +309,20 @@ def jsonable(d: dict) -> dict:
 def writer_info() -> dict:
     """Who writes the store (its markers and attributes name the process)."""
     return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def choose_writer(writer: str, device, store, tensor_parallel: bool, in_memory: bool) -> tuple[str, str | None]:
+    """``store.writer: auto`` (the default) as the run's writer, and why (None: the hook spec chose).
+    The pool keeps chunk encoding and file writes off the model process's GIL, which a GPU model's
+    host loop needs between steps (perf/offline.py --headline); it writes local directories only,
+    one exporter per store (no tensor-parallel shards), and a store on disk. A CPU model computes
+    far slower than it captures, and gains nothing from worker processes that take its cores."""
+    if writer != "auto":
+        return writer, None
+    if getattr(device, "type", device) != "cuda":
+        return "thread", "a model on the CPU: the exporter's threads in its process"
+    if tensor_parallel or in_memory or is_remote(store):
+        what = ("tensor parallelism" if tensor_parallel else "an in-memory result" if in_memory
+                else "an object store")
+        return "thread", f"{what}: the exporter's threads in the model's process"
+    return "pool", "a CUDA model writing a local directory: chunks encoded and written by worker processes"

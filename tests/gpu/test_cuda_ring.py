@@ -638,6 +638,7 @@ def test_soak_compiled_generates_of_a_qwen3_8b_shape_on_default_policy_lose_no_r
     assert stats["dropped_captures"] == 0 and stats["stall_seconds"] >= 0
     tree = dmi.open(tmp_path / "soak.zarr")
     assert tree.attrs["dmi_status"] == "closed"
+    assert tree.attrs["sized_automatically"]["store.writer"]["value"] == "pool"    # store.writer: auto on a GPU
     per_call = int(lengths.sum()) + (new - 1) * 32
     resid = tree["layers/resid_post"].dataset
     assert resid.sizes["token"] == calls * per_call and tree["final_norm"].dataset.sizes["token"] == calls * per_call

@@ -313,3 +313,45 @@ def test_refused_with_cuda_graphs(tmp_path, monkeypatch):
         dmi.load(path, hook_spec={"capture": [{"sites": ["resid_post"]}], "engine": {"ring": "cpu"}},
                  store=tmp_path / "c.zarr", backend="vllm", **engine)
     assert not (tmp_path / "p.zarr").exists() and not (tmp_path / "c.zarr").exists()
+
+
+def test_cuda_graphs_read_each_requests_own_intervention_values():
+    """Requests' own intervention values (``client:`` bounds, per-request slots) inside vLLM's CUDA
+    graphs: in one continuous batch, each request's sampled logprobs equal HF's with a forward hook
+    doing what it asked (tests/test_vllm_interventions.py on the CPU build, here graph-replayed)."""
+    from test_interventions import hook
+    from test_vllm_interventions import PROMPTS as PROMPT_IDS, _client_spec
+    import transformers as tf
+    hidden = 64
+    g = torch.Generator().manual_seed(7)
+    vec, own = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g) * 2
+    asks = [None, {"steer": {"scale": 6.0}}, {"steer": {"scale": -4.0, "vector": own.tolist()}},
+            {"steer": {"scale": 6.0}, "clip": {"min": -0.5, "max": 0.25}}]
+    path = save_builtin("tiny-qwen3")
+    run = dmi.load(path, hook_spec=_client_spec(vec), backend="vllm", **ENGINE)
+    try:
+        params = [vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0,
+                                      extra_args={"dmi": {"interventions": a}} if a else None) for a in asks]
+        outs = run.llm.generate(PROMPT_IDS, params, use_tqdm=False)
+    finally:
+        run.shutdown()
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda")
+    for a, o, p in zip(asks, outs, PROMPT_IDS):
+        prompt, out = p["prompt_token_ids"], list(o.outputs[0].token_ids)
+        fn = None
+        if a:
+            s = a["steer"].get("scale", 1.0)
+            v = (torch.tensor(a["steer"]["vector"]) if "vector" in a["steer"] else vec).cuda()
+            lo, hi = (a["clip"]["min"], a["clip"]["max"]) if "clip" in a else (-np.inf, np.inf)
+            fn = lambda x, s=s, v=v, lo=lo, hi=hi: (x + s * v).clamp(lo, hi)      # noqa: E731
+        h = hook(ref, "qwen3", "mlp.out", 1, fn) if fn else None
+        try:
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([prompt + out], device="cuda")).logits[0].double()
+        finally:
+            if h:
+                h.remove()
+        lp = torch.log_softmax(logits, -1)
+        want = np.array([lp[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(out)])
+        got = np.array([o.outputs[0].logprobs[t][tok].logprob for t, tok in enumerate(out)])
+        np.testing.assert_allclose(got, want, atol=1e-3, err_msg=str(a))
