@@ -39,7 +39,7 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
+@pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     """One capture with the packaged example hook spec: 3 prompts, batches of 2, 3 new tokens."""
     d = tmp_path_factory.mktemp("cli")
@@ -53,13 +53,8 @@ def captured(tmp_path_factory):
     return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "store": store, "dir": d}
 
 
-# the tests of ``captured`` in one pytest-xdist worker (scripts/test.sh): one capture for them all
-CLI_CAPTURE = pytest.mark.xdist_group("cli-captured")
-
-
 # --- capture + inspect -------------------------------------------------------------------------
 
-@CLI_CAPTURE
 def test_capture_writes_store_with_request_ids(captured):
     assert captured["rc"] == 0, captured["stderr"]
     root = zarr.open_group(str(captured["store"]), mode="r")
@@ -74,7 +69,6 @@ def test_capture_writes_store_with_request_ids(captured):
     assert tree["layers/resid_post"].ds.sizes["layer"] == 3
 
 
-@CLI_CAPTURE
 def test_capture_records_texts_generation_seed_and_start(captured, tmp_path):
     """The store's root attributes say what the run generated: each request's prompt and generated
     text (equal to the same model's own generate(), decoded), the generation arguments, the seed and
@@ -118,7 +112,6 @@ def test_capture_records_texts_generation_seed_and_start(captured, tmp_path):
     assert list(attrs["texts"]) == IDS + ["delta"] and attrs["texts"]["delta"]["prompt"] == "One more"
 
 
-@CLI_CAPTURE
 def test_capture_prints_summary_and_progress(captured):
     out = captured["stdout"]
     assert "captured 3 prompt(s)" in out
@@ -128,7 +121,6 @@ def test_capture_prints_summary_and_progress(captured):
     assert "Traceback" not in captured["stderr"]
 
 
-@CLI_CAPTURE
 def test_inspect_text(captured, capsys):
     assert main(["inspect", str(captured["store"])]) == 0
     out = capsys.readouterr().out
@@ -138,7 +130,6 @@ def test_inspect_text(captured, capsys):
         assert text in out, text
 
 
-@CLI_CAPTURE
 def test_inspect_json(captured, capsys):
     assert main(["inspect", str(captured["store"]), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -155,7 +146,6 @@ def test_inspect_json(captured, capsys):
     assert info["drops"]["count"] == 0 and info["drops"]["bytes"] == 0
 
 
-@CLI_CAPTURE
 def test_inspect_through_subprocess(captured):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "dmi.cli", "inspect", str(captured["store"]), "--json"],
@@ -175,7 +165,6 @@ def test_inspect_missing_and_foreign_store(tmp_path, capsys):
     assert "not a dmi store" in _one_error_line(capsys.readouterr().err)
 
 
-@CLI_CAPTURE
 def test_capture_refuses_existing_store(captured, capsys):
     assert main(["capture", "--out", str(captured["store"]), "-q"]) == 2
     assert "already exists" in _one_error_line(capsys.readouterr().err)

@@ -2,9 +2,10 @@
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so the sections of this file run in a
 subprocess that sets it before anything imports Triton: two of them (one start-up of torch, Triton
-and transformers each), one for the sections that run eagerly and one for those that compile
-(dynamo, inductor), which pytest-xdist's two workers run side by side; each section with the
-environment its process started with, and each test reads its own section's outcome. The sections exercise the capture
+and transformers each), one for the sections that run eagerly (the tests of this file) and one for
+those that compile (dynamo, inductor: tests/test_kernels_interpret_compiled.py, a file of its own
+that pytest-xdist's other worker runs beside this one); each section with the environment its
+process started with, and each test reads its own section's outcome. The sections exercise the capture
 and end-marker kernels directly (layouts, strides, compaction, flags, meta-ring wrap) and through
 the whole run (the hook spec's ``engine.ring: interpret``: the CUDA ring's control words and kernels over host
 memory), in both launch modes: eager (host-known rows: torch copies straight into the ring and a
@@ -28,9 +29,6 @@ EAGER = ("kernel", "generate", "wrap_null", "stream", "control")
 COMPILED = ("traced", "rewrite", "side", "side_generate")
 # the sections' torch threads: the test process's (tests/conftest.py: a pytest-xdist worker's share)
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "2"))
-# each subprocess's tests in one pytest-xdist worker (scripts/test.sh): its fixture runs once
-EAGER_WORKER = pytest.mark.xdist_group("kernels-interpret")
-COMPILE_WORKER = pytest.mark.xdist_group("kernels-interpret-compiled")
 
 
 def _sections(tmp_path_factory, names: tuple) -> tuple:
@@ -44,14 +42,9 @@ def _sections(tmp_path_factory, names: tuple) -> tuple:
     return (json.loads(results.read_text()) if results.exists() else {}), r
 
 
-@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
+@pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     return _sections(tmp_path_factory, EAGER)
-
-
-@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
-def compiled_outcomes(tmp_path_factory):
-    return _sections(tmp_path_factory, COMPILED)
 
 
 def _engine(spec: dict, **options) -> dict:
@@ -65,49 +58,24 @@ def _check(outcomes, section: str) -> None:
     assert not done[section], f"section {section} failed:\n{done[section]}\n{r.stderr[-4000:]}"
 
 
-@EAGER_WORKER
 def test_kernel_rows_equal_reference(outcomes):
     _check(outcomes, "kernel")
 
 
-@EAGER_WORKER
 def test_generate_through_kernels_equals_cpu_path(outcomes):
     _check(outcomes, "generate")
 
 
-@EAGER_WORKER
 def test_tiny_ring_wraps_and_null_mode(outcomes):
     _check(outcomes, "wrap_null")
 
 
-@EAGER_WORKER
 def test_steps_larger_than_staging_or_the_ring_never_hang_and_store_what_the_cpu_path_stores(outcomes):
     _check(outcomes, "stream")
 
 
-@EAGER_WORKER
 def test_a_reused_layout_resends_its_words_after_another_step_changed_them(outcomes):
     _check(outcomes, "control")
-
-
-@COMPILE_WORKER
-def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path(compiled_outcomes):
-    _check(compiled_outcomes, "traced")
-
-
-@COMPILE_WORKER
-def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path(compiled_outcomes):
-    _check(compiled_outcomes, "rewrite")
-
-
-@COMPILE_WORKER
-def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_compile(compiled_outcomes):
-    _check(compiled_outcomes, "side")
-
-
-@COMPILE_WORKER
-def test_compiled_generate_chains_its_captures_unless_dmi_side_is_0(compiled_outcomes):
-    _check(compiled_outcomes, "side_generate")
 
 
 # --- sections (run in the subprocess) ---------------------------------------------------------------

@@ -20,7 +20,7 @@ import matplotlib.image  # noqa: E402
 SPEC = {"capture": [{"sites": ["resid_post", "final_norm"]}, {"sites": ["attn.pattern"], "layers": [0, 1]}]}
 
 
-@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
+@pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     """A tiny-qwen3 capture of two prompts (in memory), the model and a store of the same run."""
     from dmi.models import tiny_tokenizer
@@ -38,10 +38,6 @@ def captured(tmp_path_factory):
     return {"tree": tree, "model": model, "tok": tok, "store": store}
 
 
-# the tests of ``captured`` in one pytest-xdist worker (scripts/test.sh): one capture for them all
-PLOT_CAPTURE = pytest.mark.xdist_group("plot-captured")
-
-
 def _check_png(path, fig):
     """The file is a PNG of the figure's size in pixels, and not one flat color."""
     img = matplotlib.image.imread(str(path))
@@ -50,7 +46,6 @@ def _check_png(path, fig):
     assert img[..., :3].std() > 0.01, "nothing drawn"
 
 
-@PLOT_CAPTURE
 def test_pictures_are_written(captured, tmp_path):
     tree, tok = captured["tree"], captured["tok"]
     fig = dmi.plot.attention(tree, request="paris", layer=1, head=1, tokenizer=tok, out=tmp_path / "a.png")
@@ -61,7 +56,6 @@ def test_pictures_are_written(captured, tmp_path):
     _check_png(tmp_path / "l.png", fig)
 
 
-@PLOT_CAPTURE
 def test_attention_draws_the_stored_pattern(captured):
     tree = captured["tree"]
     fig = dmi.plot.attention(tree, request="paris", layer=0, head=0)
@@ -73,7 +67,6 @@ def test_attention_draws_the_stored_pattern(captured):
     assert drawn.shape == (len(rows), int(ds.position.values[rows].max()) + 1)
 
 
-@PLOT_CAPTURE
 def test_logit_lens_equals_hand_computation(captured):
     tree, model = captured["tree"], captured["model"]
     lens = dmi.plot.lens_values(tree, model, request="hello", k=3)
@@ -92,7 +85,6 @@ def test_logit_lens_equals_hand_computation(captured):
     np.testing.assert_array_equal(lens.position.values, np.sort(ds.position.values[rows]))
 
 
-@PLOT_CAPTURE
 def test_token_labels_from_token_ids(captured):
     """A store with a token_id coordinate names the axes by the tokens' text; without, by positions."""
     tok = captured["tok"]
@@ -107,7 +99,6 @@ def test_token_labels_from_token_ids(captured):
     assert dmi.plot.token_labels(rows) == {p: str(i) for p, i in zip(rows.position.values.tolist(), ids)}
 
 
-@PLOT_CAPTURE
 def test_unknown_request_and_layer_are_named(captured):
     with pytest.raises(dmi.DmiError, match=r"request 'nope' is not in the capture \(requests: hello, paris\)"):
         dmi.plot.attention(captured["tree"], request="nope")
@@ -115,7 +106,6 @@ def test_unknown_request_and_layer_are_named(captured):
         dmi.plot.attention(captured["tree"], layer=2)
 
 
-@PLOT_CAPTURE
 def test_cli_plot(captured, tmp_path):
     store = str(captured["store"])
     for argv in (["attention", store, "--request", "paris", "--layer", "1", "--head", "0", "--tokenizer",

@@ -31,11 +31,9 @@ TEXTS = [f"Prompt {k} " + "goes on and on " * (k % 4) + "to the end" for k in ra
 NEW = 12                       # tokens generated per prompt
 PER_RUN = 3                    # prompts per run
 HOOKS = "capture: [{sites: [resid_post]}]\nstore: {chunk_bytes: 4KiB}\n"    # many chunks, partial ones too
-# every test of the reference run in one pytest-xdist worker (scripts/test.sh): one reference run
-pytestmark = pytest.mark.xdist_group("store-property")
 
 
-@pytest.fixture(scope="session")   # (its xdist_group's worker builds it once, in whatever order its tests come)
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """text index -> resid_post rows of an uninterrupted run (positions 0, 1, ...), and the spec."""
     tmp = tmp_path_factory.mktemp("reference")
