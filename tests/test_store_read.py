@@ -113,3 +113,36 @@ def test_open_reads_bfloat16_as_float32_lazily(tmp_path):
     assert np.isnan(x.values).all()
     with pytest.raises(dmi.StoreError, match="not a float dtype"):
         dmi.open(store, dtype="int32")
+
+
+def test_open_store_cut_mid_commit_reads_its_committed_steps(encoded, write_spec, tmp_path):
+    """A writer killed while a commit grew its arrays one at a time leaves a group's value column
+    ahead of its ``request`` coordinate. dmi.open reads such an open store as of its last commit:
+    every array cut to the committed rows, values equal to those of the whole store."""
+    import json
+    model, _ = model_pair("qwen3")
+    spec = write_spec("capture: [{sites: [resid_post], layers: [0, 1]}, {sites: [final_norm]}]\n")
+    store = tmp_path / "o.zarr"
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+        run.model.generate(**encoded, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    whole = dmi.open(store)
+    total = whole["final_norm"].dataset.sizes["token"]
+    committed = total // 2
+    # the commit that grew final_norm from `committed` rows to `total` stopped after its value
+    # column: the request coordinate and the root's dmi_committed still say `committed`
+    root = json.loads((store / "zarr.json").read_text())
+    rows = root["attributes"]["dmi_committed"]["rows"]
+    rows["final_norm"] = committed
+    root["attributes"]["dmi_status"] = "open"
+    root.pop("consolidated_metadata", None)
+    (store / "zarr.json").write_text(json.dumps(root))
+    meta_path = store / "final_norm" / "request" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"][0] = committed
+    meta_path.write_text(json.dumps(meta))
+    cut = dmi.open(store)
+    ds, ref = cut["final_norm"].dataset, whole["final_norm"].dataset
+    assert ds.sizes["token"] == committed and ds.final_norm.shape[0] == committed
+    np.testing.assert_array_equal(ds.final_norm.values, ref.final_norm.values[:committed])
+    np.testing.assert_array_equal(ds.request.values, ref.request.values[:committed])
+    assert cut["layers/resid_post"].dataset.sizes["token"] == rows["layers/resid_post"]

@@ -43,12 +43,45 @@ def open_store(path: str | Path, storage_options: dict | None = None, *, dtype: 
     if attrs.get("dmi_status") in ("closed", "failed") and meta.get("consolidated_metadata"):
         tree = xr.open_datatree(loc.zarr(), engine="zarr", consolidated=True, chunks=chunks)
         return tree if dtype is None else cast_floats(tree, dtype)
-    tree = xr.open_datatree(loc.zarr(), engine="zarr", consolidated=False, chunks=chunks)
     rows = (attrs.get("dmi_committed") or {}).get("rows", {})
+    source = loc.zarr()
     if attrs.get("dmi_status") == "open":
-        for node in tree.subtree:
-            n = rows.get(node.path.strip("/"))
-            dim = "drop" if node.name == "drops" else "token"
-            if n is not None and node.dataset.sizes.get(dim, 0) > n:
-                node.dataset = node.to_dataset(inherit=False).isel({dim: slice(0, n)})
+        source = committed_view(source, rows)
+    tree = xr.open_datatree(source, engine="zarr", consolidated=False, chunks=chunks)
     return tree if dtype is None else cast_floats(tree, dtype)
+
+
+def committed_view(source, rows: dict[str, int]):
+    """A read-only zarr store over ``source`` whose arrays end at their group's committed rows.
+
+    A commit grows each array's ``zarr.json`` one at a time, so a writer killed mid-commit leaves
+    arrays of one group at different lengths (a value column ahead of its ``request`` coordinate);
+    xarray would refuse to align them. Cutting each array's shape in its metadata, before xarray
+    reads it, leaves only the whole steps of ``dmi_committed``: rows beyond it are never read."""
+    import json
+
+    import zarr
+    from zarr.storage import WrapperStore
+
+    class CommittedView(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            buf = await self._store.get(key, prototype, byte_range)
+            parts = key.split("/")
+            if buf is None or byte_range is not None or len(parts) < 3 or parts[-1] != "zarr.json":
+                return buf
+            group = "/".join(parts[:-2])
+            n = rows.get(group)
+            meta = json.loads(buf.to_bytes())
+            dim = "drop" if parts[-3] == "drops" else "token"
+            names = meta.get("dimension_names") or []
+            if n is None or meta.get("node_type") != "array" or dim not in names:
+                return buf
+            axis = names.index(dim)
+            if meta["shape"][axis] <= n:
+                return buf
+            meta["shape"][axis] = int(n)
+            return prototype.buffer.from_bytes(json.dumps(meta).encode())
+
+    if isinstance(source, str):
+        source = zarr.storage.LocalStore(source, read_only=True)
+    return CommittedView(source)
