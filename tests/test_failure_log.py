@@ -58,8 +58,8 @@ def test_each_failure_written_once_under_pytest_xdist(tmp_path):
     """scripts/test.sh's two pytest-xdist workers: each failure is written by the worker that ran
     it, once (not again from the controller's copy of its report)."""
     for name in ("a", "b"):
-        (tmp_path / f"test_{name}.py").write_text(f"def test_{name}_fails():\n    assert '{name}' == 'z', 'the {name} rows'\n\n"
-                                                  f"def test_{name}_passes():\n    pass\n")
+        (tmp_path / f"test_{name}.py").write_text(f"def test_{name}_fails():\n    assert '{name}' == 'z', 'the {name} rows'\n"
+                                                  f"\n\ndef test_{name}_passes():\n    pass\n")
     failures = tmp_path / "failures.txt"
     proc = run_pytest(tmp_path, failures, "-n", "2", "--dist", "loadfile")
     assert proc.returncode == 1 and "2 failed, 2 passed" in proc.stdout, proc.stdout + proc.stderr

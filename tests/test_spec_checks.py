@@ -196,8 +196,8 @@ def test_a_spec_file_parsed_once_is_read_anew_when_it_changes_and_each_load_is_i
     assert again.data == dmi.spec.load_yaml(arch, what="architecture spec").data
     arch.write_text(arch.read_text().replace("family: qwen3", "family: qwen4"))
     assert dmi.spec.load_arch_spec(arch).data["family"] == "qwen4"
-    arch.write_text(arch.read_text().replace("output: 0, layout: [batch, seq, hidden]}\n    vllm: {module: \"model.layers.{i}.self_attn\"",
-                                             "output: 0, layout: [batch, seq, mlp]}\n    vllm: {module: \"model.layers.{i}.self_attn\""))
+    attn_out = 'layout: [batch, seq, {}]}}\n    vllm: {{module: "model.layers.{{i}}.self_attn"'
+    arch.write_text(arch.read_text().replace(attn_out.format("hidden"), attn_out.format("mlp")))
     for _ in range(2):
         with pytest.raises(SpecError) as info:
             dmi.spec.load_arch_spec(arch)
