@@ -41,18 +41,21 @@ settle_mkl_vml()
 # each failure on disk as it happens, under DMI_TEST_FAILURES (runs cut by a time limit)
 pytest_runtest_logreport = failure_log.pytest_runtest_logreport
 
-# The files that take minutes, longest first. scripts/test.sh's pytest-xdist workers take whole
-# files in collection order (--dist loadfile --no-loadscope-reorder): these first, so that neither
-# worker starts a long one while the other has nothing left to do.
-LONG_FILES = ("test_vllm.py", "test_kernels_interpret_compiled.py", "test_ray_data.py", "test_reliability.py",
-              "test_soak.py", "test_vllm_compiled.py", "test_vllm_interventions.py", "test_vllm_serve.py",
-              "test_capture_hf.py", "test_kernels_interpret.py", "test_object_store.py", "test_compile.py",
-              "test_store_property.py", "test_perf_scripts.py", "test_policy.py")
+# The files that take minutes, longest first (summed from scripts/test.sh's --durations=0).
+# scripts/test.sh's pytest-xdist workers take whole files in collection order (--dist loadfile
+# --no-loadscope-reorder): these first, so that neither worker starts a long one while the other
+# has nothing left to do.
+LONG_FILES = ("test_reliability.py", "test_vllm_serve.py", "test_vllm_compiled.py", "test_ray_data.py",
+              "test_store_property.py", "test_vllm_interventions.py", "test_perf_scripts.py", "test_compile.py",
+              "test_vllm.py", "test_kernels_interpret_compiled.py", "test_store_loss.py", "test_object_store.py",
+              "test_stepclock.py", "test_soak.py", "test_drain_process.py", "test_cli_progress.py",
+              "test_kernels_interpret.py", "test_vllm_tp.py", "test_capture_hf.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))     # (stable: each file's own order kept)
+
 
 def _families() -> dict:
     """family -> its built-in architecture spec's data: every file in dmi/specs/ is a family."""
