@@ -116,6 +116,7 @@ class Plan:
     engine: EngineOptions = field(default_factory=EngineOptions)    # the hook spec's engine section
     unavailable: dict = field(default_factory=dict)   # canonical -> why: sites a pattern named that this engine never computes
     interventions: list = field(default_factory=list)  # dmi.interventions.InterventionPlan per interventions: entry
+    probes: list = field(default_factory=list)         # linear probes requests may ask back (vLLM: requests.return.probes)
 
     def by_layer_site(self) -> dict[tuple[str, int | None], SitePlan]:
         return {(s.canonical, s.layer): s for s in self.sites}

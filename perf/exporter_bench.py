@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
 
-from common import config   # noqa: E402
+from common import config, raw_write_gbs   # noqa: E402
 
 
 class GilProbe:
@@ -78,26 +78,6 @@ def payload(kind: str, n_bytes: int, seed: int) -> np.ndarray:
     scale = np.exp(rng.standard_normal(hidden, dtype=np.float32))
     x = rng.standard_normal((n_bytes // 2 // hidden, hidden), dtype=np.float32) * scale
     return x.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(-1)
-
-
-def raw_write_gbs(directory: Path, n_bytes: int, block: int = 16 << 20) -> float:
-    """The directory's file system's raw sequential write speed: one file written in ``block``-byte
-    writes, then fsync'd (GB/s from open to fsync done); the file is removed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    buf = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
-    path = directory / ".raw-write-probe"
-    try:
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for _ in range(max(1, n_bytes // block)):
-                os.write(fd, buf)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return max(1, n_bytes // block) * block / (time.perf_counter() - t0) / 1e9
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def bench(compression: str, steps: int, tokens: int, out: Path, writer: str = "thread",

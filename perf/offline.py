@@ -92,7 +92,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dmi
 
 import dmi   # noqa: E402
-from common import (DEV, GiB, HEADLINE_SPEC, GcClock, Skip, build, gen_kwargs, gpu_profile, hidden_spec,   # noqa: E402
+from common import (DEV, GiB, HEADLINE_SPEC, GcClock, Skip, build, gen_kwargs, gpu_profile, hidden_spec, raw_write_gbs,   # noqa: E402
                     internals_spec, md_header, md_row, prompts, ring_for, spread, store_dir, timed, twin)
 
 _MODEL: dict = {}
@@ -450,6 +450,7 @@ HEADLINE_CONFIGS = {"default": HEADLINE_SPEC,
                     "writer-pool-host-256mib": HEADLINE_SPEC | {"store": {"writer": "pool"}, "policy": {"host_bytes": "256MiB"}},
                     "writer-thread-host-256mib": HEADLINE_SPEC | {"store": {"writer": "thread"},
                                                                   "policy": {"host_bytes": "256MiB"}},
+                    "host-4gib": HEADLINE_SPEC | {"policy": {"host_bytes": "4GiB"}},
                     "chunks-16mib": HEADLINE_SPEC | {"store": {"chunk_bytes": "16MiB"}},
                     "traced": HEADLINE_SPEC | {"engine": {"traced": "all"}}}
 
@@ -507,11 +508,13 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
                      "close_s": closed, "store_gb": st["store_bytes"] / 1e9, "captured_gb": st["bytes_captured"] / 1e9,
                      "drops": st["dropped_captures"], "stall_s": st["stall_seconds"], "rows_complete": complete,
                      "streamed": st["streamed_steps"], "vanilla_s": statistics.median(van) / K,
+                     # what the store's disk must sustain for dmi to keep vanilla's pace
+                     "store_gbs_needed": st["store_bytes"] / 1e9 / generates / (statistics.median(van) / K),
                      "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"})
         r = rows[-1]
         log(f"  {name} {mode} {c}: {r['ratio']:.3f} of vanilla (pairs {r['pairs']}), "
-            f"close {closed:.2f} s, store {r['store_gb']:.2f} GB, drops {r['drops']}, "
-            f"rows complete {complete}")
+            f"close {closed:.2f} s, store {r['store_gb']:.2f} GB ({r['store_gbs_needed']:.2f} GB/s at vanilla's pace), "
+            f"drops {r['drops']}, rows complete {complete}")
         del tree
         shutil.rmtree(run.store, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
@@ -520,21 +523,23 @@ def end_to_end(name: str, batch: int, mode: str, args, log) -> list[dict]:
 
 def sampling(fn, where: str | None, name: str, gil: bool):
     """``fn``, or with ``--pyspy DIR`` a call of it that py-spy records into DIR/NAME[-gil].txt
-    (perf/pyspy.py summary/compare read them): odd rounds sample only the GIL's holder."""
+    (perf/common/pyspy.py summary/compare read them): odd rounds sample only the GIL's holder."""
     if not where:
         return fn
-    import pyspy
+    from common import pyspy
     out = Path(where) / f"{name}{'-gil' if gil else ''}.txt"
     return lambda: pyspy.sampled(fn, out, gil=gil)
 
 
 def headline_table(rows: list[dict]) -> str:
     lines = [md_header(["model", "batch", "mode", "configuration", "K x rounds", "dmi + store / vanilla",
-                        "pairs (low / median / high)", "close s", "store GB", "streamed steps", "drops",
+                        "pairs (low / median / high)", "close s", "store GB", "store GB/s at vanilla's pace",
+                        "streamed steps", "drops",
                         "rows complete", "vanilla s / generate"], text=4)]
     for r in rows:
         lines.append(md_row([r["model"], r["batch"], r["mode"], r["config"], f"{r['K']} x {r['rounds']}",
                              f"**{r['ratio']:.3f}**", r["pairs"], f"{r['close_s']:.2f}", f"{r['store_gb']:.2f}",
+                             f"{r['store_gbs_needed']:.2f}",
                              r["streamed"], r["drops"], r["rows_complete"], f"{r['vanilla_s']:.2f}"]))
     return "\n".join(lines)
 
@@ -546,6 +551,8 @@ def main(argv=None):
                          "--generates calls in a row + flush per round, close counted (end_to_end)")
     ap.add_argument("--generates", type=int, default=4, help="--headline: generate() calls in a row per round (K)")
     ap.add_argument("--store-dir", default=None, help="--headline: where the store goes (default: the temp dir)")
+    ap.add_argument("--raw-bytes", type=int, default=2 * GiB,
+                    help="--headline: size of the raw sequential write probe of the store's directory (0: skip it)")
     ap.add_argument("--pyspy", default=None, metavar="DIR",
                     help="--headline: py-spy records each timed round into DIR (odd rounds: the GIL's holder only)")
     ap.add_argument("--pyspy-gil", action="store_true", help="--pyspy: every round samples only the GIL's holder")
@@ -613,6 +620,10 @@ def main(argv=None):
         f"{__import__('transformers').__version__} dmi {dmi.__version__}")
     if args.headline:
         args.rounds = args.rounds or 3
+        if args.raw_bytes:       # the bound a store on this disk sets: compare "store GB/s at vanilla's pace"
+            where = Path(args.store_dir or tempfile.gettempdir())
+            log(f"raw sequential write of {where}: {raw_write_gbs(where, args.raw_bytes):.2f} GB/s "
+                f"({args.raw_bytes / GiB:g} GiB in 16 MiB writes, fsync)")
         for name in args.models.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 for mode in args.modes.split(","):

@@ -141,6 +141,9 @@ def rows(schema: dict) -> list[dict]:
                         "example": _example_yaml(full, example_of(schema, child)),
                         "description": (child.get("description") or r.get("description") or "").strip()})
             walk(child, full)
+        named = node.get("additionalProperties")       # an object of entries by name (requests.return.probes)
+        if path and isinstance(named, dict) and resolve(schema, named).get("properties"):
+            walk(named, path + ["<name>"])
 
     walk(schema, [])
     return out
@@ -164,6 +167,9 @@ def _example_yaml(path: list[str], value) -> str:
             elif part == "interventions[]":      # the keys every intervention names
                 entry = {"name": "ablate", "site": "resid_post", "kind": "zero", **entry}
             value = {part[:-2]: [entry]}
+        elif part == "<name>":      # an entry by name (requests.return.probes): with the keys it needs
+            value = {"honesty": {"site": "resid_post", "layer": 1, "weights": "probe.npy",
+                                 **(value if isinstance(value, dict) else {})}}
         else:
             value = {part: value}
     return _inline(value)[1:-1]         # (a block mapping's line: no outer braces)

@@ -40,6 +40,9 @@ def _keys(node, path=""):
         full = f"{path}.{key}" if path else key
         yield full, child
         yield from _keys(child, full)
+    named = node.get("additionalProperties")
+    if path and isinstance(named, dict) and named.get("properties"):     # entries by name (requests.return.probes)
+        yield from _keys(named, path + ".<name>")
 
 
 def _rows() -> dict[str, list[str]]:
@@ -71,7 +74,7 @@ def test_every_key_default_and_example():
         assert not errors, (key, example, errors)
         value = spec
         for part in key.split("."):
-            value = value[part.removesuffix("[]")]
+            value = next(iter(value.values())) if part == "<name>" else value[part.removesuffix("[]")]
             if part.endswith("[]"):
                 value = value[0]
         assert value is not None, (key, example)

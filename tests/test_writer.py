@@ -383,3 +383,9 @@ def test_auto_writer_is_recorded_in_the_store_and_shown_by_inspect(tmp_path):
             ((str(tmp_path / "b.zarr"), True, False), (str(tmp_path / "b.zarr"), False, True),
              ("s3://bucket/b.zarr", False, False))] == ["thread"] * 3
     assert choose_writer("process", cuda, str(tmp_path / "b.zarr"), False, False) == ("process", None)
+    # store.writers given where auto picks the thread writer: said, not silently dropped
+    with pytest.warns(UserWarning, match=r"store\.writers: 4 is ignored: store\.writer auto chose the thread writer "
+                                         r"\(a model on the CPU.*Fix: remove store\.writers"):
+        with dmi.load(model, hook_spec={"capture": [{"sites": ["final_norm"]}], "store": {"writers": 4}},
+                      store=tmp_path / "c.zarr") as run:
+            model(torch.randint(0, 100, (1, 4)))

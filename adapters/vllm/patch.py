@@ -118,11 +118,28 @@ def _other_outputs(out, taken) -> list | None:
 
 
 class _Capture:
-    """One site of one wrapped method: which arguments/outputs feed it, and how."""
-    __slots__ = ("handle", "inputs", "outputs", "order_by")
+    """One site of one wrapped method: which arguments/outputs feed it, and how. ``probes``: the
+    linear probes read from the captured value (``dmi.adapters.vllm.probes``)."""
+    __slots__ = ("handle", "inputs", "outputs", "order_by", "probes")
 
-    def __init__(self, handle, inputs=None, outputs=None, order_by=None):
+    def __init__(self, handle, inputs=None, outputs=None, order_by=None, probes=()):
         self.handle, self.inputs, self.outputs, self.order_by = handle, inputs, outputs, order_by
+        self.probes = tuple(probes)
+
+
+def _probe(probes, parts) -> None:
+    """Each probe of the value the capture read: the sum of the non-None ``parts``."""
+    parts = [p for p in parts if p is not None]
+    for p in probes:
+        p(parts[0], parts[1]) if len(parts) == 2 else p(_summed(parts))
+
+
+def _written(c, x):
+    """:func:`site` of a write handle, and its probes of the value the capture reads."""
+    y = site(c.handle, x)
+    if c.probes:
+        _probe(c.probes, [x if c.handle.write.capture_first else y])
+    return y
 
 
 def _pick_output(out, index):
@@ -146,19 +163,27 @@ def wrap_method(obj, method: str, captures: list[_Capture]) -> None:
                 if type(c.handle) is WriteHandle:
                     (pos, name), = c.inputs
                     if pos < len(args):
-                        args = args[:pos] + (site(c.handle, args[pos]),) + args[pos + 1:]
+                        args = args[:pos] + (_written(c, args[pos]),) + args[pos + 1:]
                     else:
-                        kwargs[name] = site(c.handle, kwargs[name])
+                        kwargs[name] = _written(c, kwargs[name])
                 else:
-                    _capture_parts(c.handle, [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs])
+                    parts = [args[pos] if pos < len(args) else kwargs.get(name) for pos, name in c.inputs]
+                    _capture_parts(c.handle, parts)
+                    if c.probes:
+                        _probe(c.probes, parts)
         out = inner(*args, **kwargs)
         for c in captures:
             if c.outputs is not None:
                 parts = [_pick_output(out, i) for i in c.outputs]
                 if type(c.handle) is WriteHandle:
-                    out = put_output(out, c.outputs[0], site(c.handle, parts[0], _other_outputs(out, c.outputs)))
+                    written = site(c.handle, parts[0], _other_outputs(out, c.outputs))
+                    if c.probes:
+                        _probe(c.probes, [parts[0] if c.handle.write.capture_first else written])
+                    out = put_output(out, c.outputs[0], written)
                 elif c.order_by is None:
                     _capture_parts(c.handle, parts, _other_outputs(out, c.outputs))
+                    if c.probes:
+                        _probe(c.probes, parts)
                 else:
                     site(c.handle, ordered(_summed(parts), _pick_output(out, c.order_by)))
         return out
@@ -208,6 +233,8 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
     methods: dict = defaultdict(list)        # (id(obj), method) -> captures
     objects: dict = {}
     sites = [(s.canonical, s.layer, s.anchor, SiteHandle.of(run, s.index)) for s in plan.sites]
+    from .probes import Probes
+    run.probes = Probes(plan.probes, run.interventions.device, run.interventions.rows)
     for (canonical, layer), write in run.interventions.sites.items():
         mine = [k for k, (c, lay, _, _) in enumerate(sites) if (c, lay) == (canonical, layer)]
         if mine:
@@ -237,12 +264,13 @@ def attach(model: torch.nn.Module, plan, arch, run) -> callable:
         if "input" in a:
             specs = a["input"] if isinstance(a["input"], list) else [a["input"]]
             try:
-                cap = _Capture(handle, inputs=[_param_position(fn, p) for p in specs])
+                cap = _Capture(handle, inputs=[_param_position(fn, p) for p in specs],
+                               probes=run.probes.at.get((canonical, layer), ()))
             except AnchorNotFound as e:
                 raise anchor_error(arch, canonical, obj, str(e)) from None
         else:
             outs = a["output"] if isinstance(a["output"], list) else [a["output"]]
-            cap = _Capture(handle, outputs=outs, order_by=a.get("order_by"))
+            cap = _Capture(handle, outputs=outs, order_by=a.get("order_by"), probes=run.probes.at.get((canonical, layer), ()))
         methods[(id(obj), method)].append(cap)
         objects[id(obj)] = obj
 

@@ -8,7 +8,7 @@ A request says what it wants in ``SamplingParams.extra_args["dmi"]``::
     {"max_rows": 64}                        # at most this many of its token rows (never above the operator's cap)
     {"interventions": ["steer"]}            # turn on the hook spec's interventions marked requests: on_request
     {"interventions": {"steer": {"scale": 2.0}}}   # ... with values of its own, within the operator's client: bounds
-    {"return": ["top_logits"]}              # small captures back in the response's `dmi` field (requests.return)
+    {"return": ["top_logits", "probes"]}    # small captures back in the response's `dmi` field (requests.return)
 
 Through the OpenAI API (``vllm_xargs`` in the request body, whose values must be flat) the same
 options are ``dmi_capture``, ``dmi_sites`` (a list, or one comma-separated string), ``dmi_max_rows``
@@ -22,7 +22,7 @@ The operator stays in charge through the hook spec's ``requests`` section::
       default: capture      # capture | skip: what a request that says nothing gets
       narrow: true          # requests may opt out or pick fewer sites (false: refused)
       max_rows: 4096        # per-request cap on captured token rows (a client cannot slow everyone down)
-      return: {top_logits: 5}   # small captures a request may ask back (none unless given)
+      return: {top_logits: 5}   # small captures a request may ask back (none unless given; also probes:)
 
 and capture entries marked ``on_request: true``: sites patched into the model but captured only for
 requests that name them (widening within what the operator allows; none by default).
@@ -42,6 +42,7 @@ from ...interventions import client_values
 
 
 KEYS = ("capture", "sites", "max_rows", "return", "interventions")
+TOKEN_KEY = "dmi_return_token"      # the return channel's token: extra_args key the response middleware sets, never a client
 
 
 class RequestRefused(ValueError):
@@ -62,8 +63,10 @@ class ServePolicy:
                    max_rows=r.get("max_rows"), returns=tuple(sorted((r.get("return") or {}).items())))
 
     def describe(self) -> dict:
-        return {"default": self.default, "narrow": self.narrow, "max_rows": self.max_rows,
-                "return": dict(self.returns)}
+        offers = dict(self.returns)
+        if "probes" in offers:      # (where they read, not their weights)
+            offers["probes"] = {n: {k: v for k, v in p.items() if k in ("site", "layer")} for n, p in offers["probes"].items()}
+        return {"default": self.default, "narrow": self.narrow, "max_rows": self.max_rows, "return": offers}
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def options(extra_args) -> dict | None:
         except ValueError:
             raise RequestRefused("dmi: extra_args['dmi'] is a string but not JSON; pass an object such as "
                                  "{\"capture\": false}") from None
-    flat = {k[4:]: v for k, v in extra_args.items() if k.startswith("dmi_")}
+    flat = {k[4:]: v for k, v in extra_args.items() if k.startswith("dmi_") and k != TOKEN_KEY}
     if raw is None and not flat:
         return None
     if raw is not None and not isinstance(raw, dict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import compat, respond
 from .config import read_config
-from .policy import RequestRefused, ServePolicy, check, offered_plans, on_request_names, options
+from .policy import TOKEN_KEY, RequestRefused, ServePolicy, check, offered_plans, on_request_names, options
 
 
 def make_validator(vllm_config):
@@ -38,7 +38,12 @@ def make_validator(vllm_config):
         respond.bind(compat.return_dir(vllm_config))
 
     def validate(sampling_params) -> None:
-        args = options(getattr(sampling_params, "extra_args", None))
+        extra = getattr(sampling_params, "extra_args", None)
+        token = (extra or {}).get(TOKEN_KEY)
+        if token is not None and not respond.minted(token):
+            # (only this process's middleware sets it, for a request it is answering now)
+            raise RequestRefused(f"dmi: refused: {TOKEN_KEY} is set by the server only; drop it from the request")
+        args = options(extra)
         if args is None:
             return
         s = names()
@@ -48,4 +53,7 @@ def make_validator(vllm_config):
                 raise RequestRefused("dmi: refused: this server cannot return captures: it runs without dmi's "
                                      "response middleware (operator: start vllm serve with --middleware "
                                      f"{respond.MIDDLEWARE})")
+            if token is None:
+                raise RequestRefused("dmi: refused: returned captures come in the responses of /v1/completions and "
+                                     "/v1/chat/completions only (without stream); ask there")
     return validate

@@ -399,6 +399,9 @@ def start(worker) -> Session | None:
     plan.sites = [replace(s, anchor=_vllm_anchor(arch, s.canonical, s.layer, n_layers)) for s in plan.sites]
     _check_pattern(plan, vllm_config, hook)
     policy = ServePolicy.from_hook(hook)
+    if policy.returns:
+        from .probes import plan_probes
+        plan.probes = plan_probes(hook, plan)        # (checked before anything is written)
     store = cfg.get("store") or hook.data.get("store", {}).get("path")
     if not store and not hook.data.get("capture"):
         store = f"memory://dmi-{cfg['token']}-{time.time_ns()}"     # interventions only: no store needed
@@ -412,6 +415,10 @@ def start(worker) -> Session | None:
                          f"only (its ranks meet in the store's files). Fix: capture into a local path and "
                          f"copy the store to the object store")
     plan, tp = _tensor_parallel(plan, arch, text_config, model, world)
+    if tp is not None and plan.probes:
+        raise DmiError("dmi: requests.return.probes are not supported with tensor parallelism yet (a rank holds a "
+                       "shard of a head- or mlp-split site). Fix: remove requests.return.probes, or run with "
+                       "tensor_parallel_size=1")
     if tp is not None and plan.interventions:
         raise DmiError("dmi: interventions are not supported with tensor parallelism yet (a rank holds a shard of "
                        "a head- or mlp-split site). Fix: remove the hook spec's interventions, or run with "
@@ -452,7 +459,8 @@ def start(worker) -> Session | None:
     session.rank = session_rank
     if policy.returns and session_rank == 0:       # (one rank answers)
         from .returns import StepReturns
-        session.returns = StepReturns(policy, runner, model, compat.return_dir(vllm_config), compat.request_extra_args)
+        session.returns = StepReturns(policy, runner, model, compat.return_dir(vllm_config), compat.request_extra_args,
+                                      probes=getattr(run, "probes", None))
     # (under tensor parallelism every rank would have to stop at the same step: there drop counts the captures)
     session.stop_on_store_error = plan.policy.on_store_error == "drop" and tp is None
     session._unwrap = compat.wrap_runner(runner, on_batch=session.on_batch, on_forward=session.on_forward,

@@ -5,6 +5,7 @@ are :class:`dmi.run.steps.EngineHooks`; its threads :class:`dmi.run.threads.Drai
 from __future__ import annotations
 
 import logging
+import warnings
 from importlib import metadata
 
 import torch
@@ -51,6 +52,10 @@ class Run(EngineHooks):
         device = next(model.parameters()).device
         plan.writer, why = choose_writer(plan.writer, device, store, tp is not None, memory_bytes is not None)
         auto = {"store.writer": {"value": plan.writer, "why": why}} if why else {}
+        if why and plan.writer != "pool" and plan.writers:
+            warnings.warn(f"dmi: store.writers: {plan.writers} is ignored: store.writer auto chose the {plan.writer} "
+                          f"writer ({why}). Fix: remove store.writers, or set store.writer: pool where the pool can "
+                          f"run (a CUDA model writing a local directory)", stacklevel=3)
         if plan.writer == "pool" and why and not plan.writers:
             from ..store.pool import default_writers
             auto["store.writers"] = {"value": default_writers(), "why": "half the cores, at least 2 and at most 8"}

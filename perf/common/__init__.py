@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -231,6 +232,26 @@ class GcClock:
 
 
 # --- tables -------------------------------------------------------------------------------------
+def raw_write_gbs(directory: Path, n_bytes: int, block: int = 16 << 20) -> float:
+    """The directory's file system's raw sequential write speed: one file written in ``block``-byte
+    writes, then fsync'd (GB/s from open to fsync done); the file is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
+    path = directory / ".raw-write-probe"
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(max(1, n_bytes // block)):
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return max(1, n_bytes // block) * block / (time.perf_counter() - t0) / 1e9
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def spread(ratios) -> str:
     """'low / median / high' of per-pair ratios, 3 decimals."""
     r = sorted(ratios)
