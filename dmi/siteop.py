@@ -248,7 +248,7 @@ def site(handle: SiteHandle, x: torch.Tensor, after: Optional[list] = None) -> t
     ``ticket`` and inductor fuses nothing across it: where an engine computes ``x`` and another
     output in one fused kernel (vLLM's fused add + RMSNorm, output 1 the residual sum) and a
     lowering places the second one after the op, that kernel would split in two, one more kernel
-    per layer (tests/test_vllm.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
+    per layer (tests/test_vllm_compiled.py::test_compiled_engine_runs_as_many_kernels_with_dmi_as_without)."""
     if type(handle) is WriteHandle:
         return _written(handle, x, after)
     _capture(handle, x, after)

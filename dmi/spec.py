@@ -373,8 +373,48 @@ def effective_specs() -> list[tuple[SpecFile, Document]]:
     return out
 
 
+# (path, text) -> the checked spec: every dmi.load and tiny model searches all the specs, and the
+# YAML parse and schema check of one cost ~100x a copy of its result
+_ARCH_SPECS: dict[tuple[str, str], Document] = {}
+_ARCH_SPECS_KEPT = 64
+
+
 def load_arch_spec(source: str | Path | dict) -> Document:
-    doc = load_yaml(source, what="architecture spec")
+    """An architecture spec, parsed and checked (a file once per content: later loads get a copy,
+    which the caller may change)."""
+    key = _spec_file_key(source)
+    if key in _ARCH_SPECS:
+        return _copy(_ARCH_SPECS[key])
+    doc = _check_arch_spec(load_yaml(source, what="architecture spec"))
+    if key is not None:
+        if len(_ARCH_SPECS) >= _ARCH_SPECS_KEPT:
+            _ARCH_SPECS.pop(next(iter(_ARCH_SPECS)))
+        _ARCH_SPECS[key] = _copy(doc)
+    return doc
+
+
+def _copy(doc: Document) -> Document:
+    """A copy of a parsed document that shares nothing mutable with it (its data is plain YAML:
+    dicts, lists and scalars; its line keys are tuples)."""
+    def tree(x):
+        if isinstance(x, dict):
+            return {k: tree(v) for k, v in x.items()}
+        return [tree(v) for v in x] if isinstance(x, list) else x
+    return Document(tree(doc.data), doc.file, dict(doc.lines))
+
+
+def _spec_file_key(source) -> tuple[str, str] | None:
+    """(path, text) of a readable spec file, else None (load_yaml names what is wrong). Keyed by
+    the text, not the modification time: a file rewritten within the clock's tick is read anew."""
+    if not isinstance(source, (str, Path)):
+        return None
+    try:
+        return str(Path(source)), Path(source).read_text(encoding="utf-8")
+    except (OSError, ValueError):      # (no such file, a directory, not UTF-8, a NUL in the name)
+        return None
+
+
+def _check_arch_spec(doc: Document) -> Document:
     validate(doc, "arch_spec.schema.json", "architecture spec")
     for name, site in doc.data["sites"].items():
         for dim in site["dims"]:

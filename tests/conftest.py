@@ -12,7 +12,14 @@ from dmi.models import build_tiny_model, tiny_tokenizer
 import failure_log
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# torch's intra-op threads: 2, or each pytest-xdist worker's share of the cores (scripts/test.sh runs
+# two workers on CI's two cores), also for the processes the tests start (OMP_NUM_THREADS). Two
+# workers of two OpenMP threads each on two cores wait in each other's barriers: every op that
+# forks slows to the scheduler's time slice.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // WORKERS))))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if WORKERS > 1 else 2)
 
 
 def settle_mkl_vml() -> None:
@@ -33,6 +40,22 @@ settle_mkl_vml()
 
 # each failure on disk as it happens, under DMI_TEST_FAILURES (runs cut by a time limit)
 pytest_runtest_logreport = failure_log.pytest_runtest_logreport
+
+# The files that take minutes, longest first (summed from scripts/test.sh's --durations=0).
+# scripts/test.sh's pytest-xdist workers take whole files in collection order (--dist loadfile
+# --no-loadscope-reorder): these first, so that neither worker starts a long one while the other
+# has nothing left to do.
+LONG_FILES = ("test_reliability.py", "test_vllm_serve.py", "test_vllm_compiled.py", "test_ray_data.py",
+              "test_store_property.py", "test_vllm_interventions.py", "test_perf_scripts.py", "test_compile.py",
+              "test_vllm.py", "test_kernels_interpret_compiled.py", "test_store_loss.py", "test_object_store.py",
+              "test_stepclock.py", "test_soak.py", "test_drain_process.py", "test_cli_progress.py",
+              "test_kernels_interpret.py", "test_vllm_tp.py", "test_capture_hf.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))     # (stable: each file's own order kept)
+
 
 def _families() -> dict:
     """family -> its built-in architecture spec's data: every file in dmi/specs/ is a family."""
@@ -104,3 +127,19 @@ def write_spec(tmp_path):
         path.write_text(textwrap.dedent(text))
         return path
     return write
+
+
+@pytest.fixture
+def shared_files_made(monkeypatch):
+    """The paths of the shared files (dmi.shared_memory.shared_file: rings, handoff buffers) this
+    process makes during the test, to check that none outlives its run. (A look at /dev/shm before
+    and after would also see the files of runs in other pytest-xdist workers.)"""
+    from dmi import shared_memory
+    made, mkstemp = [], shared_memory.tempfile.mkstemp
+
+    def recorded(*args, **kwargs):
+        fd, path = mkstemp(*args, **kwargs)
+        made.append(path)
+        return fd, path
+    monkeypatch.setattr(shared_memory.tempfile, "mkstemp", recorded)
+    return made

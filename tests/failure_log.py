@@ -12,7 +12,7 @@ import os
 
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("DMI_TEST_FAILURES")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or hasattr(report, "node"):
+        return          # (pytest-xdist: the worker wrote it; ``node``: the controller's copy of its report)
     with open(path, "a") as f:     # appended and closed per failure: a kill right after loses nothing
         f.write(f"== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")

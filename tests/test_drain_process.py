@@ -17,10 +17,6 @@ from storecheck import assert_stores_equal
 from test_writer import SPEC
 
 
-def _shared_files() -> set:
-    return set(Path("/dev/shm").glob("dmi-ring-*")) if Path("/dev/shm").is_dir() else set()
-
-
 def _capture(encoded, store, drain: str, policy: dict):
     model, ref = model_pair("qwen3")
     spec = SPEC | {"policy": policy | {"drain": drain}}
@@ -39,8 +35,7 @@ def _capture(encoded, store, drain: str, policy: dict):
     {"mode": "full", "ring_bytes": "8MiB"},
     # a ring far smaller than the run: every few steps wait for the child to free space
     {"mode": "full", "ring_bytes": "96KiB", "host_bytes": "48KiB", "meta_records": 64}])
-def test_drain_process_stores_what_the_drain_thread_stores(tmp_path, encoded, policy):
-    before = _shared_files()
+def test_drain_process_stores_what_the_drain_thread_stores(tmp_path, encoded, policy, shared_files_made):
     (thread, _), (process, hidden) = (_capture(encoded, tmp_path / f"{d}.zarr", d, policy) for d in ("thread", "process"))
     assert process["dropped_captures"] == thread["dropped_captures"] == 0
     for key in ("steps", "records", "bytes_captured", "bytes_drained", "not_run"):
@@ -62,7 +57,8 @@ def test_drain_process_stores_what_the_drain_thread_stores(tmp_path, encoded, po
     mask = encoded["attention_mask"].bool()
     # (generate()'s prefill and a plain forward differ in the last ulp; bit-equality is the thread store's, above)
     np.testing.assert_allclose(final["final_norm"].values[first], hidden[mask].numpy(), rtol=0, atol=1e-5)
-    assert _shared_files() <= before, "the ring's shared file outlived the run"
+    rings = [p for p in shared_files_made if Path(p).name.startswith("dmi-ring-")]
+    assert rings and not any(Path(p).exists() for p in rings), f"the ring's shared file outlived the run: {rings}"
 
 
 def test_best_effort_with_a_drain_process_accounts_every_row(tmp_path, encoded):

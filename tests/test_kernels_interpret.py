@@ -1,9 +1,11 @@
 """The CUDA path's Triton kernels on the CPU (Triton's interpreter), bit for bit against dmi.gather.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so the sections of this file run in a
-subprocess that sets it before anything imports Triton: one for all of them (one start-up of torch,
-Triton and transformers), each section with the environment the process started with, and each
-test reads its own section's outcome. The sections exercise the capture
+subprocess that sets it before anything imports Triton: two of them (one start-up of torch, Triton
+and transformers each), one for the sections that run eagerly (the tests of this file) and one for
+those that compile (dynamo, inductor: tests/test_kernels_interpret_compiled.py, a file of its own
+that pytest-xdist's other worker runs beside this one); each section with the environment its
+process started with, and each test reads its own section's outcome. The sections exercise the capture
 and end-marker kernels directly (layouts, strides, compaction, flags, meta-ring wrap) and through
 the whole run (the hook spec's ``engine.ring: interpret``: the CUDA ring's control words and kernels over host
 memory), in both launch modes: eager (host-known rows: torch copies straight into the ring and a
@@ -23,19 +25,26 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SECTIONS = ("kernel", "generate", "wrap_null", "stream", "control", "traced", "rewrite", "side", "side_generate")
+EAGER = ("kernel", "generate", "wrap_null", "stream", "control")
+COMPILED = ("traced", "rewrite", "side", "side_generate")
+# the sections' torch threads: the test process's (tests/conftest.py: a pytest-xdist worker's share)
+THREADS = int(os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def _sections(tmp_path_factory, names: tuple) -> tuple:
+    """(section -> "" when it passed, else its traceback; the subprocess's result): each of
+    ``names`` run once, in order, by one subprocess."""
+    results = tmp_path_factory.mktemp("interpret") / "sections.json"
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, str(results), *names], env=env, capture_output=True, text=True,
+                       timeout=2700)
+    return (json.loads(results.read_text()) if results.exists() else {}), r
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """(section -> "" when it passed, else its traceback; the subprocess's result): every section
-    run once, in order, by one subprocess."""
-    results = tmp_path_factory.mktemp("interpret") / "sections.json"
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, __file__, str(results), *SECTIONS], env=env, capture_output=True, text=True,
-                       timeout=2700)
-    return (json.loads(results.read_text()) if results.exists() else {}), r
+    return _sections(tmp_path_factory, EAGER)
 
 
 def _engine(spec: dict, **options) -> dict:
@@ -67,22 +76,6 @@ def test_steps_larger_than_staging_or_the_ring_never_hang_and_store_what_the_cpu
 
 def test_a_reused_layout_resends_its_words_after_another_step_changed_them(outcomes):
     _check(outcomes, "control")
-
-
-def test_compiled_forwards_capture_as_traced_ops_equal_to_the_cpu_path(outcomes):
-    _check(outcomes, "traced")
-
-
-def test_captures_rewritten_into_traced_ops_by_a_compile_pass_equal_the_cpu_path(outcomes):
-    _check(outcomes, "rewrite")
-
-
-def test_captures_chained_onto_a_side_stream_by_a_compile_pass_equal_the_plain_compile(outcomes):
-    _check(outcomes, "side")
-
-
-def test_compiled_generate_chains_its_captures_unless_dmi_side_is_0(outcomes):
-    _check(outcomes, "side_generate")
 
 
 # --- sections (run in the subprocess) ---------------------------------------------------------------
@@ -327,7 +320,7 @@ def section_generate() -> None:
     import dmi
     from conftest import PROMPTS, model_pair, windowed_pair
     from dmi.models import tiny_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
     tmp = Path(tempfile.mkdtemp())
     specs = {
@@ -388,7 +381,7 @@ def section_traced() -> None:
     from dmi.kernels.words import SCRATCH_BYTES
     from dmi.kernels.kernel_ring import InterpretRing
     from dmi.siteop import constant_sites
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     # the traced scratch rows are allocated only where traced captures may run
     assert InterpretRing(1 << 16, 64).scratch_t.numel() == 1 << 16
     assert InterpretRing(1 << 16, 64, traced="1").scratch_t.numel() == (1 << 16) + SCRATCH_BYTES
@@ -472,7 +465,7 @@ def section_rewrite() -> None:
     from dmi.models import tiny_tokenizer
     from dmi.errors import PolicyError
     from dmi.kernels.kernel_ring import InterpretRing
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     _compile_every_time()         # the pass runs (and counts) in every compile
     try:                          # the trace modes are named where one is wrong
         InterpretRing(1 << 16, 64, traced="yes")
@@ -547,7 +540,7 @@ def section_side() -> None:
     from conftest import PROMPTS, model_pair
     from dmi.kernels.side import capture_nodes, chain_captures, sources
     from dmi.models import tiny_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     _compile_every_time()         # the pass runs in every compile
 
     class Chain(CustomGraphPass):
@@ -614,7 +607,7 @@ def section_side_generate() -> None:
     import dmi
     from conftest import PROMPTS, model_pair
     from dmi.models import tiny_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     _compile_every_time()
     enc = dict(tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True))
     spec = {"capture": [{"sites": ["resid_post", "final_norm", "attn.q"]}, {"sites": ["logits"], "tokens": "last"}]}
@@ -653,7 +646,7 @@ def section_wrap_null() -> None:
     import dmi
     from conftest import PROMPTS, model_pair
     from dmi.models import tiny_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
     tmp = Path(tempfile.mkdtemp())
     big = {"capture": [{"sites": ["resid_post", "mlp.out", "final_norm"]}], "policy": {"ring_bytes": "8MiB"}}
@@ -696,7 +689,7 @@ def section_stream() -> None:
     import dmi
     from conftest import PROMPTS, model_pair
     from dmi.models import tiny_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     enc = tiny_tokenizer()(PROMPTS, return_tensors="pt", padding=True)
     tmp = Path(tempfile.mkdtemp())
     capture = [{"sites": ["resid_post", "mlp.out", "final_norm"]}, {"sites": ["logits"], "tokens": "last"}]

@@ -152,10 +152,10 @@ def test_a_written_store_opens_with_xarray_and_dmi_and_holds_the_captured_bits(t
 # --- kill -9, recovery, --resume ------------------------------------------------------------------
 
 def _cli_env():
-    """The CLI's environment: two threads, and ``tests/cli_site`` (its ``sitecustomize`` settles
-    oneMKL's vector-math kernels at start-up, so the CLI's first forward computes what the
-    in-process reference does)."""
-    return dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
+    """The CLI's environment: this process's threads (tests/conftest.py: a pytest-xdist worker's
+    share), and ``tests/cli_site`` (its ``sitecustomize`` settles oneMKL's vector-math kernels at
+    start-up), so the CLI's first forward computes what the in-process reference does."""
+    return dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), TOKENIZERS_PARALLELISM="false",
                 PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "cli_site"), str(REPO),
                                             os.environ.get("PYTHONPATH", "")]))
 

@@ -183,6 +183,27 @@ def test_layout_axes_that_are_not_the_sites_dims_are_refused_when_the_spec_loads
           says=("feature axes ['mlp'] are not the site's dims after token ['hidden']",))
 
 
+def test_a_spec_file_parsed_once_is_read_anew_when_it_changes_and_each_load_is_its_own(tmp_path):
+    """load_arch_spec keeps a file's checked spec: a later load of the same content is an equal
+    copy that its caller may change; the same file rewritten (same size, within the clock's tick)
+    loads its new content, and a broken rewrite is refused again with its line."""
+    arch = spec_copy(tmp_path, "qwen3.yaml", "mine.yaml")
+    first = dmi.spec.load_arch_spec(arch)
+    first.data["sites"].pop("resid_post")
+    first.lines.clear()
+    again = dmi.spec.load_arch_spec(arch)
+    assert "resid_post" in again.data["sites"] and again.lines and again.file == str(arch)
+    assert again.data == dmi.spec.load_yaml(arch, what="architecture spec").data
+    arch.write_text(arch.read_text().replace("family: qwen3", "family: qwen4"))
+    assert dmi.spec.load_arch_spec(arch).data["family"] == "qwen4"
+    attn_out = 'layout: [batch, seq, {}]}}\n    vllm: {{module: "model.layers.{{i}}.self_attn"'
+    arch.write_text(arch.read_text().replace(attn_out.format("hidden"), attn_out.format("mlp")))
+    for _ in range(2):
+        with pytest.raises(SpecError) as info:
+            dmi.spec.load_arch_spec(arch)
+        check(info, SpecError, file=arch, key="sites.attn.out.hf.layout", says=("feature axes ['mlp']",))
+
+
 def test_the_builtin_specs_pass_the_load_checks(tmp_path):
     """Every site of every built-in family goes through the probe forward (no false alarm)."""
     models = {f: f"tiny-{f}" for f in ("qwen3", "llama3_1", "qwen3_moe", "mixtral")}

@@ -1,7 +1,7 @@
 """The kernels of vLLM's compiled model with and without dmi, counted from inductor's generated
-code (tests/test_vllm.py pins that a capture adds no kernel). Each engine runs in a process of its
-own with a fresh compile cache and ``TORCH_LOGS=output_code``; this file is that process's entry
-point too (``python tests/vllm_kernel_count.py ENGINE``)."""
+code (tests/test_vllm_compiled.py pins that a capture adds no kernel). Each engine runs in a
+process of its own with a fresh compile cache and ``TORCH_LOGS=output_code``; this file is that
+process's entry point too (``python tests/vllm_kernel_count.py ENGINE``)."""
 from __future__ import annotations
 
 import os
