@@ -5,7 +5,10 @@ operator does not offer is refused before it runs; new values reach the compiled
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -389,8 +392,17 @@ def test_request_values_steer_their_own_requests_without_capture(compiled):
             assert not np.allclose(got, logprobs_with(lambda x: x + 6.0 * vec, prompt, out), atol=2e-4), a
 
 
+@pytest.fixture
+def short_tmp():
+    """A folder of a short path: vLLM binds its zmq sockets in the server's temporary folder, and a
+    unix socket's path holds at most 107 characters (tmp_path under pytest-xdist is longer)."""
+    d = Path(tempfile.mkdtemp(prefix="dmi-t-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @NO_PLUGIN
-def test_serve_request_values_refusals_and_returned_captures(tmp_path):
+def test_serve_request_values_refusals_and_returned_captures(tmp_path, short_tmp):
     """One `vllm serve` (dmi's plugin, its response middleware): a client's own scale within the
     operator's bounds steers its request (its stored mlp.out rows equal a forward hook on the
     unpatched HF model doing the same); values outside the bounds, unknown names, wrong shapes,
@@ -418,8 +430,7 @@ def test_serve_request_values_refusals_and_returned_captures(tmp_path):
         "mlp": {"site": "mlp.out", "layer": 1, "weights": "mlp_probe.npy"},
         "resid": {"site": "resid_post", "layer": 0, "weights": str(tmp_path / "resid_probe.pt"), "bias": [0.5, -2.0]}}}}
     store = tmp_path / "serve.zarr"
-    temp = tmp_path / "tmp"          # the server's temporary folder: the return folder is made there
-    temp.mkdir()
+    temp = short_tmp                 # the server's temporary folder: the return folder is made there
     prompt, other = list(range(10, 22)), list(range(30, 45))
 
     def files():

@@ -573,7 +573,7 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     runner = types.SimpleNamespace(
         _prepare_inputs=lambda *a, **k: None, _model_forward=lambda **k: None, execute_model=lambda *a, **k: None,
         shutdown=lambda: None, _dummy_run=lambda n, **k: seen.append((n, ring.graph_mode, ring.geometry)) or "out")
-    session = types.SimpleNamespace(closed=False, run=types.SimpleNamespace(ring=ring))
+    session = types.SimpleNamespace(closed=False, capturing=True, run=types.SimpleNamespace(ring=ring))
     unwrap = compat.wrap_runner(runner, on_batch=None, on_forward=None, on_step_end=None, on_shutdown=None,
                                 dummy_run=lambda: Session.on_dummy_run(session))
     assert runner._dummy_run(64, is_graph_capturing=True) == "out"
@@ -584,7 +584,7 @@ def test_dummy_run_launches_the_kernel_ring_as_a_graph_with_a_flat_geometry():
     unwrap()
     assert "_dummy_run" not in vars(runner)
     cpu = types.SimpleNamespace(null=False)                                # the CPU ring: untouched
-    with Session.on_dummy_run(types.SimpleNamespace(closed=False, run=types.SimpleNamespace(ring=cpu))):
+    with Session.on_dummy_run(types.SimpleNamespace(closed=False, capturing=True, run=types.SimpleNamespace(ring=cpu))):
         assert vars(cpu) == {"null": False}
 
 
