@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from ...interventions.plan import load_values
 
 _LIB = torch.library.Library("dmi", "FRAGMENT")
 _LIB.define("probe(Tensor x, Tensor? y, Tensor(a!) out, Tensor weight, Tensor bias) -> ()")
@@ -86,7 +87,7 @@ def plan_probes(hook, plan) -> list[ProbePlan]:
         if any(o.kind == "int32" for o in s.outputs):
             raise hook.error(path + ("site",), f"site {canonical!r} holds no activations", fix="probe a float site")
         d = math.prod(s.shape)
-        w = _load(entry["weights"], hook, path + ("weights",))
+        w = load_values(entry["weights"], hook, path + ("weights",))
         if w.ndim not in (1, 2) or w.shape[-1] != d:
             raise hook.error(path + ("weights",), f"the weights have shape {list(w.shape)}; {canonical} has {d} "
                              f"features per token ({' x '.join(map(str, s.shape))})",
@@ -103,29 +104,6 @@ def plan_probes(hook, plan) -> list[ProbePlan]:
                              fix=f"give one number, or a list of {k}")
         out.append(ProbePlan(name, canonical, layer, weight, b.astype(np.float32), vector=w.ndim == 1))
     return out
-
-
-def _load(value, hook, path: tuple) -> np.ndarray:
-    """A .npy / .pt file (relative to the hook spec's folder) or the numbers inline."""
-    if isinstance(value, str):
-        p = Path(value).expanduser()
-        if not p.is_absolute() and hook.file and not hook.file.startswith("<"):
-            p = Path(hook.file).parent / p
-        if not p.exists():
-            raise hook.error(path, f"file {str(p)!r} does not exist",
-                             fix="give a .npy or .pt file (a path relative to the hook spec's folder), or the numbers inline")
-        if p.suffix == ".npy":
-            return np.load(p, allow_pickle=False).astype(np.float64)
-        if p.suffix in (".pt", ".pth"):
-            t = torch.load(p, map_location="cpu", weights_only=True)
-            if not isinstance(t, torch.Tensor):
-                raise hook.error(path, f"{str(p)!r} holds a {type(t).__name__}, not one tensor", fix="torch.save the tensor itself")
-            return t.double().numpy()
-        raise hook.error(path, f"{str(p)!r}: unknown file type {p.suffix!r}", fix="use a .npy or .pt file")
-    try:
-        return np.asarray(value, np.float64)
-    except ValueError:
-        raise hook.error(path, "the values are not a rectangular array of numbers", fix="give a vector or a matrix") from None
 
 
 class Probe:

@@ -88,9 +88,8 @@ def collect(body, n: int, token: str):
     return body
 
 
-def forget(token: str) -> None:
-    """Remove the request's marker and every file of its token (the marker first: the engine
-    deletes what it writes after that)."""
+def unmark(token: str) -> None:
+    """The request's response is over: its marker goes (the engine deletes what it writes after)."""
     _live.discard(token)
     folder = _state["folder"]
     if folder is None:
@@ -99,6 +98,14 @@ def forget(token: str) -> None:
         os.unlink(folder / live_marker(token))
     except OSError:
         pass
+
+
+def forget(token: str) -> None:
+    """Remove the request's marker and every file of its token (the marker first)."""
+    unmark(token)
+    folder = _state["folder"]
+    if folder is None:
+        return
     try:
         names = [e.name for e in os.scandir(folder) if e.name.startswith(token + ".")]
     except OSError:
@@ -222,11 +229,7 @@ class ReturnMiddleware:
                 return
             data = b"".join(parts)
             if start.get("status") == 200:
-                _live.discard(token)
-                try:
-                    os.unlink(folder / live_marker(token))      # (before reading: see the module's doc)
-                except (OSError, TypeError):
-                    pass
+                unmark(token)          # (before reading: see the module's doc)
                 try:
                     data = json.dumps(collect(json.loads(data), int(body.get("n") or 1), token)).encode()
                 except (ValueError, TypeError):

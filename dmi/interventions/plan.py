@@ -48,21 +48,22 @@ class InterventionPlan:
     client: dict | None = None       # what a request may set for itself, within bounds (``client:``)
 
 
-def _load_value(value: Any, hook: Document, path: tuple) -> np.ndarray:
-    """A vector given inline (nested lists) or as a file (.npy, or .pt/.pth holding one tensor)."""
+def load_values(value: Any, hook: Document, path: tuple) -> np.ndarray:
+    """Numbers given inline (nested lists) or as a file (.npy, or .pt/.pth holding one tensor; a
+    relative path is the hook spec's folder's), as float64; errors name ``path`` and the fix."""
     if isinstance(value, str):
         p = Path(value).expanduser()
         if not p.is_absolute() and hook.file and not hook.file.startswith("<"):
             p = Path(hook.file).parent / p
         if not p.exists():
-            raise hook.error(path, f"file {str(p)!r} does not exist", fix="give a .npy or .pt file, or the values inline")
+            raise hook.error(path, f"file {str(p)!r} does not exist", fix="give a .npy or .pt file (a path relative to the hook spec's folder), or the values inline")
         if p.suffix == ".npy":
             return np.load(p).astype(np.float64)
         if p.suffix in (".pt", ".pth"):
             t = torch.load(p, map_location="cpu", weights_only=True)
             if not isinstance(t, torch.Tensor):
                 raise hook.error(path, f"{str(p)!r} holds a {type(t).__name__}, not one tensor",
-                                 fix="torch.save the vector itself")
+                                 fix="torch.save the tensor itself")
             return t.double().numpy()
         raise hook.error(path, f"{str(p)!r}: unknown file type {p.suffix!r}", fix="use a .npy or .pt file")
     try:
@@ -280,7 +281,7 @@ def _value(entry, kind, shape, sdims, heads, head_axis, hook, path) -> np.ndarra
         raise hook.error(path, f"kind {kind!r} needs `vector`", fix="give the values inline or as a .npy/.pt file")
     if "vector" not in entry:
         return None
-    arr = _load_value(entry["vector"], hook, path + ("vector",))
+    arr = load_values(entry["vector"], hook, path + ("vector",))
     return fit_value(arr, kind, shape, sdims, head_axis,
                      lambda problem, fix: hook.error(path + ("vector",), problem, fix=fix))
 
