@@ -21,6 +21,7 @@ import torch
 
 from . import capture as K
 from ..errors import PolicyError
+from ..graph_inputs import static_inputs
 from ..ring.layout import StepControl
 from ..ring.protocol import Ring
 from ..ring.records import META_DTYPE
@@ -99,8 +100,7 @@ class KernelRing(ControlBlock, HostStaging, TracedSites, Ring):
         self.traced_key = None              # this ring's key for traced code (dmi.kernels.traced.register)
         self._traced_word = 0               # the traced word the open step's control block was given
         self.traced_views: dict = {}       # dtype -> the payload ring and its scratch row as it
-        if self.is_cuda:      # graph inputs that compiled graphs mutate: static addresses keep cudagraphs on
-            torch._dynamo.mark_static_address(self.ctrl)
+        static_inputs(self.ctrl)      # a graph input that compiled graphs mutate: cudagraphs stay on
         self.counters = torch.zeros(1, dtype=torch.int32, device=dev)    # the end kernel's fence word
         self.fence_idx = 0
         self.arange = torch.arange(self.max_rows, dtype=torch.int64, device=dev)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CaptureError
+from ..graph_inputs import static_inputs
 from .traced import TracedSite, register, scratch_at
 
 
@@ -45,8 +46,7 @@ class TracedSites:
         view = self.traced_views.get(dtype)
         if view is None:
             view = self.traced_views[dtype] = self.scratch_t.view(dtype)
-            if self.is_cuda:
-                torch._dynamo.mark_static_address(view)
+            static_inputs(view)
         scratch, scratch_rows = scratch_at(view.numel(), dtype.itemsize, launcher.row_bytes[0])
         if self.traced_key is None:
             self.traced_key = register(self)

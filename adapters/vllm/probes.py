@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...graph_inputs import static_inputs
 from ...interventions.plan import load_values
 
 _LIB = torch.library.Library("dmi", "FRAGMENT")
@@ -114,9 +115,7 @@ class Probe:
         self.weight = torch.tensor(plan.weight.T.copy(), device=device)
         self.bias = torch.tensor(plan.bias, device=device)
         self.out = torch.zeros(rows, plan.weight.shape[0], dtype=torch.float32, device=device)
-        if self.out.device.type == "cuda":            # read and written by CUDA graphs: fixed addresses
-            for t in (self.weight, self.bias, self.out):
-                torch._dynamo.mark_static_address(t)
+        static_inputs(self.weight, self.bias, self.out)      # read and written by CUDA graphs
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
         """In the forward: the probe of every row of ``x`` (``+ y``: a site held as two tensors)."""

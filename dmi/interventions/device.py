@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+from ..graph_inputs import static_inputs
 from ..tokens import FilterState, select
 from .plan import TAKES, InterventionError, InterventionPlan, fit_value
 
@@ -16,9 +17,8 @@ DEFAULT_ROWS = 4096       # rows a step may carry before the mask buffers grow (
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
-    """``t`` marked as read by CUDA graphs at a fixed address (updated in place between steps)."""
-    if t.device.type == "cuda":
-        torch._dynamo.mark_static_address(t)
+    """``t``, read by CUDA graphs at a fixed address (updated in place between steps)."""
+    static_inputs(t)
     return t
 
 
@@ -66,9 +66,7 @@ class Intervention:
             self.head_mask = torch.tensor(hm, device=device)
         self.layouts = layouts
         held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
-        for t in (self.mask, self.index, self.head_mask, self.slot, *held):     # (not the views of slot 0)
-            if t is not None:
-                _static(t)
+        static_inputs(self.mask, self.index, self.head_mask, self.slot, *held)     # (not the views of slot 0)
 
     def load_slot(self, k: int, values: dict) -> None:
         """Write a request's values (:func:`client_values`) into slot ``k`` (between steps)."""

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from ..graph_inputs import static_inputs
 from ..ring.layout import StepLayout
 from ..tokens import StepTokens, step_tokens
 from .layouts import StepLayouts
@@ -33,9 +34,7 @@ class EngineHooks:
         self.site_tensors = [torch.full((1,), s.index, dtype=torch.int64, device=device) for s in plan.sites]
         self._site_of = {t.data_ptr(): i for i, t in enumerate(self.site_tensors)}
         self._cuda = device.type == "cuda"
-        if self._cuda:   # the site ops' inputs (the ticket they mutate) in CUDA graphs: static addresses, never copied
-            for t in (self.ticket, *self.site_tensors):
-                torch._dynamo.mark_static_address(t)
+        static_inputs(self.ticket, *self.site_tensors)      # the site ops' inputs (the ticket they mutate)
         self._step = first_step              # resume: numbering goes on after the committed steps
         self.enabled = True          # False: null mode (sites stay patched, the device flag stays off)
         self._external = False       # the open step was begun outside the forward (graphs, engines)
