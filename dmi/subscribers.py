@@ -36,6 +36,7 @@ class Capture:
     position: np.ndarray        # its position in the request's sequence
     phase: np.ndarray           # 'prefill' or 'decode'
     values: dict[str, np.ndarray]
+    token_id: np.ndarray        # its input token id (-1 where the engine gave embeddings, not ids)
 
 
 class Subscription:
@@ -126,4 +127,4 @@ class Subscribers:
                       for name, v in output_views(site.outputs, n, data, self.capture_dtype).items()}
             yield slot.site, Capture(ctrl.step, site.name, names[np.searchsorted(in_step, tokens.request[sel])],
                                      tokens.position[sel].copy(),
-                                     PHASE_NAMES[tokens.phase[sel]], values)
+                                     PHASE_NAMES[tokens.phase[sel]], values, tokens.token_ids(sel).copy())

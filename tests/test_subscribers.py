@@ -83,9 +83,15 @@ def test_subscriber_gets_every_step_equal_to_the_model_and_the_store(dtype, enco
     for layer in range(n_layers):
         np.testing.assert_array_equal(every.rows(f"layers.{layer}.resid_post"),
                                       ds.resid_post.sel(layer=layer).values.astype(every.rows("final_norm").dtype))
-    for field in ("request", "position", "step", "phase"):
+    for field in ("request", "position", "step", "phase", "token_id"):
         np.testing.assert_array_equal(every.rows("layers.0.resid_post", field), ds[field].values)
         np.testing.assert_array_equal(every.rows("logits", field), tree["logits"].dataset[field].values)
+    # each row's input token: the generated sequence's token at that position (after the left padding)
+    pads = (~mask).sum(1).tolist()
+    rows = zip(every.rows("layers.0.resid_post", "request").tolist(), every.rows("layers.0.resid_post", "position").tolist())
+    batch = {f"r{b}": b for b in range(len(pads))}          # generate()'s rows' default request ids
+    want_ids = [int(got[batch[r], pads[batch[r]] + p]) for r, p in rows]
+    assert every.rows("layers.0.resid_post", "token_id").tolist() == want_ids
 
 
 def test_a_failing_subscriber_reaches_the_caller(encoded, write_spec, tmp_path):
