@@ -127,4 +127,4 @@ class Subscribers:
                       for name, v in output_views(site.outputs, n, data, self.capture_dtype).items()}
             yield slot.site, Capture(ctrl.step, site.name, names[np.searchsorted(in_step, tokens.request[sel])],
                                      tokens.position[sel].copy(),
-                                     PHASE_NAMES[tokens.phase[sel]], values, tokens.token_ids(sel).copy())
+                                     PHASE_NAMES[tokens.phase[sel]], values, tokens.token_ids(sel))

@@ -16,12 +16,6 @@ ROW_DIMS = ("batch", "seq", "token")
 DEFAULT_ROWS = 4096       # rows a step may carry before the mask buffers grow (eager steps only)
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """``t``, read by CUDA graphs at a fixed address (updated in place between steps)."""
-    static_inputs(t)
-    return t
-
-
 class Intervention:
     """One entry's device state: its values (shared by its layers) and the rows it applies to this step."""
 
@@ -116,13 +110,14 @@ class Intervention:
         those made at load: a CUDA graph recorded after a large eager step (generate()'s prefill,
         then its compiled decode) reads them in place instead of copying each one in per replay."""
         if n_rows > self.mask.shape[0]:
-            self.mask = _static(torch.zeros(n_rows, dtype=torch.bool, device=self.device))
+            self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
             if self.index is not None:
-                self.index = _static(torch.zeros(n_rows, dtype=torch.int64, device=self.device))
+                self.index = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
             if self.slot is not None:
-                self.slot = _static(torch.zeros(n_rows, dtype=torch.int64, device=self.device))
+                self.slot = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
                 self._last_slot = None
             self._last_mask = None
+            static_inputs(self.mask, self.index, self.slot)
 
     def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The step's mask (and table index, and each row's slot of values: ``slots`` over
