@@ -350,8 +350,9 @@ def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, e
     kw = _compiled_generate_kwargs(4)
     model, ref = model_pair(family, attn="sdpa")
     classes = {id(m): type(m) for m in model.modules()}
-    with torch.no_grad():
-        want = ref.generate(**encoded, **kw)
+    torch._dynamo.reset()
+    with torch.no_grad():      # eager: the first compile is the run's, after its classes are made
+        want = ref.generate(**encoded, max_new_tokens=4, do_sample=False, cache_implementation="static")
     stores = {}
     for constants in ("1", "0"):
         torch._dynamo.reset()
@@ -363,7 +364,7 @@ def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, e
             for m in patched:                          # what any attribute resolves to is unchanged
                 cls = type(m).__dict__["_dmi_unpatched"]
                 assert isinstance(m, cls) and type(m).__name__ == cls.__name__
-                assert all(inspect.getattr_static(type(m), name) is inspect.getattr_static(cls, name)
+                assert all(_same_attribute(inspect.getattr_static(type(m), name), inspect.getattr_static(cls, name))
                            for name in dir(cls) if name not in ("forward", "__dict__", "__weakref__", "__doc__")), cls
         assert not patched_modules(model) and {id(m): type(m) for m in model.modules()} == classes
         stores[constants] = _arrays(dmi.open(tmp_path / f"c{constants}.zarr"))
@@ -371,6 +372,12 @@ def test_constant_sites_store_what_handles_store_for_every_anchor_kind(family, e
     assert stores["1"].keys() == stores["0"].keys() and len(stores["1"]) > 10
     for key, a in stores["1"].items():
         np.testing.assert_array_equal(a, stores["0"][key], err_msg=str(key))
+
+
+def _same_attribute(mine, base) -> bool:
+    """The patched class finds ``base``'s attribute: the same object, or Dynamo's wrapper of it
+    (a compile watching a module class for mutation wraps that class's ``__setattr__``)."""
+    return mine is base or getattr(mine, "__wrapped__", None) is base or getattr(base, "__wrapped__", None) is mine
 
 
 def test_generate_compiled_forward_names_sites_as_constants(encoded, write_spec, tmp_path):

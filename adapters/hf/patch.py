@@ -275,10 +275,12 @@ def patched_class(cls: type, forward, patch: tuple = ()) -> type:
     return type(cls.__name__, (cls,), _own(cls, forward, patch))
 
 
-# what a class's own layout or machinery defines: not copied into a flattened class's dict
+# what a class's own layout or machinery defines: not copied into a flattened class's dict. Nor
+# are ``__init__`` and ``__setstate__``: no forward looks them up, and Dynamo's first compile
+# replaces ``torch.nn.Module``'s (generation tagging), which a copy taken before would hide
 _NOT_FLATTENED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__",
                             "__annotations__", "__init_subclass__", "__slotnames__", "__abstractmethods__", "_abc_impl",
-                            "__orig_bases__", "__parameters__"})
+                            "__orig_bases__", "__parameters__", "__init__", "__setstate__"})
 
 
 def _flattened(cls: type) -> dict:
