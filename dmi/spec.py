@@ -125,8 +125,9 @@ def _yaml_error(e: yaml.YAMLError, file: str, text: str) -> SpecError:
     return SpecError(problem, file=file, line=line, fix=fix)
 
 
-def load_yaml(source: str | Path | dict, *, what: str) -> Document:
-    """Parse YAML from a path (or accept a dict) keeping line numbers; errors name the file."""
+def load_yaml(source: str | Path | dict, *, what: str, text: str | None = None) -> Document:
+    """Parse YAML from a path (or accept a dict) keeping line numbers; errors name the file.
+    ``text``: the file's content where the caller has read it (a cache keyed by it parses that)."""
     if isinstance(source, dict):
         return Document(source, f"<{what} dict>")
     if not isinstance(source, (str, Path)):
@@ -134,23 +135,8 @@ def load_yaml(source: str | Path | dict, *, what: str) -> Document:
                         file=f"<{what} {type(source).__name__}>",
                         fix=f"pass the path of the {what} file, or its content as a dict")
     path = Path(source)
-    if not path.exists():
-        hint = (" (this looks like YAML text, not a path: write it to a file or pass a dict)"
-                if isinstance(source, str) and ("\n" in source or ": " in source) else "")
-        raise SpecError(f"{what} file does not exist{hint}", file=str(path),
-                        fix="check the path, or list available ones with `dmi specs list`")
-    if not path.is_file():
-        raise SpecError(f"{what} path is a directory, not a file", file=str(path),
-                        fix=f"pass the path of the {what} YAML file itself")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
-        raise SpecError(f"not UTF-8 text (byte {e.object[e.start]:#04x})", file=str(path), line=line,
-                        fix="save the file as UTF-8") from None
-    except OSError as e:
-        raise SpecError(f"cannot read the {what}: {e.strerror or e}", file=str(path),
-                        fix="check the file's permissions") from None
+    if text is None:
+        text = _read_text(source, what)
     lines: dict = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -172,6 +158,29 @@ def load_yaml(source: str | Path | dict, *, what: str) -> Document:
     if node is None:
         raise SpecError("file is empty", file=str(path), fix=f"write a {what}; see docs/sites.md for an example")
     return Document(data, str(path), lines)
+
+
+def _read_text(source: str | Path, what: str) -> str:
+    """A spec file's text; errors name the file and the fix."""
+    path = Path(source)
+    if not path.exists():
+        hint = (" (this looks like YAML text, not a path: write it to a file or pass a dict)"
+                if isinstance(source, str) and ("\n" in source or ": " in source) else "")
+        raise SpecError(f"{what} file does not exist{hint}", file=str(path),
+                        fix="check the path, or list available ones with `dmi specs list`")
+    if not path.is_file():
+        raise SpecError(f"{what} path is a directory, not a file", file=str(path),
+                        fix=f"pass the path of the {what} YAML file itself")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise SpecError(f"not UTF-8 text (byte {e.object[e.start]:#04x})", file=str(path), line=line,
+                        fix="save the file as UTF-8") from None
+    except OSError as e:
+        raise SpecError(f"cannot read the {what}: {e.strerror or e}", file=str(path),
+                        fix="check the file's permissions") from None
+    return text
 
 
 @lru_cache(maxsize=None)
@@ -385,7 +394,7 @@ def load_arch_spec(source: str | Path | dict) -> Document:
     key = _spec_file_key(source)
     if key in _ARCH_SPECS:
         return _copy(_ARCH_SPECS[key])
-    doc = _check_arch_spec(load_yaml(source, what="architecture spec"))
+    doc = _check_arch_spec(load_yaml(source, what="architecture spec", text=key[1] if key else None))
     if key is not None:
         if len(_ARCH_SPECS) >= _ARCH_SPECS_KEPT:
             _ARCH_SPECS.pop(next(iter(_ARCH_SPECS)))
