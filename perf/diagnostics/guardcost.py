@@ -4,7 +4,7 @@ The cache lookup (guard evaluation) before each compiled decode step of generate
 dmi: the host time a patched model adds to every call of its compiled forward. perf/RESULTS.md's
 "Open" section gives the figure: the lookup grows more than the guard check it contains.
 
-    python perf/diagnostics/guardcost.py [--layers 36] [--batch 32] [--new 32]
+    python perf/diagnostics/guardcost.py [--layers 36] [--batch 32] [--new 32] [--backend eager]
 
 A Qwen3 of tiny widths (``--layers`` layers: guards follow the model's structure, not its sizes)
 and twins sharing its weights: vanilla, an unpatched A/A twin, one carrying dmi (the headline's
@@ -143,6 +143,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", help="torch.compile backend (default: inductor, reduce-overhead on a GPU); "
+                                      "Dynamo's guards are the same under any backend, `eager` compiles fastest")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -150,7 +152,8 @@ def main(argv=None) -> None:
     model = model.to(dev, torch.bfloat16 if cuda else torch.float32)
     enc = {"input_ids": torch.randint(3, cfg.vocab_size, (args.batch, 16), device=dev),
            "attention_mask": torch.ones(args.batch, 16, dtype=torch.long, device=dev)}
-    config = tf.CompileConfig(mode="reduce-overhead" if cuda else "default")
+    config = (tf.CompileConfig(backend=args.backend, mode=None) if args.backend else
+              tf.CompileConfig(mode="reduce-overhead" if cuda else "default"))
     config._compile_all_devices = True
     kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, cache_implementation="static",
               compile_config=config)
