@@ -19,9 +19,9 @@ from test_vllm import ENGINE, PROMPTS, assert_matches_hf, generate, hf_reference
 @pytest.fixture(scope="module")
 def compiled_engines() -> dict:
     """engine -> (compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of
-    three torch.compile'd engines on PROMPTS, each in a process of its own with a fresh compile
-    cache (tests/vllm_kernel_count.py): vanilla, dmi, dmi-side. Compiled once for the two tests
-    below (a compile is most of an engine's start)."""
+    three torch.compile'd engines on PROMPTS, one after another in a process of their own with no
+    whole-graph compile cache (tests/vllm_kernel_count.py): vanilla, dmi, dmi-side. Compiled once
+    for the two tests below (a compile is most of an engine's start)."""
     import vllm_kernel_count
     assert vllm_kernel_count.PROMPTS == PROMPTS
     return {which: rest for which, *rest in vllm_kernel_count.rows(engines=("vanilla", "dmi", "dmi-side"))}
@@ -57,8 +57,8 @@ def test_compiled_engine_runs_as_many_kernels_with_dmi_as_without(compiled_engin
     fused add + RMSNorm returns (normalized, sum) and its lowering placed the normalization after a
     capture of the sum, so every layer's add became a kernel of its own (15 kernel calls against
     13 for 3 layers). The capture takes the module's other outputs as ``after`` and the compiled
-    model runs vanilla's kernels, plus dmi's op calls (tests/vllm_kernel_count.py: each engine
-    in a process of its own with a fresh compile cache and TORCH_LOGS=output_code). So does the
+    model runs vanilla's kernels, plus dmi's op calls (tests/vllm_kernel_count.py: the engines
+    compiled without a whole-graph cache, TORCH_LOGS=output_code). So does the
     side-stream chain (``dmi.kernels.side``, here on the whole graph: vLLM's CPU build captures no
     graphs, where engine.side installs it), which adds a join per graph and no kernel."""
     rows = compiled_engines

@@ -1,7 +1,9 @@
 """The kernels of vLLM's compiled model with and without dmi, counted from inductor's generated
-code (tests/test_vllm_compiled.py pins that a capture adds no kernel). Each engine runs in a
-process of its own with a fresh compile cache and ``TORCH_LOGS=output_code``; this file is that
-process's entry point too (``python tests/vllm_kernel_count.py ENGINE``)."""
+code (tests/test_vllm_compiled.py pins that a capture adds no kernel). The engines run one after
+another in one process with ``TORCH_LOGS=output_code`` and no compile cache of vLLM's or inductor's
+whole graphs (each engine compiles, and logs, all its code; C++ kernels built from the same source
+are shared); this file is that process's entry point too (``python tests/vllm_kernel_count.py
+SITES ENGINE...``)."""
 from __future__ import annotations
 
 import os
@@ -54,27 +56,52 @@ def engine(which: str, sites: str = HIDDEN) -> None:
     print("TOKENS", [list(o.outputs[0].token_ids) for o in outs], flush=True)
 
 
+MARK = "=== engine "         # the child's line before each engine, on stdout and stderr
+
+
 def rows(sites: str = HIDDEN, engines: tuple = ("vanilla", "dmi")) -> list[tuple]:
     """(engine, compiled graphs, kernel calls, dmi op calls, tokens, graphs calling dmi ops) of each
     engine's compiled code (``engines``: vanilla, dmi, dmi-side)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCH_LOGS="output_code", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_DISABLE_COMPILE_CACHE="1", TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                   TORCHINDUCTOR_AUTOGRAD_CACHE="0", VLLM_CACHE_ROOT=cache,
+                   TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
+        got = subprocess.run([sys.executable, __file__, sites, *engines], env=env,
+                             capture_output=True, text=True, timeout=1800)
+    if got.returncode:
+        raise AssertionError(f"engines {engines} failed ({got.returncode}):\n{got.stderr[-3000:]}")
+    logs = dict(_by_engine(got.stderr)), dict(_by_engine(got.stdout))
     out = []
     for which in engines:
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCH_LOGS="output_code", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"))
-            got = subprocess.run([sys.executable, __file__, which, sites], env=env,
-                                 capture_output=True, text=True, timeout=1200)
-        if got.returncode:
-            raise AssertionError(f"{which} engine failed ({got.returncode}):\n{got.stderr[-3000:]}")
-        code = "\n".join(line.split("[__output_code]", 1)[1][1:] for line in got.stderr.splitlines()
+        err, std = logs[0][which], logs[1][which]
+        code = "\n".join(line.split("[__output_code]", 1)[1][1:] for line in err.splitlines()
                          if "[__output_code]" in line)
-        tokens = next(line[7:] for line in got.stdout.splitlines() if line.startswith("TOKENS "))
+        tokens = next(line[7:] for line in std.splitlines() if line.startswith("TOKENS "))
         graphs = code.split("Output code:")[1:]
         out.append((which, len(graphs), len(KERNEL_CALL.findall(code)), code.count("torch.ops.dmi."), tokens,
                     sum("torch.ops.dmi." in g for g in graphs)))
     return out
 
 
+def _by_engine(text: str):
+    """(engine, its part of ``text``) for each ``MARK`` line of the child's output."""
+    parts = text.split("\n" + MARK)
+    for part in parts[1:]:
+        which, _, rest = part.partition("\n")
+        yield which.strip(), rest
+
+
+def main(sites: str, *engines: str) -> None:
+    """Each engine in turn, from Dynamo's initial state, its output marked."""
+    import torch
+    for which in engines:
+        torch._dynamo.reset()
+        for stream in (sys.stdout, sys.stderr):
+            print(f"\n{MARK}{which}", file=stream, flush=True)
+        engine(which, sites)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's dmi
-    engine(*sys.argv[1:])
+    main(*sys.argv[1:])
