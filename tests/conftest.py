@@ -46,11 +46,11 @@ pytest_runtest_logreport = failure_log.pytest_runtest_logreport
 # scripts/test.sh's pytest-xdist workers take whole files in collection order (--dist loadfile
 # --no-loadscope-reorder): these first, so that neither worker starts a long one while the other
 # has nothing left to do.
-LONG_FILES = ("test_reliability.py", "test_vllm_serve.py", "test_vllm_compiled.py", "test_ray_data.py",
-              "test_store_property.py", "test_vllm_interventions.py", "test_perf_scripts.py", "test_compile.py",
-              "test_vllm.py", "test_kernels_interpret_compiled.py", "test_store_loss.py", "test_object_store.py",
-              "test_stepclock.py", "test_soak.py", "test_drain_process.py", "test_cli_progress.py",
-              "test_kernels_interpret.py", "test_vllm_tp.py", "test_capture_hf.py")
+LONG_FILES = ("test_vllm.py", "test_kernels_interpret_compiled.py", "test_reliability.py", "test_vllm_interventions.py",
+              "test_ray_data.py", "test_vllm_serve.py", "test_vllm_compiled.py", "test_compile.py", "test_soak.py",
+              "test_object_store.py", "test_perf_scripts.py", "test_store_property.py", "test_store_loss.py",
+              "test_vllm_tp.py", "test_kernels_interpret.py", "test_writer.py", "test_drain_process.py",
+              "test_capture_hf.py", "test_stepclock.py", "test_cli_progress.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -449,7 +449,8 @@ def section_rewrite() -> None:
     ``dmi.kernels.traced.rewrite_captures``; vLLM runs it on its compile range above the largest
     CUDA graph): a model compiled twice with inductor, once with the pass (every plain site's op
     replaced by its scatter, fused into inductor's kernels) and once without (the op), the steps
-    dispatched by token count as vLLM dispatches its ranges, the ring's traced word set in exactly
+    dispatched by token count as vLLM dispatches its ranges (steps up to the threshold run a graph
+    that keeps the op, compiled by ``aot_eager`` here), the ring's traced word set in exactly
     the steps above the threshold. Every step's captures equal those of the same compiles without
     the pass, bit for bit (the op's path: the CPU path's in section_traced; a last-token filter:
     its inverse map, sent in traced steps only), and the rewritten graph calls the op only for the
@@ -502,7 +503,7 @@ def section_rewrite() -> None:
         with torch.no_grad(), dmi.load(model, hook_spec=_engine(spec, traced="off" if kind == "op" else "range"),
                                        store=tmp / f"{kind}.zarr") as run:
             forward = run.model.forward
-            small = torch.compile(forward, fullgraph=True, dynamic=False)
+            small = torch.compile(forward, fullgraph=True, dynamic=False, backend="aot_eager")   # (the op either way)
             large = torch.compile(forward, fullgraph=True, dynamic=False,
                                   options={"post_grad_custom_post_pass": Rewrite()} if kind == "range" else {})
             forward = lambda **enc: (large if enc["input_ids"].numel() > above else small)(**enc)  # noqa: E731
