@@ -692,7 +692,9 @@ def test_hook_clock_splits_repeated_begins_and_times_gc_pauses():
             clock.add("begin", t0, repeated=repeated)
         kinds = clock.begin_by_kind_us(2)
         assert 1500 < kinds["repeat"] < kinds["other"] and kinds["other"] > 5500, kinds
+        held = [[i] for i in range(100_000)]   # objects for the full pass to walk (a measurable pause)
         gc.collect()                           # a full collection: generation 2
+        del held
         summary = clock.gc_summary()
         assert summary["gen2"]["count"] >= 1 and summary["gen2"]["total_ms"] > 0, summary
     finally:

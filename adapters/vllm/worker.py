@@ -307,7 +307,7 @@ class HookClock:
         """Pauses per generation since the first step, and what the collector tracks now (objects
         frozen by the engine at start-up are not scanned: ``frozen``)."""
         from collections import Counter
-        out = {f"gen{i}": {"count": c, "total_ms": round(t * 1e3, 1), "longest_ms": round(m * 1e3, 2)}
+        out = {f"gen{i}": {"count": c, "total_ms": round(t * 1e3, 2), "longest_ms": round(m * 1e3, 2)}
                for i, (c, t, m) in enumerate(self.gc_pauses)}
         tracked = gc.get_objects()
         out.update(tracked=len(tracked), frozen=gc.get_freeze_count(),
