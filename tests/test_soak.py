@@ -34,7 +34,7 @@ SPEC = {
 def rss_bytes() -> int:
     """Resident memory after a garbage collection and, on glibc, ``malloc_trim``: freed heap pages
     go back to the OS, so what is left is what is still held (a leak), not allocator fragmentation
-    left by the tests that ran earlier in the process."""
+    left by the run's warm-up."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
