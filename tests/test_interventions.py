@@ -8,6 +8,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmi
 from conftest import FAMILIES, SPECS, model_pair
@@ -338,6 +339,39 @@ def test_a_step_larger_than_the_mask_buffers_with_interventions_off_then_on(tmp_
             assert torch.equal(run.model(input_ids=ids).logits, plain)
             run.set_intervention("ablate", enabled=True)
             assert torch.equal(run.model(input_ids=ids).logits, ablated)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a block of code dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_eager_forward_runs_no_op_of_an_intervention_switched_off():
+    """Eager code skips an intervention that is off (its mask would change no bit): the patched
+    forward dispatches the unpatched model's ops and dmi's step bracket, nothing more; switched
+    on, its ops run."""
+    model, ref = model_pair("qwen3", attn="eager")
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    spec = {"interventions": [{"name": "ablate", "site": "mlp.out", "layers": [0], "kind": "zero", "enabled": False}]}
+    with torch.no_grad():
+        with _Ops() as vanilla:
+            ref(input_ids=ids)
+        with dmi.load(model, hook_spec=spec) as run:
+            with _Ops() as off:
+                run.model(input_ids=ids)
+            run.set_intervention("ablate", enabled=True)
+            with _Ops() as on:
+                run.model(input_ids=ids)
+    bracket = ["dmi.step_begin.default", "dmi.step_end.default"]
+    assert [op for op in off.ops if op not in bracket] == vanilla.ops
+    assert len(on.ops) > len(off.ops)
 
 
 def test_patching_from_a_previous_capture(tokenizer, tmp_path):

@@ -206,9 +206,16 @@ class WriteSite:
         self.capture_first = capture_first
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        live = self.interventions
+        if not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # eager code decides each call: one switched off changes no bit (its mask is all false),
+            # so its ops are skipped; traced code keeps them, to be switched without a recompile
+            live = [iv for iv in live if iv.enabled]
+            if not live:
+                return x
         flat = x.ndim < len(self.layout)        # [.., heads * head_dim] held flat by the engine
         y = x.reshape(*x.shape[:self.lead], *self.shape) if flat else x
-        for iv in self.interventions:
+        for iv in live:
             y = iv.apply(y, self.layout)
         return y.reshape(x.shape) if flat else y
 
