@@ -49,6 +49,7 @@ from typing import Optional
 
 import torch
 
+from .interventions.device import apply_literal
 from .kernels.traced import capture as traced_capture
 
 _RUNS: dict[int, object] = {}     # run id -> dmi.run.Run (the op's only state)
@@ -277,10 +278,15 @@ def _written(handle: WriteHandle, x: torch.Tensor, after: Optional[list]) -> tor
     return x
 
 
-def site_at(run: int, site_index: int, x: torch.Tensor) -> torch.Tensor:
+def site_at(run: int, site_index: int, x: torch.Tensor, write: tuple | None = None) -> torch.Tensor:
     """:func:`site` for code that has the site's run and index written in (a whole-model graph's,
     ``dmi.adapters.hf.patch.constant_sites_class``): compiled, the op with the site a constant of
-    the graph, and no handle for Dynamo to guard."""
+    the graph, and no handle for Dynamo to guard. ``write``: at a site interventions write
+    (``site_index`` -1 where nothing captures it), its :meth:`dmi.interventions.WriteSite.literal`,
+    written in too: compiled code reads the values and masks from the run's packed buffers, one
+    path for every site, and guards no intervention's attributes."""
+    if write is not None:
+        return _written_at(run, site_index, x, *write)
     if torch.compiler.is_compiling():
         torch.ops.dmi.capture(x, run_ticket(run), run, site_index, None)
     else:
@@ -288,6 +294,33 @@ def site_at(run: int, site_index: int, x: torch.Tensor) -> torch.Tensor:
         if r is not None:
             r.capture(site_index, x)
     return x
+
+
+def run_buffers(run_id: int):
+    """The run's packed intervention buffers (:class:`dmi.interventions.device.Buffers`), read
+    where compiled code reads them for every site (one path: one guard per buffer)."""
+    return _RUNS[run_id].interventions.buffers
+
+
+def _written_at(run: int, site_index: int, x: torch.Tensor, key: tuple, capture_first: bool,
+                literal: tuple) -> torch.Tensor:
+    """:func:`site_at` at a site interventions write (:func:`_written`'s order)."""
+    if not torch.compiler.is_compiling():
+        r = _RUNS.get(run)
+        if r is None:
+            return x
+        write = r.interventions.sites[key]
+        if not capture_first:
+            x = write.apply(x)
+        if site_index >= 0:
+            r.capture(site_index, x)
+        return write.apply(x) if capture_first else x
+    buffers = run_buffers(run)
+    if not capture_first:
+        x = apply_literal(x, literal, buffers)
+    if site_index >= 0:
+        torch.ops.dmi.capture(x, run_ticket(run), run, site_index, None)
+    return apply_literal(x, literal, buffers) if capture_first else x
 
 
 def site_sum(handle: SiteHandle, x: torch.Tensor, y: torch.Tensor, after: Optional[list] = None) -> None:

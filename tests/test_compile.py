@@ -8,6 +8,7 @@ differently from eager; the GPU suite runs inductor and CUDA graphs.)
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import dmi
-from conftest import model_pair, patched_modules
+from conftest import build_tiny_model, model_pair, patched_modules
 from engine_spec import with_engine
 
 
@@ -270,6 +271,55 @@ def test_generate_compiled_forward_guards_no_site_handle(encoded, write_spec, tm
     else:
         assert 0 < len(per_site) <= 9 * n_sites, (len(per_site), n_sites)
     assert dmi.open(tmp_path / "gen.zarr")["final_norm"].dataset.step.size > 0
+
+
+def test_generate_compiled_forward_guards_no_intervention(encoded, tmp_path):
+    """Interventions declared at sites of every anchor kind (an assignment, a module's output, a
+    module's input), on one layer or on every layer: generate()'s compiled forward guards a few
+    things more than for the capture alone, the same few for any number of interventions. The
+    constant-sites classes have each write site's interventions written
+    into their code as plain values, and the masks and values are rows of a few buffers per run,
+    read through one path (each one graph input, guarded once), where a tensor per intervention
+    cost a graph input and ~60 guard lines each. Switched on between calls, they recompile nothing."""
+    from torch._dynamo.utils import counters
+    model = build_tiny_model("tiny-qwen3", seed=0, attn_implementation="sdpa")
+    n_layers = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+
+    def spec(layers):
+        capture = [{"sites": ["final_norm"], "tokens": "last"}]
+        if not layers:                       # the baseline: the capture alone
+            return {"capture": capture}
+        return {"capture": capture, "interventions": [
+            {"name": "steer", "site": "resid_post", "layers": layers, "kind": "add", "vector": [0.5] * hidden,
+             "enabled": False},
+            {"name": "ablate", "site": "attn.z", "layers": layers, "kind": "zero", "heads": [0], "enabled": False},
+            {"name": "clip", "site": "mlp.act", "layers": layers, "kind": "clamp", "min": -0.1, "max": 0.1,
+             "enabled": False}]}
+
+    sizes, tokens = [], []
+    for layers in ([], [0], list(range(n_layers))):
+        guards: list = []
+        keep = lambda entries: guards.append([e.name for e in entries]) or [True] * len(entries)   # noqa: E731
+        torch._dynamo.reset()
+        counters.clear()
+        twin = copy.deepcopy(model)
+        with torch.no_grad(), dmi.load(twin, hook_spec=spec(layers), store=tmp_path / f"{len(layers)}.zarr") as run:
+            off = run.model.generate(**encoded, **_whole_graph_generate(guard_filter_fn=keep))
+            graphs = counters["stats"]["unique_graphs"]
+            for name in run.interventions.by_name:
+                run.set_intervention(name, enabled=True)
+            on = run.model.generate(**encoded, **_whole_graph_generate(guard_filter_fn=keep))
+            assert counters["stats"]["unique_graphs"] == graphs, "switching interventions on recompiled"
+        assert not [n for n in guards[0] if "interventions[" in n or ".write" in n], "an intervention's own guards"
+        sizes.append(len(guards[0]))
+        tokens.append((off, on))
+    torch._dynamo.reset()
+    # (the rest over the capture alone: the site functions' globals and the packed buffers, ~40
+    # guards; layers whose classes became constant-sites classes move a few of vanilla's)
+    base, one, every = sizes
+    assert one - base <= 60 and abs(every - one) <= 20, sizes
+    assert not torch.equal(*tokens[2]), "the interventions switched on changed nothing"
 
 
 def _tag_safe_roots(model) -> list[str]:

@@ -132,14 +132,13 @@ def _find(fn_node: ast.FunctionDef, anchor: dict) -> tuple[ast.stmt, list]:
     return hits[0]
 
 
-def _inserted(anchor: dict, canonical: str, like: ast.stmt, at: tuple[int, int] | None = None) -> ast.stmt:
+def _inserted(anchor: dict, canonical: str, like: ast.stmt, at: tuple | None = None) -> ast.stmt:
     """The site call after ``like``: through the instance's handle, or with ``at`` (run, site
-    index) written in (:func:`constant_sites_class`)."""
+    index, write) written in (:func:`constant_sites_class`)."""
     kwargs = ", ".join(f"{k}={expr}" for k, expr in dict(anchor.get("args", ())).items())
     if "assign" in anchor:
         v = anchor["assign"]
-        code = (f"{v} = __dmi_site__(self, {canonical!r}, {v})" if at is None else
-                f"{v} = __dmi_site_at__({at[0]}, {at[1]}, {v})")
+        code = f"{v} = __dmi_site__(self, {canonical!r}, {v})" if at is None else f"{v} = {_site_at(at, v)}"
     elif at is None:
         code = f"__dmi_compute__(self, {canonical!r}, {anchor['compute']!r}, {kwargs})"
     else:
@@ -157,8 +156,15 @@ def rewrite_forward(cls: type, edits: tuple[SourceEdit, ...]):
     return _rewrite(cls, edits, {})
 
 
-def _rewrite(cls: type, edits: tuple[SourceEdit, ...], at: dict[str, tuple[int, int]]):
-    """:func:`rewrite_forward`; a site named in ``at`` with its (run, site index) written in."""
+def _site_at(at: tuple, x: str) -> str:
+    """The call of :func:`dmi.siteop.site_at` on ``x`` with ``at`` (run, site index, write or
+    None) written in: a write site's literal is plain values (``WriteSite.literal``)."""
+    run, index, write = at
+    return f"__dmi_site_at__({run}, {index}, {x}{'' if write is None else f', {write!r}'})"
+
+
+def _rewrite(cls: type, edits: tuple[SourceEdit, ...], at: dict[str, tuple]):
+    """:func:`rewrite_forward`; a site named in ``at`` with its (run, site index, write) written in."""
     fn = cls.forward
     raw = inspect.unwrap(fn)
     if raw.__code__.co_freevars:
@@ -231,11 +237,11 @@ def ordered(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, -1, order)
 
 
-def _io_forward(inner, inputs, outputs, at: dict[str, tuple[int, int]], writes: frozenset = frozenset()):
-    """:func:`io_forward`; a site named in ``at`` with its (run, site index) written in."""
+def _io_forward(inner, inputs, outputs, at: dict[str, tuple], writes: frozenset = frozenset()):
+    """:func:`io_forward`; a site named in ``at`` with its (run, site index, write) written in."""
     def capture(canonical: str, x: str) -> str:
         if canonical in at:
-            return f"__dmi_site_at__({at[canonical][0]}, {at[canonical][1]}, {x})"
+            return _site_at(at[canonical], x)
         return f"__dmi_capture__(self.__dict__[{SITES_ATTR!r}][{canonical!r}], {x})"
     lines = ["def forward(self, *args, **kwargs):"]
     for pos, name, canonical in inputs:
@@ -294,7 +300,9 @@ def _flattened(cls: type) -> dict:
 def constant_sites_class(module: torch.nn.Module) -> type | None:
     """A class of this patched instance's own, whose forward names its sites by constants (run,
     site index) instead of through its handles, or None where it keeps its class (its forward is
-    an instance's own; or a site traced as torch ops, whose handle says how). For code compiled as
+    an instance's own; a site traced as torch ops, whose handle says how; or interventions that
+    read per-request values). A site interventions write has them written in too
+    (:meth:`dmi.interventions.WriteSite.literal`). For code compiled as
     one graph of the whole model (module doc); code compiled layer by layer would compile each
     layer on its own with it.
 
@@ -307,13 +315,14 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     patched = type(module)
     edits, inputs, outputs = patched.__dict__.get(PATCH_ATTR) or (None, None, None)
     handles = module.__dict__.get(SITES_ATTR, {})
-    if edits is None or any(h.traced is not None or h.views is not None or isinstance(h, WriteHandle)
-                            for h in handles.values()):
+    writes = {canonical: h.write.literal() for canonical, h in handles.items() if isinstance(h, WriteHandle)}
+    if edits is None or None in writes.values() or any(h.traced is not None or h.views is not None
+                                                       for h in handles.values()):
         return None
     cls = patched.__dict__["_dmi_unpatched"]
-    at = {canonical: (h.run, h.site) for canonical, h in handles.items()}
+    at = {canonical: (h.run, h.site, writes.get(canonical)) for canonical, h in handles.items()}
     inner = _rewrite(cls, edits, at) if edits else cls.forward
-    forward = _io_forward(inner, inputs, outputs, at) if inputs or outputs else inner
+    forward = _io_forward(inner, inputs, outputs, at, frozenset(writes)) if inputs or outputs else inner
     own = _own(cls, forward, (edits, inputs, outputs))
     try:
         return type(cls.__name__, (cls,), {**_flattened(cls), **own})

@@ -16,51 +16,137 @@ ROW_DIMS = ("batch", "seq", "token")
 DEFAULT_ROWS = 4096       # rows a step may carry before the mask buffers grow (eager steps only)
 
 
-class Intervention:
-    """One entry's device state: its values (shared by its layers) and the rows it applies to this step."""
+class Buffers:
+    """Every intervention's device state, packed into a few tensors per run: row ``k`` of ``masks``
+    is intervention ``k``'s per-row mask, ``values`` holds each one's vector or table at its own
+    offset, ``scalars`` row ``k`` its (scale, min, max), ``heads`` each head mask at its offset,
+    ``index`` a replacement table's per-row index and ``slot`` a client intervention's per-row
+    slot of values. Compiled code reads each of them through one path (one graph input and one
+    guard however many interventions there are: a whole-model graph pays Dynamo's guards and the
+    graph's input handling for every input before each call); each :class:`Intervention` holds
+    views of its rows. All at static addresses (CUDA graphs read them in place)."""
 
-    def __init__(self, plan: InterventionPlan, device, dtype, rows: int, layouts: dict, slots: int = 1):
+    def __init__(self, plans: list[InterventionPlan], device, dtype, rows: int):
+        self.device, self.dtype = device, dtype
+        self.n = len(plans)
+        self.n_tables = sum(1 for p in plans if is_table(p))
+        self.n_clients = sum(1 for p in plans if p.client is not None)
+        self.masks = self.index = self.slot = None
+        self._alloc_rows(rows)
+        scalars = [[p.scale, -math.inf if p.lo is None else p.lo, math.inf if p.hi is None else p.hi] for p in plans]
+        self.scalars = torch.tensor(scalars, dtype=torch.float64).reshape(self.n, 3).to(device=device, dtype=dtype)
+        self.values = torch.cat([stored_value(p.value, p, device, dtype).reshape(-1) for p in plans if p.value is not None]
+                                or [torch.zeros(0, dtype=dtype, device=device)])
+        self.heads = torch.tensor(np.concatenate([head_mask(p) for p in plans if p.heads is not None] or [np.zeros(0, bool)]),
+                                  device=device)
+        static_inputs(self.scalars, self.values, self.heads)
+
+    @property
+    def rows(self) -> int:
+        return self.masks.shape[1]
+
+    def _alloc_rows(self, rows: int) -> None:
+        """Per-row buffers of ``rows`` rows, all false / zero."""
+        self.masks = torch.zeros(self.n, rows, dtype=torch.bool, device=self.device)
+        self.index = torch.zeros(self.n_tables, rows, dtype=torch.int64, device=self.device) if self.n_tables else None
+        self.slot = torch.zeros(self.n_clients, rows, dtype=torch.int64, device=self.device) if self.n_clients else None
+        static_inputs(self.masks, self.index, self.slot)
+
+    def fit(self, rows: int) -> bool:
+        """Per-row buffers of at least ``rows`` rows (True: new ones, all false), at static
+        addresses as those made at load: a CUDA graph recorded after a large eager step
+        (generate()'s prefill, then its compiled decode) reads them in place instead of copying
+        each one in per replay."""
+        if rows <= self.rows:
+            return False
+        self._alloc_rows(rows)
+        return True
+
+
+def stored_value(value, p: InterventionPlan, device, dtype) -> torch.Tensor:
+    """What an intervention's buffer holds for ``value``: in the run's dtype, an ``add``'s vector
+    times its scale (multiplied in that dtype)."""
+    v = torch.tensor(np.asarray(value), dtype=torch.float64).to(device=device, dtype=dtype)
+    return v * p.scale if p.kind == "add" else v
+
+
+def is_table(p: InterventionPlan) -> bool:
+    """A replacement table: one row of values per position of its token window."""
+    return p.kind == "replace" and p.value is not None and p.value.ndim == len(p.shape) + 1
+
+
+def head_mask(p: InterventionPlan) -> np.ndarray:
+    """Bool over the site's head axis: the heads ``p`` writes."""
+    axis = next(k for k, d in enumerate(p.dims) if d in ("head", "kv_head"))
+    hm = np.zeros(p.shape[axis], bool)
+    hm[list(p.heads)] = True
+    return hm
+
+
+class Intervention:
+    """One entry's device state (its rows of the run's :class:`Buffers`: values shared by its
+    layers) and the rows it applies to this step. ``entry``: the constants its site call needs,
+    a literal of plain values (:func:`apply_entry`)."""
+
+    def __init__(self, plan: InterventionPlan, buffers: Buffers, k: int, at: dict, layouts: dict, slots: int = 1):
         self.plan = plan
         self.name = plan.name
-        self.device, self.dtype = device, dtype
+        self.buffers = buffers
+        self.k = k
         self.enabled = plan.enabled
         self.requests = None if plan.requests is None else set(plan.requests)
         self.on_request = plan.on_request
-        self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.index = torch.zeros(rows, dtype=torch.int64, device=device) if self.is_table else None
         self._last_mask: np.ndarray | None = None
         self._cleared = True               # the mask is all false
         self._last_index: np.ndarray | None = None
-        shape = plan.shape
-        self.value = None
-        if plan.value is not None:
-            self.value = torch.tensor(plan.value, dtype=torch.float64).to(device=device, dtype=dtype)
-            if plan.kind == "add":
-                self.value = self.value * plan.scale
-        self.scale = torch.tensor(plan.scale, dtype=dtype, device=device)
-        self.lo = torch.tensor(-math.inf if plan.lo is None else plan.lo, dtype=dtype, device=device)
-        self.hi = torch.tensor(math.inf if plan.hi is None else plan.hi, dtype=dtype, device=device)
+        self.layouts = layouts
+        self.table, self.client = at["table"], at["client"]
+        value = (at["value"], tuple(plan.value.shape)) if plan.value is not None else None
+        heads = (at["heads"], len(head_mask(plan)), tuple(layouts["head_shape"])) if plan.heads is not None else None
+        self.entry = (plan.kind, k, self.table, value, heads, tuple(layouts["feature_shape"]), tuple(layouts["perm"]),
+                      tuple(plan.shape))
         # requests' own values (``client:``): one slot of values per request that set some, slot 0
         # the operator's; each row reads its request's slot (a per-row index, like a table's)
-        self.slot = self.slots = None
+        self.slots = None
         self._last_slot: np.ndarray | None = None
         if plan.client is not None:
-            self.slot = torch.zeros(rows, dtype=torch.int64, device=device)
-            self.slots = {k: t.unsqueeze(0).repeat(slots, *([1] * t.ndim))
-                          for k, t in (("value", self.value), ("scale", self.scale), ("lo", self.lo), ("hi", self.hi))
-                          if t is not None}
-            self.value = self.slots["value"][0] if self.value is not None else None    # views: set() writes slot 0
-            self.scale, self.lo, self.hi = self.slots["scale"][0], self.slots["lo"][0], self.slots["hi"][0]
+            held = {"value": self.value, "scale": self.scale, "lo": self.lo, "hi": self.hi}
+            self.slots = {name: t.unsqueeze(0).repeat(slots, *([1] * t.ndim)) for name, t in held.items() if t is not None}
+            static_inputs(*self.slots.values())
         self._vector = None if plan.value is None else np.asarray(plan.value)     # add: before the scale
-        self.head_mask = None
-        if plan.heads is not None:
-            axis = next(k for k, d in enumerate(plan.dims) if d in ("head", "kv_head"))
-            hm = np.zeros(shape[axis], bool)
-            hm[list(plan.heads)] = True
-            self.head_mask = torch.tensor(hm, device=device)
-        self.layouts = layouts
-        held = (self.value, self.scale, self.lo, self.hi) if self.slots is None else tuple(self.slots.values())
-        static_inputs(self.mask, self.index, self.head_mask, self.slot, *held)     # (not the views of slot 0)
+
+    # -- views of its rows of the run's buffers (slot 0's values for a client intervention) --------
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.buffers.masks[self.k]
+
+    @property
+    def index(self) -> torch.Tensor | None:
+        return None if self.table < 0 else self.buffers.index[self.table]
+
+    @property
+    def slot(self) -> torch.Tensor | None:
+        return None if self.client < 0 else self.buffers.slot[self.client]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        if self.entry[3] is None:
+            return None
+        if self.slots is not None:
+            return self.slots["value"][0]
+        return _value(self.buffers, self.entry[3])
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.slots["scale"][0] if self.slots is not None else self.buffers.scalars[self.k, 0]
+
+    @property
+    def lo(self) -> torch.Tensor:
+        return self.slots["lo"][0] if self.slots is not None else self.buffers.scalars[self.k, 1]
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self.slots["hi"][0] if self.slots is not None else self.buffers.scalars[self.k, 2]
 
     def load_slot(self, k: int, values: dict) -> None:
         """Write a request's values (:func:`client_values`) into slot ``k`` (between steps)."""
@@ -69,14 +155,15 @@ class Intervention:
         if "value" in self.slots:
             vec = values["vector"] if values["vector"] is not None else self._vector
             vec = torch.tensor(vec, dtype=torch.float64)
-            self.slots["value"][k].copy_((vec * scale if p.kind == "add" else vec).to(self.device, self.dtype))
+            self.slots["value"][k].copy_((vec * scale if p.kind == "add" else vec).to(self.buffers.device,
+                                                                                       self.buffers.dtype))
         self.slots["scale"][k].fill_(scale)
         self.slots["lo"][k].fill_(-math.inf if values["lo"] is None else values["lo"])
         self.slots["hi"][k].fill_(math.inf if values["hi"] is None else values["hi"])
 
     @property
     def is_table(self) -> bool:
-        return self.plan.kind == "replace" and self.plan.value is not None and self.plan.value.ndim == len(self.plan.shape) + 1
+        return self.table >= 0
 
     # -- per step (host) ------------------------------------------------------------------------
     def rows_for(self, st, ids: list[str], extra: np.ndarray | None) -> np.ndarray:
@@ -96,36 +183,23 @@ class Intervention:
             keep &= named
         return keep
 
-    def clear(self, n_rows: int) -> None:
-        """The whole mask false (no row touched) over at least ``n_rows`` rows, written once while
-        disabled."""
-        self._fit(n_rows)
+    def forget_rows(self) -> None:
+        """The per-row buffers were made anew (all false): the next step writes its rows again."""
+        self._last_mask = self._last_index = self._last_slot = None
+
+    def clear(self) -> None:
+        """The whole mask false (no row touched), written once while disabled."""
         if not self._cleared:
             self.mask.zero_()
             self._last_mask = None
             self._cleared = True
-
-    def _fit(self, n_rows: int) -> None:
-        """Buffers of at least ``n_rows`` rows (fresh ones are all false), at static addresses as
-        those made at load: a CUDA graph recorded after a large eager step (generate()'s prefill,
-        then its compiled decode) reads them in place instead of copying each one in per replay."""
-        if n_rows > self.mask.shape[0]:
-            self.mask = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
-            if self.index is not None:
-                self.index = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
-            if self.slot is not None:
-                self.slot = torch.zeros(n_rows, dtype=torch.int64, device=self.device)
-                self._last_slot = None
-            self._last_mask = None
-            static_inputs(self.mask, self.index, self.slot)
 
     def write_rows(self, st, n_rows: int, keep: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The step's mask (and table index, and each row's slot of values: ``slots`` over
         ``st``'s rows) over its ``n_rows`` engine rows, copied to the device when it differs from
         the last step's."""
         self._cleared = False
-        self._fit(n_rows)
-        if self.slot is not None:
+        if self.client >= 0:
             slot = np.zeros(n_rows, np.int64)
             if slots is not None:
                 slot[st.rows] = slots
@@ -135,10 +209,10 @@ class Intervention:
         mask = np.zeros(n_rows, bool)
         mask[st.rows[keep]] = True
         index = None
-        if self.index is not None:
+        if self.table >= 0:
             start = self.plan.tokens.positions[0] if self.plan.tokens.positions else 0
             rel = st.position - start
-            inside = keep & (rel >= 0) & (rel < self.value.shape[0])
+            inside = keep & (rel >= 0) & (rel < self.plan.value.shape[0])
             mask[:] = False
             mask[st.rows[inside]] = True
             index = np.zeros(n_rows, np.int64)
@@ -154,34 +228,12 @@ class Intervention:
     def apply(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """``x`` (in ``layout``, its row dims first among batch/seq/token) with this intervention
         applied on the masked rows; the other rows keep their bits."""
+        if self.slots is None:
+            return apply_entry(x, layout, self.entry, self.buffers)
         rows = [k for k, d in enumerate(layout) if d in ROW_DIMS]
-        n = 1
-        for k in rows:
-            n *= x.shape[k]
+        n = _count([x.shape[k] for k in rows])
         bshape = [x.shape[k] if d in ROW_DIMS else 1 for k, d in enumerate(layout)]
-        m = self.mask[:n].view(bshape)
-        if self.head_mask is not None:
-            m = m & self.head_mask.view(self.layouts["head_shape"])
-        kind = self.plan.kind
-        if kind == "zero":
-            return x.masked_fill(m, 0)
-        if self.slot is not None:
-            return self._apply_slots(x, m, rows, n, bshape)
-        if kind == "add":
-            return torch.where(m, x + self.value.view(self.layouts["feature_shape"]), x)
-        if kind == "scale":
-            return torch.where(m, x * self.scale, x)
-        if kind == "clamp":
-            return torch.where(m, torch.clamp(x, self.lo, self.hi), x)
-        if self.index is None:                 # mean, replace with one vector
-            return torch.where(m, self.value.view(self.layouts["feature_shape"]).expand_as(x), x)
-        table = self.value[self.index[:n]]     # [rows, *shape] in row order
-        table = table.view(*[x.shape[k] for k in rows], *self.plan.shape).permute(self.layouts["perm"])
-        return torch.where(m, table, x)
-
-
-    def _apply_slots(self, x, m, rows, n, bshape):
-        """:meth:`apply` where each row reads its request's slot of values."""
+        m = _mask(x, layout, self.entry, self.buffers)
         slot = self.slot[:n]
         kind = self.plan.kind
         if kind == "scale":
@@ -193,17 +245,65 @@ class Intervention:
         return torch.where(m, x + table if kind == "add" else table, x)
 
 
+def _count(sizes) -> int:
+    """The product of ``sizes`` (a plain loop: traced code, where Dynamo takes no generator)."""
+    n = 1
+    for size in sizes:
+        n *= size
+    return n
+
+
+def _value(buffers: Buffers, value: tuple) -> torch.Tensor:
+    """An entry's vector or table: its (offset, shape) in ``buffers.values``."""
+    offset, shape = value
+    return buffers.values[offset:offset + _count(shape)].view(shape)
+
+
+def _mask(x: torch.Tensor, layout: tuple, entry: tuple, buffers: Buffers) -> torch.Tensor:
+    """The entry's mask over ``x``'s rows (and heads), broadcastable to ``x``."""
+    bshape = [x.shape[k] if d in ROW_DIMS else 1 for k, d in enumerate(layout)]
+    m = buffers.masks[entry[1], :_count(bshape)].view(bshape)
+    heads = entry[4]
+    if heads is not None:
+        offset, n, shape = heads
+        m = m & buffers.heads[offset:offset + n].view(shape)
+    return m
+
+
+def apply_entry(x: torch.Tensor, layout: tuple, entry: tuple, buffers: Buffers) -> torch.Tensor:
+    """``x`` with one intervention applied on its masked rows (the others keep their bits).
+    ``entry``: (kind, k, table, value, heads, feature shape, perm, shape), :attr:`Intervention.entry`:
+    plain values, so that code with it written in (``dmi.siteop.write_at``) guards none of them."""
+    kind, k, table, value, _, feature_shape, perm, shape = entry
+    m = _mask(x, layout, entry, buffers)
+    if kind == "zero":
+        return x.masked_fill(m, 0)
+    if kind == "scale":
+        return torch.where(m, x * buffers.scalars[k, 0], x)
+    if kind == "clamp":
+        return torch.where(m, torch.clamp(x, buffers.scalars[k, 1], buffers.scalars[k, 2]), x)
+    v = _value(buffers, value)
+    if kind == "add":
+        return torch.where(m, x + v.view(feature_shape), x)
+    if table < 0:                          # mean, replace with one vector
+        return torch.where(m, v.view(feature_shape).expand_as(x), x)
+    rows = [x.shape[i] for i, d in enumerate(layout) if d in ROW_DIMS]
+    t = v[buffers.index[table, :_count(rows)]]          # [rows, *shape] in row order
+    return torch.where(m, t.view(*rows, *shape).permute(perm), x)
+
+
 class WriteSite:
     """What a site handle of one (site, layer) holds when interventions write there: the
     interventions in hook-spec order, the tensor's layout (its trailing dims spelled out), and
     whether a capture of the site sees the value before them. :meth:`apply` is traced into
     compiled graphs."""
-    __slots__ = ("interventions", "layout", "lead", "shape", "capture_first")
+    __slots__ = ("interventions", "layout", "lead", "shape", "capture_first", "key")
 
-    def __init__(self, interventions: list, layout: tuple, shape: tuple, capture_first: bool):
+    def __init__(self, interventions: list, layout: tuple, shape: tuple, capture_first: bool, key: tuple):
         self.interventions, self.layout, self.shape = tuple(interventions), layout, shape
         self.lead = sum(1 for d in layout if d in ROW_DIMS)
         self.capture_first = capture_first
+        self.key = key                   # (site, layer): the run's interventions.sites key
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         live = self.interventions
@@ -218,6 +318,40 @@ class WriteSite:
         for iv in live:
             y = iv.apply(y, self.layout)
         return y.reshape(x.shape) if flat else y
+
+    def literal(self) -> tuple | None:
+        """(key, capture first, (layout, lead, shape, entries)): this write site in plain values
+        that code can have written in (``dmi.siteop.site_at``; the last item is what
+        :func:`apply_literal` takes), or None where an intervention reads per-request slots of
+        values (vLLM's, through the handle)."""
+        if any(iv.slots is not None for iv in self.interventions):
+            return None
+        return _plain((self.key, self.capture_first, (self.layout, self.lead, self.shape,
+                                                      [iv.entry for iv in self.interventions])))
+
+
+def _plain(value):
+    """``value`` as Python literals only (tuples, ints, floats, strings, bools, None), so that its
+    ``repr`` is code that rebuilds it (numpy's ints are not)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"not a plain literal: {value!r}")
+
+
+def apply_literal(x: torch.Tensor, literal: tuple, buffers: Buffers) -> torch.Tensor:
+    """:meth:`WriteSite.apply` of traced code, from the last item of :meth:`WriteSite.literal`:
+    every intervention of the site, on or off (a mask of zeros), so that switching one needs no
+    recompile."""
+    layout, lead, shape, entries = literal
+    flat = x.ndim < len(layout)
+    y = x.reshape(*x.shape[:lead], *shape) if flat else x
+    for entry in entries:
+        y = apply_entry(y, layout, entry, buffers)
+    return y.reshape(x.shape) if flat else y
 
 
 def full_layout(layout, dims: tuple) -> tuple:
@@ -234,19 +368,31 @@ class Interventions:
     def __init__(self, plans: list[InterventionPlan], device, dtype, rows: int | None = None, slots: int = 1):
         self.plans = plans
         self.device, self.dtype = torch.device(device), dtype
-        self.rows = rows or DEFAULT_ROWS
+        self.buffers = Buffers(plans, self.device, dtype, rows or DEFAULT_ROWS)
         self.by_name: dict[str, Intervention] = {}
         self.sites: dict[tuple, WriteSite] = {}
-        for p in plans:
+        at = {"value": 0, "heads": 0, "table": 0, "client": 0}     # each one's place in the packed buffers
+        for k, p in enumerate(plans):
             layout = full_layout(p.anchors[p.layers[0]].get("layout"), p.dims)
-            self.by_name[p.name] = Intervention(p, self.device, dtype, self.rows, _layout_info(layout, p.dims, p.shape),
+            place = {"value": at["value"], "heads": at["heads"], "table": at["table"] if is_table(p) else -1,
+                     "client": at["client"] if p.client is not None else -1}
+            self.by_name[p.name] = Intervention(p, self.buffers, k, place, _layout_info(layout, p.dims, p.shape),
                                                 slots=slots)
+            at["value"] += p.value.size if p.value is not None else 0
+            at["heads"] += len(head_mask(p)) if p.heads is not None else 0
+            at["table"] += is_table(p)
+            at["client"] += p.client is not None
         for p in plans:
             for lay in p.layers:
                 key = (p.canonical, lay)
                 layout = full_layout(p.anchors[lay].get("layout"), p.dims)
                 ivs = [self.by_name[q.name] for q in plans if key in [(q.canonical, la) for la in q.layers]]
-                self.sites[key] = WriteSite(ivs, layout, p.shape, p.capture_first)
+                self.sites[key] = WriteSite(ivs, layout, p.shape, p.capture_first, key)
+
+    @property
+    def rows(self) -> int:
+        """Rows a step may carry before the per-row buffers grow."""
+        return self.buffers.rows
 
     def __bool__(self) -> bool:
         return bool(self.by_name)
@@ -260,9 +406,12 @@ class Interventions:
         ``ids``: the run's request ids (``st.request`` indexes them); ``extra``: {name: bool over
         st's rows} an engine adds (vLLM: requests that asked for it); ``slots``: {name: each of
         st's rows' slot of values} (vLLM: requests that set their own)."""
+        if self.buffers.fit(n_rows):
+            for iv in self.by_name.values():
+                iv.forget_rows()
         for iv in self.by_name.values():
             if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
-                iv.clear(n_rows)
+                iv.clear()
                 continue
             keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name))
             iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
@@ -296,8 +445,7 @@ class Interventions:
             p.scale = float(scale)
             iv.scale.fill_(p.scale)
         if vector is not None or (scale is not None and p.kind == "add"):
-            new = torch.tensor(iv._vector, dtype=torch.float64).to(device=iv.device, dtype=iv.dtype)
-            iv.value.copy_(new * p.scale if p.kind == "add" else new)
+            iv.value.copy_(stored_value(iv._vector, p, self.device, self.dtype))
         if min is not None:
             iv.lo.fill_(float(min))
         if max is not None:
