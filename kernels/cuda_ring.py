@@ -68,7 +68,7 @@ class CudaRing(KernelRing):
         rt = self._rt = cudart()
         torch.cuda.init()                      # torch and cuda-python share the primary context
         self._thread_device = threading.local()
-        self._use_device()
+        self.enter_thread()
         self.device_bytes = with_scratch(capacity, self.scratch_bytes)
         # a ring drained in another process keeps a few bytes of its own past the rest: that process
         # checks its libcuda calls there, where the payload and scratch hold live rows. (Its own
@@ -169,10 +169,12 @@ class CudaRing(KernelRing):
         self._calls.d2d(self._payload_ptr + offset, x.data_ptr() + start * pitch * isz, n * row_bytes,
                         self._raw_stream())
 
-    def _use_device(self) -> None:
-        """Per drain thread, once: the ring's device, and relaxed stream-capture mode. Without it a
-        CUDA graph capture in global mode (torch.cuda.graph's default) on the model's thread would
-        fail this thread's copies and event waits, though they never touch the captured stream."""
+    def enter_thread(self) -> None:
+        """Per thread, once (the drain's, the exporter's): the ring's device, and relaxed
+        stream-capture mode. Without it a CUDA graph capture in global mode (torch.cuda.graph's
+        default) on the model's thread would fail this thread's copies and event waits (the drain's
+        copies, the exporter's wait for a step's token ids), though they never touch the captured
+        stream."""
         if not getattr(self._thread_device, "set", False):
             rt = self._rt
             check_call(rt.cudaSetDevice(self.torch_device.index))
@@ -290,7 +292,7 @@ class CudaRingReader(ChildSide, CudaRing):
         rt = self._rt = cudart()
         self.torch_device = torch.device("cuda", info["device"])
         self._thread_device = threading.local()
-        self._use_device()
+        self.enter_thread()
         handle = rt.cudaIpcMemHandle_t()
         handle.reserved = info["ipc"]
         self._payload_ptr = check_call(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess))

@@ -43,8 +43,8 @@ class HostStaging:
         self.part_buffer_bytes = 0                     # allocated for parts: grows to the largest streamed step
         self.part_pinned_bytes = 0                     # of which pinned
 
-    def _use_device(self) -> None:
-        """The drain thread's device setup (CudaRing)."""
+    def enter_thread(self) -> None:
+        """A thread's device setup before it touches the ring (CudaRing)."""
 
     def _copy(self, host: int, lo: int, nbytes: int, pinned: bool = True) -> None:
         """Payload ``[lo, lo + nbytes)`` to host address ``host`` (CudaRing: async, on the drain stream)."""
@@ -58,7 +58,7 @@ class HostStaging:
         """Copy several steps' records to host staging: one async copy (:meth:`_copy`) per run of steps
         that are adjacent in the payload ring (up to a quarter of staging), one event wait for all
         (which also covers steps the model's thread copied out already: same stream, queued earlier)."""
-        self._use_device()
+        self.enter_thread()
         bases: dict[int, tuple[np.ndarray, int]] = {}     # step index -> (buffer, buffer index of ring offset 0)
         with self._copy_lock:                  # claim the steps not copied out yet, reserving in order
             for i, ctrl in enumerate(ctrls):

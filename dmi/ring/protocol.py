@@ -153,6 +153,12 @@ class Ring:
     def close(self) -> None:
         """Free backend memory (after the drain and exporter threads have stopped)."""
 
+    def enter_thread(self) -> None:
+        """Called once by each of the run's own threads (drain, export) before its first use of
+        the ring or of a step's device tensors: what that thread needs of the device (the CUDA
+        ring: its device, and a stream-capture mode in which a CUDA graph captured meanwhile on
+        the model's thread fails none of this thread's calls)."""
+
     # --- host: steps ----------------------------------------------------------------------------
     def begin_step(self, step: int, tokens, pad: np.ndarray,
                    wanted: "list[tuple[int, np.ndarray, np.ndarray, int, int]] | StepLayout",

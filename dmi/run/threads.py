@@ -133,6 +133,10 @@ class DrainExport:
 
     def _export_loop(self) -> None:
         exporter = self.exporter
+        try:
+            self.ring.enter_thread()           # (it waits for steps' token ids copied from the device)
+        except BaseException as e:             # surfaces in the caller's next step, flush or close
+            self.fail(e)
         while True:
             try:   # wake up now and then: a failed write surfaces, and commits go on while idle
                 item = self._queue.get(timeout=TICK_S)
