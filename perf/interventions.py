@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]   # common; this checkout's dmi
 
 import dmi  # noqa: E402
 from common import DEV, build, config, gen_kwargs, md_header, md_row, prompts, store_dir, timed, twin  # noqa: E402

@@ -111,7 +111,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "perf"))
+sys.path[:0] = [str(REPO / "perf"), str(REPO)]      # perf/: common; the root: this checkout's dmi
 from common import pyspy, stepclock   # noqa: E402
 from common.stepclock import load_label as label   # noqa: E402
 

@@ -77,13 +77,18 @@ def sampled(fn, out: Path, gil: bool = False):
     ``fn`` returns, which makes py-spy write its file); ``fn``'s result."""
     import os
     import signal
+    out.parent.mkdir(parents=True, exist_ok=True)        # (py-spy writes nothing into a missing folder)
     proc = record(os.getpid(), 3600, out, gil=gil)
+    if proc is None:
+        print(f"py-spy: not found, {out} not recorded (carry its wheel in .whl: scripts/fetch_wheels.sh)", flush=True)
     try:
         return fn()
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
+            if not out.exists():
+                print(f"py-spy wrote no {out}: {proc.stderr.read().decode(errors='replace')[-500:]}", flush=True)
 
 
 def sampled_against_vanilla(vanilla, fn, seconds: float, name: str) -> None:
