@@ -166,13 +166,21 @@ class Intervention:
         return self.table >= 0
 
     # -- per step (host) ------------------------------------------------------------------------
-    def rows_for(self, st, ids: list[str], extra: np.ndarray | None) -> np.ndarray:
+    def rows_for(self, st, ids: list[str], extra: np.ndarray | None, picked: dict | None = None) -> np.ndarray:
         """Bool over ``st``'s rows: the rows this intervention touches this step. ``extra``: rows
-        of requests that asked for an ``on_request`` intervention (vLLM's per-request options)."""
+        of requests that asked for an ``on_request`` intervention (vLLM's per-request options).
+        ``picked``: the step's rows per token filter, shared by the interventions of one step
+        (many of them name the same filter: each one's selection is computed once)."""
         if not self.enabled:
             return np.zeros(len(st), bool)
+        tokens = self.plan.tokens
+        chosen = None if picked is None else picked.get(tokens)
+        if chosen is None:
+            chosen = select(st, tokens, FilterState())
+            if picked is not None:
+                picked[tokens] = chosen
         keep = np.zeros(len(st), bool)
-        keep[select(st, self.plan.tokens, FilterState())] = True
+        keep[chosen] = True
         if self.on_request or self.requests is not None:
             named = np.zeros(len(st), bool)
             if self.requests:
@@ -409,11 +417,12 @@ class Interventions:
         if self.buffers.fit(n_rows):
             for iv in self.by_name.values():
                 iv.forget_rows()
+        picked: dict = {}
         for iv in self.by_name.values():
             if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
                 iv.clear()
                 continue
-            keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name))
+            keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name), picked)
             iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
 
     def set(self, name: str, *, vector=None, scale=None, min=None, max=None, enabled=None, requests="keep") -> None:
