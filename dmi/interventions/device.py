@@ -343,8 +343,8 @@ def _plain(value):
     ``repr`` is code that rebuilds it (numpy's ints are not)."""
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
-    if isinstance(value, np.integer):
-        return int(value)
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"not a plain literal: {value!r}")
