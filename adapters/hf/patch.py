@@ -302,9 +302,8 @@ def constant_sites_class(module: torch.nn.Module) -> type | None:
     site index) instead of through its handles, or None where it keeps its class (its forward is
     an instance's own; a site traced as torch ops, whose handle says how; or interventions that
     read per-request values). A site interventions write has them written in too
-    (:meth:`dmi.interventions.WriteSite.literal`). For code compiled as
-    one graph of the whole model (module doc); code compiled layer by layer would compile each
-    layer on its own with it.
+    (:meth:`dmi.interventions.WriteSite.literal`). For code compiled as one graph of the whole
+    model (module doc); code compiled layer by layer would compile each layer on its own with it.
 
     Its dict also holds every attribute its bases define (a snapshot: the class lives as long as
     the run): Dynamo looks ``__call__``, ``_call_impl`` and the like up through each MRO level

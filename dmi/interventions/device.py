@@ -24,21 +24,37 @@ class Buffers:
     slot of values. Compiled code reads each of them through one path (one graph input and one
     guard however many interventions there are: a whole-model graph pays Dynamo's guards and the
     graph's input handling for every input before each call); each :class:`Intervention` holds
-    views of its rows. All at static addresses (CUDA graphs read them in place)."""
+    views of its rows, at the place ``places`` gives it. All at static addresses (CUDA graphs read
+    them in place)."""
 
     def __init__(self, plans: list[InterventionPlan], device, dtype, rows: int):
         self.device, self.dtype = device, dtype
         self.n = len(plans)
-        self.n_tables = sum(1 for p in plans if is_table(p))
-        self.n_clients = sum(1 for p in plans if p.client is not None)
+        # each plan's place: its offset in values, (offset, length) in heads, its row of index
+        # and of slot (-1: none)
+        self.places: list[dict] = []
+        values, heads = [torch.zeros(0, dtype=dtype, device=device)], [np.zeros(0, bool)]
+        at = {"value": 0, "heads": 0, "table": 0, "client": 0}
+        for p in plans:
+            hm = head_mask(p) if p.heads is not None else None
+            self.places.append({"value": at["value"], "heads": None if hm is None else (at["heads"], len(hm)),
+                                "table": at["table"] if is_table(p) else -1,
+                                "client": at["client"] if p.client is not None else -1})
+            if p.value is not None:
+                values.append(stored_value(p.value, p, device, dtype).reshape(-1))
+                at["value"] += p.value.size
+            if hm is not None:
+                heads.append(hm)
+                at["heads"] += len(hm)
+            at["table"] += is_table(p)
+            at["client"] += p.client is not None
+        self.n_tables, self.n_clients = at["table"], at["client"]
         self.masks = self.index = self.slot = None
         self._alloc_rows(rows)
         scalars = [[p.scale, -math.inf if p.lo is None else p.lo, math.inf if p.hi is None else p.hi] for p in plans]
         self.scalars = torch.tensor(scalars, dtype=torch.float64).reshape(self.n, 3).to(device=device, dtype=dtype)
-        self.values = torch.cat([stored_value(p.value, p, device, dtype).reshape(-1) for p in plans if p.value is not None]
-                                or [torch.zeros(0, dtype=dtype, device=device)])
-        self.heads = torch.tensor(np.concatenate([head_mask(p) for p in plans if p.heads is not None] or [np.zeros(0, bool)]),
-                                  device=device)
+        self.values = torch.cat(values)
+        self.heads = torch.tensor(np.concatenate(heads), device=device)
         static_inputs(self.scalars, self.values, self.heads)
 
     @property
@@ -88,7 +104,7 @@ class Intervention:
     layers) and the rows it applies to this step. ``entry``: the constants its site call needs,
     a literal of plain values (:func:`apply_entry`)."""
 
-    def __init__(self, plan: InterventionPlan, buffers: Buffers, k: int, at: dict, layouts: dict, slots: int = 1):
+    def __init__(self, plan: InterventionPlan, buffers: Buffers, k: int, layouts: dict, slots: int = 1):
         self.plan = plan
         self.name = plan.name
         self.buffers = buffers
@@ -99,10 +115,10 @@ class Intervention:
         self._last_mask: np.ndarray | None = None
         self._cleared = True               # the mask is all false
         self._last_index: np.ndarray | None = None
-        self.layouts = layouts
+        at = buffers.places[k]
         self.table, self.client = at["table"], at["client"]
         value = (at["value"], tuple(plan.value.shape)) if plan.value is not None else None
-        heads = (at["heads"], len(head_mask(plan)), tuple(layouts["head_shape"])) if plan.heads is not None else None
+        heads = None if at["heads"] is None else (*at["heads"], tuple(layouts["head_shape"]))
         self.entry = (plan.kind, k, self.table, value, heads, tuple(layouts["feature_shape"]), tuple(layouts["perm"]),
                       tuple(plan.shape))
         # requests' own values (``client:``): one slot of values per request that set some, slot 0
@@ -160,10 +176,6 @@ class Intervention:
         self.slots["scale"][k].fill_(scale)
         self.slots["lo"][k].fill_(-math.inf if values["lo"] is None else values["lo"])
         self.slots["hi"][k].fill_(math.inf if values["hi"] is None else values["hi"])
-
-    @property
-    def is_table(self) -> bool:
-        return self.table >= 0
 
     # -- per step (host) ------------------------------------------------------------------------
     def rows_for(self, st, ids: list[str], extra: np.ndarray | None, picked: dict | None = None) -> np.ndarray:
@@ -249,7 +261,7 @@ class Intervention:
         if kind == "clamp":
             return torch.where(m, torch.clamp(x, self.slots["lo"][slot].view(bshape), self.slots["hi"][slot].view(bshape)), x)
         table = self.slots["value"][slot]          # [rows, *shape] in row order
-        table = table.view(*[x.shape[k] for k in rows], *self.plan.shape).permute(self.layouts["perm"])
+        table = table.view(*[x.shape[k] for k in rows], *self.plan.shape).permute(self.entry[6])
         return torch.where(m, x + table if kind == "add" else table, x)
 
 
@@ -281,7 +293,7 @@ def _mask(x: torch.Tensor, layout: tuple, entry: tuple, buffers: Buffers) -> tor
 def apply_entry(x: torch.Tensor, layout: tuple, entry: tuple, buffers: Buffers) -> torch.Tensor:
     """``x`` with one intervention applied on its masked rows (the others keep their bits).
     ``entry``: (kind, k, table, value, heads, feature shape, perm, shape), :attr:`Intervention.entry`:
-    plain values, so that code with it written in (``dmi.siteop.write_at``) guards none of them."""
+    plain values, so that code with it written in (``dmi.siteop.site_at``) guards none of them."""
     kind, k, table, value, _, feature_shape, perm, shape = entry
     m = _mask(x, layout, entry, buffers)
     if kind == "zero":
@@ -379,17 +391,9 @@ class Interventions:
         self.buffers = Buffers(plans, self.device, dtype, rows or DEFAULT_ROWS)
         self.by_name: dict[str, Intervention] = {}
         self.sites: dict[tuple, WriteSite] = {}
-        at = {"value": 0, "heads": 0, "table": 0, "client": 0}     # each one's place in the packed buffers
         for k, p in enumerate(plans):
             layout = full_layout(p.anchors[p.layers[0]].get("layout"), p.dims)
-            place = {"value": at["value"], "heads": at["heads"], "table": at["table"] if is_table(p) else -1,
-                     "client": at["client"] if p.client is not None else -1}
-            self.by_name[p.name] = Intervention(p, self.buffers, k, place, _layout_info(layout, p.dims, p.shape),
-                                                slots=slots)
-            at["value"] += p.value.size if p.value is not None else 0
-            at["heads"] += len(head_mask(p)) if p.heads is not None else 0
-            at["table"] += is_table(p)
-            at["client"] += p.client is not None
+            self.by_name[p.name] = Intervention(p, self.buffers, k, _layout_info(layout, p.dims, p.shape), slots=slots)
         for p in plans:
             for lay in p.layers:
                 key = (p.canonical, lay)
