@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 
 import dmi      # noqa: E402
 from common import (DEV, GiB, Skip, build, gen_kwargs, gpu_profile, hidden_spec, md_header, prompts, spread,   # noqa: E402
-                    store_dir, timed, twin)
+                    rotated, store_dir, timed, twin)
 
 
 def main(argv=None) -> None:
@@ -163,8 +163,7 @@ def _rounds(model, runs, vanilla, enc, kw, args, v_prof) -> None:
         sums = {label: dict.fromkeys(("bytes_drained", "dropped_bytes", "stall_seconds"), 0.0) for label, *_ in rows}
         times = {label: [] for label, *_ in rows}
         for i in range(args.rounds):
-            k = i % len(rows)
-            for label, r, fn, mode, cap in rows[k:] + rows[:k]:
+            for label, r, fn, mode, cap in rotated(rows, i):
                 if r is not None:
                     set_policy(r, mode, cap, rate)
                 v = timed(vanilla)

@@ -2,9 +2,9 @@
 
 Three instances sharing one model's weights run ``generate()`` in turn, each round (the order
 rotating from round to round): vanilla; dmi capturing one small site (the final norm at each
-request's last token) and nothing else (``capture``); the same plus ``--sites`` interventions (an ``add`` at each layer's ``resid_post``,
-and as many ``zero`` ablations at ``attn.z`` with a token window) declared with ``enabled: false``
-(``disabled``); and, last, the same interventions switched on between rounds with
+request's last token) and nothing else (``capture``); the same plus ``--sites`` interventions (an
+``add`` at each layer's ``resid_post``, and as many ``zero`` ablations at ``attn.z`` with a token
+window) declared with ``enabled: false`` (``disabled``); and, last, the same interventions switched on between rounds with
 ``run.set_intervention`` (``enabled``: the same compiled graph, no recompile). The disabled
 interventions' null cost is ``(disabled - capture) / vanilla``; the target is at most 0.5 %.
 """
@@ -20,7 +20,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]   # common; this checkout's dmi
 
 import dmi  # noqa: E402
-from common import DEV, build, config, gen_kwargs, md_header, md_row, prompts, store_dir, timed, twin  # noqa: E402
+from common import DEV, build, config, gen_kwargs, md_header, md_row, prompts, rotated, store_dir, timed, twin  # noqa: E402
 
 
 def spec(model, layers: int, enabled: bool) -> dict:
@@ -62,9 +62,8 @@ def main(argv=None) -> None:
         for fn in configs.values():          # compile and capture the graphs
             fn()
         times: dict[str, list[float]] = {k: [] for k in [*configs, "enabled"]}
-        names = list(configs)
-        for r in range(args.rounds):       # the order rotates each round: no config is always first
-            for name in names[r % len(names):] + names[:r % len(names)]:
+        for r in range(args.rounds):
+            for name in rotated(list(configs), r):
                 times[name].append(timed(configs[name]))
         for name in [n for n in iv_run.interventions.by_name]:
             iv_run.set_intervention(name, enabled=True)

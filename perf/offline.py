@@ -93,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 
 import dmi   # noqa: E402
 from common import (DEV, GiB, HEADLINE_SPEC, GcClock, Skip, build, gen_kwargs, gpu_profile, hidden_spec, raw_write_gbs,   # noqa: E402
-                    internals_spec, md_header, md_row, prompts, ring_for, spread, store_dir, timed, twin)
+                    internals_spec, md_header, md_row, prompts, ring_for, rotated, spread, store_dir, timed, twin)
 
 _MODEL: dict = {}
 
@@ -366,8 +366,7 @@ def _rounds(model, dmodel, enc, kw, spec, n_sites, args, record, vanilla, clocke
             fn(), fn()            # warm-up: compiles, records CUDA graphs
         vanilla()
         for r in range(args.rounds):
-            k = r % len(configs)
-            for label, fn, its_run in configs[k:] + configs[:k]:
+            for label, fn, its_run in rotated(configs, r):
                 times, vtimes, gcs, vgcs, counted = runs[label]
                 clocked(vanilla, vtimes, vgcs)
                 before = (its_run or run).stats()

@@ -158,6 +158,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at round ``r``'s place: a round-robin whose order rotates each round,
+    so that no configuration always runs first."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def timed(fn) -> float:
     """Seconds of ``fn()``, the device synchronized before and after."""
     _sync()
