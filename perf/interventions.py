@@ -7,6 +7,11 @@ request's last token) and nothing else (``capture``); the same plus ``--sites`` 
 window) declared with ``enabled: false`` (``disabled``); and, last, the same interventions switched on between rounds with
 ``run.set_intervention`` (``enabled``: the same compiled graph, no recompile). The disabled
 interventions' null cost is ``(disabled - capture) / vanilla``; the target is at most 0.5 %.
+
+``--gpu-busy`` adds, per configuration, one generate() under torch.profiler (a diagnostic: the
+profiler's own cost is in its wall time): GPU busy ms per decode step, kernels per step, the host
+µs of Dynamo's cache lookups, and the kernels whose GPU time differs most between ``disabled`` and
+``capture``. It tells a graph that replays slower from host work between the replays.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]   # common; this checkout's dmi
 
 import dmi  # noqa: E402
-from common import DEV, build, config, gen_kwargs, md_header, md_row, prompts, rotated, store_dir, timed, twin  # noqa: E402
+from common import (DEV, build, config, gen_kwargs, gpu_profile, md_header, md_row, prompts, rotated, store_dir,  # noqa: E402
+                    timed, twin)
 
 
 def spec(model, layers: int, enabled: bool) -> dict:
@@ -44,6 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     ap.add_argument("--sites", type=int, default=0, help="layers with interventions (default: every layer)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--gpu-busy", action="store_true", help="profile one more generate() per configuration")
     args = ap.parse_args(argv)
 
     model = build(args.model)
@@ -65,11 +72,15 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for name in rotated(list(configs), r):
                 times[name].append(timed(configs[name]))
+        steps = kw["max_new_tokens"]
+        busy = {k: gpu_profile(fn, steps) for k, fn in configs.items()} if args.gpu_busy else {}
         for name in [n for n in iv_run.interventions.by_name]:
             iv_run.set_intervention(name, enabled=True)
         iv_run.model.generate(**inputs, **kw)
         for _ in range(args.rounds):
             times["enabled"].append(timed(configs["disabled"]))
+        if args.gpu_busy:
+            busy["enabled"] = gpu_profile(configs["disabled"], steps)
     cap_run.close()
     iv_run.close()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -78,9 +89,23 @@ def main(argv=None) -> None:
     print(md_header(["config", "seconds", "vs vanilla", "vs capture"]))
     for name, t in med.items():
         print(md_row([name, f"{t:.3f}", f"{t / med['vanilla']:.4f}", f"{t / med['capture']:.4f}"]))
+    if busy:
+        print(f"\nunder torch.profiler, per decode step (diagnostic)\n")
+        print(md_header(["config", "wall ms", "GPU busy ms", "compute ms", "kernels", "cache lookup µs"]))
+        for name, b in busy.items():
+            print(md_row([name, f"{b['wall_ms']:.3f}", f"{b['busy_ms']:.3f}", f"{b['compute_ms']:.3f}",
+                          f"{b['kernels']:.1f}", f"{b['lookup_us']:.1f}"]))
+        off, cap = busy["disabled"]["by_name"], busy["capture"]["by_name"]
+        delta = sorted(((off.get(k, 0) - cap.get(k, 0), k) for k in {*off, *cap}), key=lambda d: -abs(d[0]))
+        print("\nkernels, disabled - capture, µs per step:")
+        for d, k in delta[:12]:
+            print(f"  {d:+9.1f}  {k}")
     null = (med["disabled"] - med["capture"]) / med["vanilla"]
+    n, steps = 2 * layers, args.new_tokens
     print(f"\nnull cost of the disabled interventions: {null:+.2%} of vanilla (target <= 0.5%); "
           f"declared off against vanilla itself: {med['disabled'] / med['vanilla'] - 1:+.2%}")
+    print(f"per intervention and generated token: declared off {(med['disabled'] - med['capture']) / n / steps * 1e6:+.2f} µs, "
+          f"switched on {(med['enabled'] - med['disabled']) / n / steps * 1e6:+.2f} µs more")
 
 
 if __name__ == "__main__":
