@@ -21,6 +21,10 @@ vllm.entrypoints.openai.api_server``), every request rate against it, then the s
   stream in every graph;
   ``dmi-hidden-decode``: the same sites captured in decode steps only (no prompt rows);
   ``dmi-final``: two sites (``final_norm``, last-token ``logits``) instead of 38;
+  ``dmi-offered``: ``dmi-final`` with interventions at every layer offered on request (an ``add`` at
+  ``mlp.out`` whose scale a client may set, a ``zero`` of one head of ``attn.z``) and no request
+  asking: the interventions' null cost is its TPOT against ``dmi-final``'s; ``dmi-offered-steered``:
+  the same server, every request asking for both (``vllm_xargs``), its own scale;
   ``dmi-hidden-pdrain``: ``policy.drain: process`` (the store writer's child drains the ring through
   CUDA IPC and writes; the engine's process keeps no drain or exporter thread's Python);
 * ``dmi-internals``: ``attn.q``, ``attn.k``, ``attn.v``, ``attn.z``, ``mlp.in``, ``mlp.out``,
@@ -121,6 +125,8 @@ DEFAULT_CONFIGS = "vanilla,dmi-hidden,hooks,dmi-internals"
 DEFAULT_LOADS = "1,4,16,c64"           # c64: saturation (max_num_seqs 64), a closed loop
 REQUEST_EXTRA = {name: {"vllm_xargs": {"dmi_capture": 0}}                     # config -> more request body
                  for name in ("dmi-hidden-optout", "dmi-hidden-optout-nopdl")}
+# every request turns on the offered interventions, the steering with a scale of its own (a client slot)
+REQUEST_EXTRA["dmi-offered-steered"] = {"vllm_xargs": {"dmi_interventions": "ablate", "dmi_steer.scale": 2.0}}
 # up to 512 tokens, as vLLM's own default ceiling: a step with a prefill chunk (prompt median 200) replays
 # piecewise graphs instead of running every op, dmi's site ops included, from Python
 GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
@@ -541,6 +547,8 @@ def configurations(args, work: Path, stores: Path) -> dict:
         return {"DMI_HOOK_SPEC": str(path), "DMI_STORE": str(store), "DMI_OVERWRITE": "1", **sink}, [], False, store
 
     hidden = [{"sites": HIDDEN}, {"sites": ["logits"], "tokens": "last"}]
+    final = [{"sites": ["final_norm"]}, {"sites": ["logits"], "tokens": "last"}]
+    offered = {"interventions": offered_interventions(args.model, specs)}
     return {
         "vanilla": ({}, [], False, None),
         "dmi-hidden": dmi("dmi-hidden", hidden, args.ring_gib),
@@ -548,8 +556,11 @@ def configurations(args, work: Path, stores: Path) -> dict:
         "dmi-hidden-decode": dmi("dmi-hidden-decode", [{"sites": HIDDEN, "tokens": {"phase": "decode"}},
                                                        {"sites": ["logits"], "tokens": "last"}], args.ring_gib),
         # two sites instead of 38 (final norm, last-token logits): what capture costs per site against per step
-        "dmi-final": dmi("dmi-final", [{"sites": ["final_norm"]}, {"sites": ["logits"], "tokens": "last"}],
-                         args.ring_gib),
+        "dmi-final": dmi("dmi-final", final, args.ring_gib),
+        # dmi-final with interventions at every layer offered on request, none asked for: their null cost
+        "dmi-offered": dmi("dmi-offered", final, args.ring_gib, offered),
+        # the same server, every request asking for them
+        "dmi-offered-steered": dmi("dmi-offered", final, args.ring_gib, offered),
         # the same with policy.drain: process (dmi/ring/share.py: the writer's child copies the ring out through
         # CUDA IPC and writes; the engine's process keeps no drain or exporter Python on its GIL)
         "dmi-hidden-pdrain": dmi("dmi-hidden-pdrain", hidden, args.ring_gib, drain="process"),
@@ -584,6 +595,18 @@ def configurations(args, work: Path, stores: Path) -> dict:
         # every site of both sets patched in, every request opted out: kernels launch and exit
         "dmi-null": dmi("dmi-null", hidden + [{"sites": INTERNALS}], args.ring_gib, {"requests": {"default": "skip"}}),
     }
+
+
+def offered_interventions(model: str, specs: Path) -> list[dict]:
+    """perf/interventions.py's two kinds at every layer, offered on request: ``steer`` (an add at
+    ``mlp.out``, whose scale a client may set: its values in per-request slots; vLLM's ``resid_post``
+    is the second output of its fused add+RMSNorm, not writable) and ``ablate`` (head 0 of
+    ``attn.z`` zeroed)."""
+    from common.vllm_models import SHAPES
+    np.save(specs / "steer.npy", np.full(SHAPES[model][2]["hidden_size"], 0.01, np.float32))
+    return [{"name": "steer", "site": "mlp.out", "kind": "add", "vector": "steer.npy", "scale": 1.0,
+             "requests": "on_request", "client": {"scale": [-8.0, 8.0]}},
+            {"name": "ablate", "site": "attn.z", "kind": "zero", "heads": [0], "requests": "on_request"}]
 
 
 def gpu_memory_total() -> int | None:

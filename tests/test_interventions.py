@@ -374,6 +374,30 @@ def test_an_eager_forward_runs_no_op_of_an_intervention_switched_off():
     assert len(on.ops) > len(off.ops)
 
 
+def test_an_eager_forward_runs_no_op_of_an_intervention_with_no_row_in_the_step():
+    """Eager code also skips an intervention that is on but touches no row of this step: a token
+    window the step does not reach, a request filter naming no request of the batch. When the
+    step has its rows, its ops run."""
+    model, ref = model_pair("qwen3", attn="eager")
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    spec = {"interventions": [
+        {"name": "late", "site": "mlp.out", "layers": [0], "kind": "zero", "tokens": {"positions": [40, 50]}},
+        {"name": "theirs", "site": "attn.z", "layers": [1], "kind": "zero", "requests": ["b"]}]}
+    bracket = ["dmi.step_begin.default", "dmi.step_end.default"]
+    with torch.no_grad():
+        with _Ops() as vanilla:
+            ref(input_ids=ids)
+        with dmi.load(model, hook_spec=spec) as run:
+            run.set_request_ids(["x", "y"])
+            with _Ops() as idle:
+                run.model(input_ids=ids)
+            run.set_request_ids(["z", "b"])
+            with _Ops() as theirs:
+                run.model(input_ids=ids)
+    assert [op for op in idle.ops if op not in bracket] == vanilla.ops
+    assert len(theirs.ops) > len(idle.ops)
+
+
 def test_patching_from_a_previous_capture(tokenizer, tmp_path):
     """Activation patching from a store: a clean run captures resid_post; a second run replaces
     positions [1, 4) of another prompt with the clean request's rows (values_from_store), bit for

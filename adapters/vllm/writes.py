@@ -95,12 +95,19 @@ class StepWrites:
         extra = None
         if self.on_request:
             names = [self._names(rid) for rid in ids]
-            extra = {name: np.fromiter((name in n for n in names), bool, len(names))[j_of] for name in self.on_request}
+            asked = frozenset().union(*names)
+            nobody = np.zeros(len(j_of), bool)      # (an intervention no request of the step asked for: no rows)
+            extra = {name: np.fromiter((name in n for n in names), bool, len(names))[j_of] if name in asked else nobody
+                     for name in self.on_request}
         if self.client and (batch is not None or self._slots is None):
             here = set(ids)
+            valued = [self.values.get(rid, ()) for rid in ids]
             self._slots = {}
             for name in self.client:
-                per_req = np.fromiter((self._slot(rid, here) if name in self.values.get(rid, ()) else 0 for rid in ids),
+                if not any(name in v for v in valued):      # every row reads the operator's values
+                    self._slots[name] = np.zeros(len(j_of), np.int64)
+                    continue
+                per_req = np.fromiter((self._slot(rid, here) if name in v else 0 for rid, v in zip(ids, valued)),
                                       np.int64, len(ids))
                 self._slots[name] = per_req[j_of]
         self.run.interventions.begin_step(st, int(num_tokens_padded), self.run.requests.ids, extra, self._slots)

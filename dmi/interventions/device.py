@@ -114,6 +114,7 @@ class Intervention:
         self.on_request = plan.on_request
         self._last_mask: np.ndarray | None = None
         self._cleared = True               # the mask is all false
+        self.idle = True                   # no row this step (eager forwards skip its ops)
         self._last_index: np.ndarray | None = None
         at = buffers.places[k]
         self.table, self.client = at["table"], at["client"]
@@ -209,6 +210,7 @@ class Intervention:
 
     def clear(self) -> None:
         """The whole mask false (no row touched), written once while disabled."""
+        self.idle = True
         if not self._cleared:
             self.mask.zero_()
             self._last_mask = None
@@ -237,6 +239,7 @@ class Intervention:
             mask[st.rows[inside]] = True
             index = np.zeros(n_rows, np.int64)
             index[st.rows[inside]] = rel[inside]
+        self.idle = not mask.any()
         if self._last_mask is None or len(self._last_mask) != n_rows or not np.array_equal(self._last_mask, mask):
             self.mask[:n_rows].copy_(torch.from_numpy(mask), non_blocking=True)
             self._last_mask = mask
@@ -328,9 +331,10 @@ class WriteSite:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         live = self.interventions
         if not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-            # eager code decides each call: one switched off changes no bit (its mask is all false),
-            # so its ops are skipped; traced code keeps them, to be switched without a recompile
-            live = [iv for iv in live if iv.enabled]
+            # eager code decides each call: one switched off, or with no row this step (a token
+            # window passed, a request filter, nobody asked), changes no bit (its mask is all
+            # false), so its ops are skipped; traced code keeps them, to be switched without a recompile
+            live = [iv for iv in live if iv.enabled and not iv.idle]
             if not live:
                 return x
         flat = x.ndim < len(self.layout)        # [.., heads * head_dim] held flat by the engine
@@ -423,8 +427,9 @@ class Interventions:
                 iv.forget_rows()
         picked: dict = {}
         for iv in self.by_name.values():
-            if not iv.enabled:         # declared off: its mask cleared once, then no host work per step
-                iv.clear()
+            asked = None if extra is None else extra.get(iv.name)
+            if not iv.enabled or (iv.on_request and not iv.requests and asked is not None and not asked.any()):
+                iv.clear()      # off, or no request of the step asked for it: its mask cleared once, no host work
                 continue
             keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name), picked)
             iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))

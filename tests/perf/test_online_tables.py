@@ -192,12 +192,14 @@ def test_a_shared_server_turns_the_prefix_cache_off_on_every_server(tmp_path):
     window's prompts twice, so every server starts with vLLM's prefix cache off (the first such run
     measured the second configuration's windows with every prompt cached)."""
     args = argparse.Namespace(sink="host", ring_gib=1.0, policy_mode="full", host_gib=None, max_num_seqs=64,
-                              busy_us=600.0, base_src=None)
+                              busy_us=600.0, base_src=None, model="qwen3-8b")
     cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
     names = ["vanilla", "dmi-hidden", "dmi-hidden-optout"]
     assert online.servers_of(cfgs, names) == {"vanilla": "vanilla", "dmi-hidden": "dmi-hidden",
                                               "dmi-hidden-optout": "dmi-hidden"}
     assert online.servers_of(cfgs, ["vanilla", "dmi-hidden-optout"])["dmi-hidden-optout"] == "dmi-hidden-optout"
+    # the interventions offered and the requests asking for them: one server
+    assert online.servers_of(cfgs, ["dmi-offered", "dmi-offered-steered"])["dmi-offered-steered"] == "dmi-offered"
 
     def cmd(no_prefix_cache):
         return _server("vanilla", tmp_path, graph_sizes=[1, 2, 512], no_prefix_cache=no_prefix_cache).cmd
@@ -224,7 +226,7 @@ def test_the_config_table_shows_vllms_compile_time_from_the_server_log(tmp_path)
 
 
 def test_a_base_configuration_imports_the_earlier_checkouts_dmi_first(tmp_path):
-    args = argparse.Namespace(sink="host", ring_gib=1.0, host_gib=None, policy_mode="full", busy_us=600.0,
+    args = argparse.Namespace(sink="host", ring_gib=1.0, host_gib=None, policy_mode="full", busy_us=600.0, model="qwen3-8b",
                               base_src=str(tmp_path / "base"))
     env, _, _, store = online.configurations(args, tmp_path, tmp_path / "stores")["dmi-hidden-base"]
     assert store.name == "dmi-hidden-base.zarr"              # its own spec file: its own compile cache entry
@@ -251,7 +253,7 @@ def test_interleaved_servers_memory_share_checked_before_start_up():
 def test_ring_bytes_read_from_each_configurations_hook_spec(tmp_path):
     """The memory check's ring is what each server's hook spec asks for (dmi-internals: twice)."""
     args = argparse.Namespace(sink="host", ring_gib=1.5, policy_mode="full", host_gib=None, max_num_seqs=64,
-                              busy_us=600.0, base_src=None)
+                              busy_us=600.0, base_src=None, model="qwen3-8b")
     cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
     rings = {n: online.ring_bytes(cfgs[n]) for n in ("vanilla", "hooks", "dmi-hidden", "dmi-internals")}
     assert rings == {"vanilla": 0, "hooks": 0, "dmi-hidden": 3 << 29, "dmi-internals": 3 << 30}
