@@ -398,6 +398,47 @@ def test_an_eager_forward_runs_no_op_of_an_intervention_with_no_row_in_the_step(
     assert len(theirs.ops) > len(idle.ops)
 
 
+def test_interventions_sharing_a_token_filter_follow_it_across_decode_steps():
+    """Interventions with the same token filter share one mask a step (computed once); through
+    generate()'s decode steps each still touches exactly its rows: a window that ends a few steps
+    into decoding, and a request filter beside an intervention on every row. The logits equal the unpatched model's over the
+    whole sequence with forward hooks doing the same."""
+    model, ref = model_pair("qwen3", attn="eager")
+    g = torch.Generator().manual_seed(3)
+    vec = torch.randn(model.config.hidden_size, generator=g)
+    ids = torch.randint(3, 100, (2, 6), generator=g)
+    window = {"positions": [4, 9]}          # the prompt's last two rows and the first three decode steps
+    spec = {"interventions": [
+        {"name": "steer", "site": "resid_post", "layers": [0], "kind": "add", "vector": vec.tolist(), "scale": 4.0,
+         "tokens": window},
+        {"name": "ablate", "site": "mlp.out", "layers": [1], "kind": "zero", "tokens": window},
+        {"name": "halve", "site": "mlp.out", "layers": [0], "kind": "scale", "scale": 0.5},
+        {"name": "theirs", "site": "resid_post", "layers": [1], "kind": "add", "vector": vec.tolist(), "scale": 4.0,
+         "requests": ["b"]}]}
+    with torch.no_grad():
+        with dmi.load(model, hook_spec=spec) as run:
+            run.set_request_ids(["a", "b"])
+            out = run.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                     min_new_tokens=8, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        seq = out.sequences
+        inside = ((torch.arange(seq.shape[1]) >= 4) & (torch.arange(seq.shape[1]) < 9))[None, :, None]
+        b = torch.tensor([False, True])[:, None, None]
+        hs = [hook(ref, "qwen3", "resid_post", 0, lambda x: torch.where(inside, x + 4.0 * vec, x)),
+              hook(ref, "qwen3", "mlp.out", 1, lambda x: x.masked_fill(inside, 0)),
+              hook(ref, "qwen3", "mlp.out", 0, lambda x: x * 0.5),
+              hook(ref, "qwen3", "resid_post", 1, lambda x: torch.where(b, x + 4.0 * vec, x))]
+        try:
+            want = ref(input_ids=seq).logits[:, ids.shape[1] - 1:-1]
+        finally:
+            for h in hs:
+                h.remove()
+        base = ref(input_ids=seq).logits[:, ids.shape[1] - 1:-1]
+    got = torch.stack(out.logits, 1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, base, atol=1e-2)
+
+
 def test_patching_from_a_previous_capture(tokenizer, tmp_path):
     """Activation patching from a store: a clean run captures resid_post; a second run replaces
     positions [1, 4) of another prompt with the clean request's rows (values_from_store), bit for

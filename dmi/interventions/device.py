@@ -115,6 +115,7 @@ class Intervention:
         self._last_mask: np.ndarray | None = None
         self._cleared = True               # the mask is all false
         self.idle = True                   # no row this step (eager forwards skip its ops)
+        self.filter_id = k                 # its token filter's number among the run's (Interventions sets it)
         self._last_index: np.ndarray | None = None
         at = buffers.places[k]
         self.table, self.client = at["table"], at["client"]
@@ -187,11 +188,11 @@ class Intervention:
         if not self.enabled:
             return np.zeros(len(st), bool)
         tokens = self.plan.tokens
-        chosen = None if picked is None else picked.get(tokens)
+        chosen = None if picked is None else picked.get(self.filter_id)
         if chosen is None:
             chosen = select(st, tokens, FilterState())
             if picked is not None:
-                picked[tokens] = chosen
+                picked[self.filter_id] = chosen
         keep = np.zeros(len(st), bool)
         keep[chosen] = True
         if self.on_request or self.requests is not None:
@@ -239,13 +240,21 @@ class Intervention:
             mask[st.rows[inside]] = True
             index = np.zeros(n_rows, np.int64)
             index[st.rows[inside]] = rel[inside]
-        self.idle = not mask.any()
-        if self._last_mask is None or len(self._last_mask) != n_rows or not np.array_equal(self._last_mask, mask):
-            self.mask[:n_rows].copy_(torch.from_numpy(mask), non_blocking=True)
-            self._last_mask = mask
+        self.write_mask(mask, n_rows)
         if index is not None and (self._last_index is None or not np.array_equal(self._last_index, index)):
             self.index[:n_rows].copy_(torch.from_numpy(index), non_blocking=True)
             self._last_index = index
+
+    def write_mask(self, mask: np.ndarray, n_rows: int, idle: bool | None = None) -> None:
+        """The step's mask over its ``n_rows`` engine rows, copied to the device when it differs
+        from the last one written (the same array: no comparison). ``idle``: ``not mask.any()``,
+        where the caller knows it."""
+        self._cleared = False
+        self.idle = not mask.any() if idle is None else idle
+        last = self._last_mask
+        if mask is not last and (last is None or len(last) != n_rows or not np.array_equal(last, mask)):
+            self.mask[:n_rows].copy_(torch.from_numpy(mask), non_blocking=True)
+        self._last_mask = mask
 
     # -- in the forward (traced) ----------------------------------------------------------------
     def apply(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -395,9 +404,13 @@ class Interventions:
         self.buffers = Buffers(plans, self.device, dtype, rows or DEFAULT_ROWS)
         self.by_name: dict[str, Intervention] = {}
         self.sites: dict[tuple, WriteSite] = {}
+        self._masks: dict = {}          # the last step's plain masks (begin_step)
         for k, p in enumerate(plans):
             layout = full_layout(p.anchors[p.layers[0]].get("layout"), p.dims)
             self.by_name[p.name] = Intervention(p, self.buffers, k, _layout_info(layout, p.dims, p.shape), slots=slots)
+        filters: dict = {}              # token filter -> a small int (a cheap key per step)
+        for iv in self.by_name.values():
+            iv.filter_id = filters.setdefault(iv.plan.tokens, len(filters))
         for p in plans:
             for lay in p.layers:
                 key = (p.canonical, lay)
@@ -426,13 +439,33 @@ class Interventions:
             for iv in self.by_name.values():
                 iv.forget_rows()
         picked: dict = {}
+        shared: dict = {}
         for iv in self.by_name.values():
             asked = None if extra is None else extra.get(iv.name)
             if not iv.enabled or (iv.on_request and not iv.requests and asked is not None and not asked.any()):
                 iv.clear()      # off, or no request of the step asked for it: its mask cleared once, no host work
                 continue
-            keep = iv.rows_for(st, ids, None if extra is None else extra.get(iv.name), picked)
-            iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
+            if iv.table >= 0 or iv.client >= 0:
+                keep = iv.rows_for(st, ids, asked, picked)
+                iv.write_rows(st, n_rows, keep, None if slots is None else slots.get(iv.name))
+                continue
+            # a plain mask depends only on the rows kept: one per (token filter, request filter,
+            # rows asking), shared by the interventions that have the same, and the same array as
+            # the last step's where equal (each intervention's comparison is then an identity)
+            key = (iv.filter_id, id(iv.requests), id(asked) if iv.on_request else 0)
+            got = shared.get(key)
+            if got is None:
+                keep = iv.rows_for(st, ids, asked, picked)
+                mask = np.zeros(n_rows, bool)
+                mask[st.rows[keep]] = True
+                last = self._masks.get(key)
+                if last is not None and len(last[0]) == n_rows and np.array_equal(last[0], mask):
+                    got = last
+                else:
+                    got = (mask, not mask.any())
+                shared[key] = got
+            iv.write_mask(got[0], n_rows, got[1])
+        self._masks = shared
 
     def set(self, name: str, *, vector=None, scale=None, min=None, max=None, enabled=None, requests="keep") -> None:
         """Change an intervention between steps: values are copied into its buffers in place
