@@ -4,8 +4,9 @@ Three instances sharing one model's weights run ``generate()`` in turn, each rou
 rotating from round to round): vanilla; dmi capturing one small site (the final norm at each
 request's last token) and nothing else (``capture``); the same plus ``--sites`` interventions (an
 ``add`` at each layer's ``resid_post``, and as many ``zero`` ablations at ``attn.z`` with a token
-window) declared with ``enabled: false`` (``disabled``); and, last, the same interventions switched on between rounds with
-``run.set_intervention`` (``enabled``: the same compiled graph, no recompile). The disabled
+window) declared with ``enabled: false`` (``disabled``); and, last, the same interventions
+switched on between rounds with ``run.set_intervention`` (``enabled``: the same compiled graph,
+no recompile). The disabled
 interventions' null cost is ``(disabled - capture) / vanilla``; the target is at most 0.5 %.
 
 ``--gpu-busy`` adds, per configuration, one generate() under torch.profiler (a diagnostic: the
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
     for name, t in med.items():
         print(md_row([name, f"{t:.3f}", f"{t / med['vanilla']:.4f}", f"{t / med['capture']:.4f}"]))
     if busy:
-        print(f"\nunder torch.profiler, per decode step (diagnostic)\n")
+        print("\nunder torch.profiler, per decode step (diagnostic)\n")
         print(md_header(["config", "wall ms", "GPU busy ms", "compute ms", "kernels", "cache lookup µs"]))
         for name, b in busy.items():
             print(md_row([name, f"{b['wall_ms']:.3f}", f"{b['busy_ms']:.3f}", f"{b['compute_ms']:.3f}",
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
         for d, k in delta[:12]:
             print(f"  {d:+9.1f}  {k}")
     null = (med["disabled"] - med["capture"]) / med["vanilla"]
-    n, steps = 2 * layers, args.new_tokens
+    n = 2 * layers
     print(f"\nnull cost of the disabled interventions: {null:+.2%} of vanilla (target <= 0.5%); "
           f"declared off against vanilla itself: {med['disabled'] / med['vanilla'] - 1:+.2%}")
     print(f"per intervention and generated token: declared off {(med['disabled'] - med['capture']) / n / steps * 1e6:+.2f} µs, "

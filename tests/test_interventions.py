@@ -401,8 +401,8 @@ def test_an_eager_forward_runs_no_op_of_an_intervention_with_no_row_in_the_step(
 def test_interventions_sharing_a_token_filter_follow_it_across_decode_steps():
     """Interventions with the same token filter share one mask a step (computed once); through
     generate()'s decode steps each still touches exactly its rows: a window that ends a few steps
-    into decoding, and a request filter beside an intervention on every row. The logits equal the unpatched model's over the
-    whole sequence with forward hooks doing the same."""
+    into decoding, and a request filter beside an intervention on every row. The logits equal
+    the unpatched model's over the whole sequence with forward hooks doing the same."""
     model, ref = model_pair("qwen3", attn="eager")
     g = torch.Generator().manual_seed(3)
     vec = torch.randn(model.config.hidden_size, generator=g)

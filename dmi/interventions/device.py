@@ -229,8 +229,7 @@ class Intervention:
             if self._last_slot is None or len(self._last_slot) != n_rows or not np.array_equal(self._last_slot, slot):
                 self.slot[:n_rows].copy_(torch.from_numpy(slot), non_blocking=True)
                 self._last_slot = slot
-        mask = np.zeros(n_rows, bool)
-        mask[st.rows[keep]] = True
+        mask = row_mask(st, n_rows, keep)
         index = None
         if self.table >= 0:
             start = self.plan.tokens.positions[0] if self.plan.tokens.positions else 0
@@ -289,6 +288,13 @@ def _value(buffers: Buffers, value: tuple) -> torch.Tensor:
     """An entry's vector or table: its (offset, shape) in ``buffers.values``."""
     offset, shape = value
     return buffers.values[offset:offset + _count(shape)].view(shape)
+
+
+def row_mask(st, n_rows: int, keep: np.ndarray) -> np.ndarray:
+    """Bool over a step's ``n_rows`` engine rows: ``st``'s rows that ``keep`` keeps."""
+    mask = np.zeros(n_rows, bool)
+    mask[st.rows[keep]] = True
+    return mask
 
 
 def _mask(x: torch.Tensor, layout: tuple, entry: tuple, buffers: Buffers) -> torch.Tensor:
@@ -405,12 +411,12 @@ class Interventions:
         self.by_name: dict[str, Intervention] = {}
         self.sites: dict[tuple, WriteSite] = {}
         self._masks: dict = {}          # the last step's plain masks (begin_step)
+        filters: dict = {}              # token filter -> a small int (a cheap key per step)
         for k, p in enumerate(plans):
             layout = full_layout(p.anchors[p.layers[0]].get("layout"), p.dims)
-            self.by_name[p.name] = Intervention(p, self.buffers, k, _layout_info(layout, p.dims, p.shape), slots=slots)
-        filters: dict = {}              # token filter -> a small int (a cheap key per step)
-        for iv in self.by_name.values():
-            iv.filter_id = filters.setdefault(iv.plan.tokens, len(filters))
+            iv = Intervention(p, self.buffers, k, _layout_info(layout, p.dims, p.shape), slots=slots)
+            self.by_name[p.name] = iv
+            iv.filter_id = filters.setdefault(p.tokens, len(filters))
         for p in plans:
             for lay in p.layers:
                 key = (p.canonical, lay)
@@ -455,9 +461,7 @@ class Interventions:
             key = (iv.filter_id, id(iv.requests), id(asked) if iv.on_request else 0)
             got = shared.get(key)
             if got is None:
-                keep = iv.rows_for(st, ids, asked, picked)
-                mask = np.zeros(n_rows, bool)
-                mask[st.rows[keep]] = True
+                mask = row_mask(st, n_rows, iv.rows_for(st, ids, asked, picked))
                 last = self._masks.get(key)
                 if last is not None and len(last[0]) == n_rows and np.array_equal(last[0], mask):
                     got = last
