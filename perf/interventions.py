@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     configs = {"vanilla": lambda: model.generate(**inputs, **kw),
                "capture": lambda: cap_run.model.generate(**inputs, **kw),
                "disabled": lambda: iv_run.model.generate(**inputs, **kw)}
+    steps = kw["max_new_tokens"]
+    n = 2 * layers
     with torch.no_grad():
         for fn in configs.values():          # compile and capture the graphs
             fn()
@@ -73,41 +75,42 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for name in rotated(list(configs), r):
                 times[name].append(timed(configs[name]))
-        steps = kw["max_new_tokens"]
-        busy = {k: gpu_profile(fn, steps) for k, fn in configs.items()} if args.gpu_busy else {}
-        for name in [n for n in iv_run.interventions.by_name]:
+        names = list(iv_run.interventions.by_name)
+        for name in names:
             iv_run.set_intervention(name, enabled=True)
         iv_run.model.generate(**inputs, **kw)
         for _ in range(args.rounds):
             times["enabled"].append(timed(configs["disabled"]))
-        if args.gpu_busy:
-            busy["enabled"] = gpu_profile(configs["disabled"], steps)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{args.model}, batch {args.batch}, {args.new_tokens} new tokens, {args.mode}, {DEV}; "
+              f"{n} interventions on {layers} layers; median of {args.rounds} rounds\n")
+        print(md_header(["config", "seconds", "vs vanilla", "vs capture"]))
+        for name, t in med.items():
+            print(md_row([name, f"{t:.3f}", f"{t / med['vanilla']:.4f}", f"{t / med['capture']:.4f}"]))
+        null = (med["disabled"] - med["capture"]) / med["vanilla"]
+        print(f"\nnull cost of the disabled interventions: {null:+.2%} of vanilla (target <= 0.5%); "
+              f"declared off against vanilla itself: {med['disabled'] / med['vanilla'] - 1:+.2%}")
+        print(f"per intervention and generated token: declared off "
+              f"{(med['disabled'] - med['capture']) / n / steps * 1e6:+.2f} µs, "
+              f"switched on {(med['enabled'] - med['disabled']) / n / steps * 1e6:+.2f} µs more", flush=True)
+        if args.gpu_busy:            # after the table: profiling is slow, and a time limit keeps what came before
+            print("\nunder torch.profiler, per decode step (diagnostic)\n")
+            print(md_header(["config", "wall ms", "GPU busy ms", "compute ms", "kernels", "cache lookup µs"]))
+            busy = {"enabled": gpu_profile(configs["disabled"], steps)}
+            for name in names:
+                iv_run.set_intervention(name, enabled=False)
+            for k, fn in configs.items():
+                busy[k] = gpu_profile(fn, steps)
+            for name, b in busy.items():
+                print(md_row([name, f"{b['wall_ms']:.3f}", f"{b['busy_ms']:.3f}", f"{b['compute_ms']:.3f}",
+                              f"{b['kernels']:.1f}", f"{b['lookup_us']:.1f}"]))
+            off, cap = busy["disabled"]["by_name"], busy["capture"]["by_name"]
+            delta = sorted(((off.get(k, 0) - cap.get(k, 0), k) for k in {*off, *cap}), key=lambda d: -abs(d[0]))
+            print("\nkernels, disabled - capture, µs per step:")
+            for d, k in delta[:12]:
+                print(f"  {d:+9.1f}  {k}")
     cap_run.close()
     iv_run.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.model}, batch {args.batch}, {args.new_tokens} new tokens, {args.mode}, {DEV}; "
-          f"{2 * layers} interventions on {layers} layers; median of {args.rounds} rounds\n")
-    print(md_header(["config", "seconds", "vs vanilla", "vs capture"]))
-    for name, t in med.items():
-        print(md_row([name, f"{t:.3f}", f"{t / med['vanilla']:.4f}", f"{t / med['capture']:.4f}"]))
-    if busy:
-        print("\nunder torch.profiler, per decode step (diagnostic)\n")
-        print(md_header(["config", "wall ms", "GPU busy ms", "compute ms", "kernels", "cache lookup µs"]))
-        for name, b in busy.items():
-            print(md_row([name, f"{b['wall_ms']:.3f}", f"{b['busy_ms']:.3f}", f"{b['compute_ms']:.3f}",
-                          f"{b['kernels']:.1f}", f"{b['lookup_us']:.1f}"]))
-        off, cap = busy["disabled"]["by_name"], busy["capture"]["by_name"]
-        delta = sorted(((off.get(k, 0) - cap.get(k, 0), k) for k in {*off, *cap}), key=lambda d: -abs(d[0]))
-        print("\nkernels, disabled - capture, µs per step:")
-        for d, k in delta[:12]:
-            print(f"  {d:+9.1f}  {k}")
-    null = (med["disabled"] - med["capture"]) / med["vanilla"]
-    n = 2 * layers
-    print(f"\nnull cost of the disabled interventions: {null:+.2%} of vanilla (target <= 0.5%); "
-          f"declared off against vanilla itself: {med['disabled'] / med['vanilla'] - 1:+.2%}")
-    print(f"per intervention and generated token: declared off {(med['disabled'] - med['capture']) / n / steps * 1e6:+.2f} µs, "
-          f"switched on {(med['enabled'] - med['disabled']) / n / steps * 1e6:+.2f} µs more")
-
 
 if __name__ == "__main__":
     main()

@@ -146,3 +146,31 @@ def test_open_store_cut_mid_commit_reads_its_committed_steps(encoded, write_spec
     np.testing.assert_array_equal(ds.final_norm.values, ref.final_norm.values[:committed])
     np.testing.assert_array_equal(ds.request.values, ref.request.values[:committed])
     assert cut["layers/resid_post"].dataset.sizes["token"] == rows["layers/resid_post"]
+
+
+def test_commits_rewrite_the_root_keeping_every_attribute(encoded, tmp_path):
+    """Each commit rewrites the root's zarr.json with its new marker (dmi encodes only what changed):
+    mid-run and after close, zarr reads the hook spec as given (steering vectors to the last bit)
+    and the marker of the last commit."""
+    import json
+    model, _ = model_pair("qwen3")
+    vec = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3)).tolist()
+    spec = {"capture": [{"sites": ["final_norm"]}],
+            "interventions": [{"name": "steer", "site": "resid_post", "layers": [0], "kind": "add", "vector": vec,
+                               "enabled": False}]}
+    store = tmp_path / "o.zarr"
+    marks = []
+    with torch.no_grad(), dmi.load(model, hook_spec=spec, store=store) as run:
+        for _ in range(2):
+            run.model.generate(**encoded, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+            run.flush()
+            attrs = zarr.open_group(store, mode="r").attrs.asdict()
+            assert attrs["dmi_status"] == "open" and attrs["hook_spec"]["interventions"][0]["vector"] == vec
+            assert attrs["dmi_committed"]["step"] == run.stats()["committed_step"]
+            marks.append(attrs["dmi_committed"]["step"])
+    assert marks[0] < marks[1]
+    doc = json.loads((store / "zarr.json").read_text())
+    assert doc["zarr_format"] == 3 and doc["node_type"] == "group" and doc["consolidated_metadata"] is not None
+    tree = dmi.open(store)
+    assert tree.attrs["dmi_status"] == "closed" and tree.attrs["hook_spec"]["interventions"][0]["vector"] == vec
+    assert tree.attrs["dmi_committed"]["step"] == marks[1] and tree.attrs["steps"] == marks[1] + 1

@@ -131,7 +131,9 @@ class Intervention:
             held = {"value": self.value, "scale": self.scale, "lo": self.lo, "hi": self.hi}
             self.slots = {name: t.unsqueeze(0).repeat(slots, *([1] * t.ndim)) for name, t in held.items() if t is not None}
             static_inputs(*self.slots.values())
-        self._vector = None if plan.value is None else np.asarray(plan.value)     # add: before the scale
+        self._vector = self._vector_on_device = None
+        if plan.value is not None:
+            self.keep_vector(np.asarray(plan.value))
 
     # -- views of its rows of the run's buffers (slot 0's values for a client intervention) --------
     @property
@@ -166,15 +168,25 @@ class Intervention:
     def hi(self) -> torch.Tensor:
         return self.slots["hi"][0] if self.slots is not None else self.buffers.scalars[self.k, 2]
 
+    def keep_vector(self, arr: np.ndarray) -> None:
+        """The operator's vector (an add's before its scale). A client intervention also keeps it on
+        the device, in float64: requests' slots are loaded from it there (:meth:`load_slot`)."""
+        self._vector = arr
+        if self.slots is not None:
+            self._vector_on_device = torch.as_tensor(arr, dtype=torch.float64, device=self.buffers.device)
+
     def load_slot(self, k: int, values: dict) -> None:
-        """Write a request's values (:func:`client_values`) into slot ``k`` (between steps)."""
-        p = self.plan
+        """Write a request's values (:func:`client_values`) into slot ``k`` (between steps, on the
+        step's stream). No host sync: a copy from pageable host memory would wait for the GPU's
+        queued steps each time a request joins."""
         scale = values["scale"]
         if "value" in self.slots:
-            vec = values["vector"] if values["vector"] is not None else self._vector
-            vec = torch.tensor(vec, dtype=torch.float64)
-            self.slots["value"][k].copy_((vec * scale if p.kind == "add" else vec).to(self.buffers.device,
-                                                                                       self.buffers.dtype))
+            vec = self._vector_on_device
+            if values["vector"] is not None:
+                vec = torch.tensor(np.asarray(values["vector"]), dtype=torch.float64)
+                if self.buffers.device.type == "cuda":
+                    vec = vec.pin_memory().to(self.buffers.device, non_blocking=True)
+            self.slots["value"][k].copy_(vec * scale if self.plan.kind == "add" else vec)
         self.slots["scale"][k].fill_(scale)
         self.slots["lo"][k].fill_(-math.inf if values["lo"] is None else values["lo"])
         self.slots["hi"][k].fill_(math.inf if values["hi"] is None else values["hi"])
@@ -495,7 +507,7 @@ class Interventions:
             if tuple(arr.shape) != tuple(iv.value.shape):
                 raise error(f"shape {list(arr.shape)} differs from the buffer's {list(iv.value.shape)} allocated "
                             f"at load", "give the same shape (a table keeps its number of positions)")
-            iv._vector = arr
+            iv.keep_vector(arr)
         if scale is not None:
             p.scale = float(scale)
             iv.scale.fill_(p.scale)

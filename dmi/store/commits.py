@@ -73,7 +73,7 @@ class Commits:
                     for f in g.files.values():
                         f.set_rows(n)
                     g.shape_rows = n
-            self.root.attrs["dmi_committed"] = self._marker()   # zarr writes a temp file and renames it
+            self.root_attrs.update({"dmi_committed": self._marker()})   # a temp file renamed over zarr.json
         except (OSError, StoreError) as e:
             with self._lock:
                 if self.error is None:

@@ -151,7 +151,7 @@ class ZarrExporter(StepAssembly, Commits, Drops, ChunkThreads, StoreLayout):
                                           "store_error": None if self.error is None else str(self.error)}
             if self.error is not None:        # the site groups stay as committed; the drops table gets every drop
                 try:                          # the status and the error first, should the drops table fill the disk
-                    self.root.attrs.update(attrs | {"dmi_committed": self._marker(summary)})
+                    self.root_attrs.update(attrs | {"dmi_committed": self._marker(summary)})
                 except OSError as e:
                     log.warning("dmi: %s: recording the store's failure failed: %s", self.path, e)
                 for g in self.groups.values():    # a commit that failed midway (a full disk) can have grown
@@ -168,7 +168,7 @@ class ZarrExporter(StepAssembly, Commits, Drops, ChunkThreads, StoreLayout):
             self._shutdown(wait=True)
             attrs["dmi_committed"] = self._marker(summary)
             status = {"dmi_status": attrs.pop("dmi_status")}
-            self.root.attrs.update(attrs)         # all but the status: until it is written the store reads as open
+            self.root_attrs.update(attrs)         # all but the status: until it is written the store reads as open
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # consolidated metadata is not in the v3 spec yet
                 zarr.consolidate_metadata(self.loc.zarr())

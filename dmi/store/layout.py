@@ -17,6 +17,7 @@ from ..errors import StoreError
 from ..plan import SitePlan, chunk_rows
 from .chunks import ArrayFile, LZ4, unlink_all
 from .location import Remote, open_location
+from .root_attrs import RootAttrs
 from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, create_remote, jsonable,
                         reserve, stored_request_ids, writer_info)
 
@@ -73,6 +74,7 @@ class StoreLayout:
             else:
                 create_atomically(self.path, overwrite, lambda stage: self._build(stage, attrs))
             self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=False)
+            self.root_attrs = RootAttrs(self.loc)
             for g in self._all:
                 self._open_files(g)
             reserve(self.loc)
@@ -154,6 +156,7 @@ class StoreLayout:
                 {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
             self.root.attrs.update({"dmi_status": "open", "dmi_writer": writer_info(), "resumed": resumed})
+            self.root_attrs = RootAttrs(self.loc)
             reserve(self.loc)
             for g in self._all:
                 self._open_files(g)

@@ -330,7 +330,7 @@ class ProcessExporter:
         self._child_drops = list(self.drops)
         self.failover = {"exit_code": code, "committed_step": committed, "steps_lost": len(lost),
                          "captures_lost": len(exp.drops)}
-        exp.root.attrs["writer_failover"] = self.failover
+        exp.root_attrs.update({"writer_failover": self.failover})
         self._inproc = exp
         self._mirror()
         log.warning("dmi: %s: the store writer process exited (code %s); this process resumed the store after "
