@@ -4,6 +4,7 @@ every second, a writer's failover, the closing summary) and each change rewrites
 from __future__ import annotations
 
 import json
+import threading
 
 
 class RootAttrs:
@@ -17,10 +18,12 @@ class RootAttrs:
         doc = json.loads(loc.read("zarr.json"))
         self._attrs = {k: json.dumps(v) for k, v in (doc.pop("attributes", None) or {}).items()}
         self._rest = "".join(f",{json.dumps(k)}:{json.dumps(v)}" for k, v in doc.items())
+        self._lock = threading.Lock()      # the exporter thread's commits, a failover's note, close
 
     def update(self, attrs: dict) -> None:
         """Set ``attrs`` (JSON values) and write the document atomically."""
-        for k, v in attrs.items():
-            self._attrs[k] = json.dumps(v)
-        body = ",".join(f"{json.dumps(k)}:{v}" for k, v in self._attrs.items())
-        self.loc.write("zarr.json", f'{{"attributes":{{{body}}}{self._rest}}}'.encode())
+        encoded = {k: json.dumps(v) for k, v in attrs.items()}
+        with self._lock:
+            self._attrs.update(encoded)
+            body = ",".join(f"{json.dumps(k)}:{v}" for k, v in self._attrs.items())
+            self.loc.write("zarr.json", f'{{"attributes":{{{body}}}{self._rest}}}'.encode())
