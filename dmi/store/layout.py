@@ -17,9 +17,9 @@ from ..errors import StoreError
 from ..plan import SitePlan, chunk_rows
 from .chunks import ArrayFile, LZ4, unlink_all
 from .location import Remote, open_location
-from .root_attrs import RootAttrs
 from .preflight import (TMP_SUFFIX, check_resumable, check_writable, create_atomically, create_remote, jsonable,
                         reserve, stored_request_ids, writer_info)
+from .root_attrs import RootAttrs
 
 
 COORDS = ("request", "position", "step", "phase", "token_id")
