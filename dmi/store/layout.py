@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,13 +149,12 @@ class StoreLayout:
                 unlink_all([p])
         try:
             meta.pop("consolidated_metadata", None)  # stale as soon as anything is appended
-            self.loc.write("zarr.json", json.dumps(meta, indent=2).encode())
-            self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=False)
             resumed = list(stored.get("resumed") or []) + [
                 {"at_step": mark["next_step"], "previous_status": stored.get("dmi_status"),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
-            self.root.attrs.update({"dmi_status": "open", "dmi_writer": writer_info(), "resumed": resumed})
-            self.root_attrs = RootAttrs(self.loc)
+            self.root_attrs = RootAttrs(self.loc, meta)
+            self.root_attrs.update({"dmi_status": "open", "dmi_writer": writer_info(), "resumed": resumed})
+            self.root = zarr.open_group(self.loc.zarr(), mode="r+", use_consolidated=False)
             reserve(self.loc)
             for g in self._all:
                 self._open_files(g)

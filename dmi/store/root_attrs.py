@@ -13,9 +13,10 @@ class RootAttrs:
     encoder, at each update; a hook spec's steering vectors (Qwen3-8B: 36 x 4096 floats) made that
     about 0.1 s a commit on the thread that drives the model."""
 
-    def __init__(self, loc):
+    def __init__(self, loc, doc: dict | None = None):
+        """``doc``: the document as last read (else it is read from ``loc``)."""
         self.loc = loc
-        doc = json.loads(loc.read("zarr.json"))
+        doc = dict(doc) if doc is not None else json.loads(loc.read("zarr.json"))
         self._attrs = {k: json.dumps(v) for k, v in (doc.pop("attributes", None) or {}).items()}
         self._rest = "".join(f",{json.dumps(k)}:{json.dumps(v)}" for k, v in doc.items())
         self._lock = threading.Lock()      # the exporter thread's commits, a failover's note, close
