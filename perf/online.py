@@ -356,7 +356,9 @@ async def run_rate(host, port, model_name, rate, duration, grace, work, offset, 
 
 def summarize(results: list[Result], window: float, cutoff: float) -> dict:
     """Percentiles over the rate's requests; one still waiting for its first token at the cutoff
-    counts with TTFT = cutoff - arrival (a lower bound), so overload shows in TTFT p99."""
+    counts with TTFT = cutoff - arrival (a lower bound), so overload shows in TTFT p99.
+    ``tokens_per_chunk`` over the finished requests: above 1, the server streamed several tokens in
+    one chunk (its API server fell behind the engine), so TTFT was late and TPOT looks short."""
     done = [r for r in results if r.done and r.error is None]
     ttft = [((r.first if r.first is not None else cutoff) - r.sent) * 1e3 for r in results if r.error is None]
     tpot = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in done if r.tokens > 1 and r.first is not None]
@@ -367,11 +369,12 @@ def summarize(results: list[Result], window: float, cutoff: float) -> dict:
     errors = [r.error for r in results if r.error]
     by_req = {str(r.index): round((r.last - r.first) * 1e3 / (r.tokens - 1), 4)
               for r in done if r.tokens > 1 and r.first is not None}
+    chunks = sum(r.chunks for r in done)
     return {"tpot_by_request": by_req, "sent": len(results), "done": len(done), "errors": len(errors),
             "first_error": errors[0] if errors else None,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "out_tok_s": out_tokens / window if window else 0.0, "req_s": len(done) / window if window else 0.0,
-            "window_s": window}
+            "window_s": window, "tokens_per_chunk": sum(r.tokens for r in done) / chunks if chunks else float("nan")}
 
 
 # --- servers ------------------------------------------------------------------------------------------
@@ -1096,7 +1099,7 @@ def main(argv=None) -> int:
             base.setdefault(rate, []).append(row)
         log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
             f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
-            f"{row['out_tok_s']:.0f} tok/s" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
+            f"{row['out_tok_s']:.0f} tok/s, {row['tokens_per_chunk']:.2f} tokens a chunk" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
         time.sleep(1.0)
 
     def finish(name: str) -> None:

@@ -275,3 +275,19 @@ def test_ring_bytes_read_from_each_configurations_hook_spec(tmp_path):
     cfgs = online.configurations(args, tmp_path, tmp_path / "stores")
     rings = {n: online.ring_bytes(cfgs[n]) for n in ("vanilla", "hooks", "dmi-hidden", "dmi-internals")}
     assert rings == {"vanilla": 0, "hooks": 0, "dmi-hidden": 3 << 29, "dmi-internals": 3 << 30}
+
+
+def test_tokens_per_chunk_shows_an_api_server_streaming_behind_the_engine():
+    """Chunks carrying several tokens each: the first one came late, and TPOT over the chunks
+    looks shorter than the engine's."""
+    def result(i, tokens, chunks, first):
+        r = online.Result(sent=0.0, index=i)
+        r.first, r.last, r.tokens, r.chunks, r.done = first, first + 1.0, tokens, chunks, True
+        return r
+    prompt = online.summarize([result(0, 100, 100, 0.05), result(1, 100, 100, 0.05)], window=10.0, cutoff=20.0)
+    behind = online.summarize([result(0, 100, 25, 0.35), result(1, 100, 75, 0.35)], window=10.0, cutoff=20.0)
+    assert prompt["tokens_per_chunk"] == 1.0 and behind["tokens_per_chunk"] == 2.0
+    assert behind["ttft_p50"] == pytest.approx(350.0) and prompt["tpot_p50"] == behind["tpot_p50"]
+    running = online.Result(sent=0.0, index=2)             # not finished: not counted
+    running.chunks, running.tokens = 3, 3
+    assert online.summarize([result(0, 100, 50, 0.05), running], window=10.0, cutoff=20.0)["tokens_per_chunk"] == 2.0
