@@ -938,9 +938,6 @@ def main(argv=None) -> int:
     unknown = [c for c in names if c not in cfgs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {sorted(cfgs)}")
-    if args.reference not in names and not args.baseline:
-        ap.error(f"--reference {args.reference}: not among --configs {names}. Fix: add it to --configs, or give "
-                 f"--baseline a run's --json that has it")
     # --interleave: a configuration that differs from an earlier one only in what its clients ask
     # (dmi-hidden-optout) uses that one's server; each server gets its share of the GPU's memory
     server_of = servers_of(cfgs, names)
@@ -964,6 +961,10 @@ def main(argv=None) -> int:
                 check_baseline(r, rates, offsets, args.baseline)
                 rows.append(r)
                 base.setdefault(r["rate"], []).append(r)
+    if args.reference not in names and not base:      # (else every ratio column would stay empty)
+        ap.error(f"--reference {args.reference}: not among --configs {names}"
+                 + (f" nor in --baseline {args.baseline}" if args.baseline else "")
+                 + ". Fix: add it to --configs, or give --baseline a run's --json that has it")
     spy_rate = load_of(args.pyspy_rate) if args.pyspy_rate is not None else rates[min(1, len(rates) - 1)]
     traced = False
     spy_files: dict[str, Path] = {}
@@ -1099,7 +1100,8 @@ def main(argv=None) -> int:
             base.setdefault(rate, []).append(row)
         log(f"  {name} {label(rate)}: {row['done']}/{row['sent']} done, TTFT p50 {row['ttft_p50']:.0f} ms "
             f"p99 {row['ttft_p99']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms p99 {row['tpot_p99']:.1f} ms, "
-            f"{row['out_tok_s']:.0f} tok/s, {row['tokens_per_chunk']:.2f} tokens a chunk" + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
+            f"{row['out_tok_s']:.0f} tok/s, {row['tokens_per_chunk']:.2f} tokens a chunk"
+            + (f", errors {row['errors']}: {row['first_error']}" if row['errors'] else ""))
         time.sleep(1.0)
 
     def finish(name: str) -> None:
@@ -1191,9 +1193,10 @@ def check_baseline(row: dict, loads: list, offsets: dict, path: str) -> None:
     rep, load = row.get("repeat", 0), row["rate"]
     i = loads.index(load) if load in loads else None
     if i is None or (rep, i) not in offsets or row.get("offset") != offsets[rep, i]:
-        raise SystemExit(f"--baseline {path}: {row.get('config', 'the reference')}'s window (load {label(load)}, round {rep}) sent other prompts "
+        name = row.get("config", "the reference")
+        raise SystemExit(f"--baseline {path}: {name}'s window (load {label(load)}, round {rep}) sent other prompts "
                          f"than this run's would (an earlier perf/online.py, whose rounds repeated their prompts, or "
-                         f"other --rates / --repeats / --duration). Fix: run the reference again with this run's loads")
+                         f"other --rates / --repeats / --duration). Fix: run {name} again with this run's loads")
 
 
 def profile_call(port: int, what: str) -> bool:

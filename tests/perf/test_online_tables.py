@@ -291,3 +291,18 @@ def test_tokens_per_chunk_shows_an_api_server_streaming_behind_the_engine():
     running = online.Result(sent=0.0, index=2)             # not finished: not counted
     running.chunks, running.tokens = 3, 3
     assert online.summarize([result(0, 100, 50, 0.05), running], window=10.0, cutoff=20.0)["tokens_per_chunk"] == 2.0
+
+
+def test_a_reference_neither_run_nor_in_the_baseline_is_refused_before_any_server(tmp_path, capsys):
+    """Else every ratio column would stay empty: the error names the flag, the baseline and the fix."""
+    (tmp_path / "b.json").write_text(json.dumps({"rates": [{"config": "vanilla", "rate": 16.0, "repeat": 0,
+                                                            "offset": 0}]}))
+    for extra, where in (([], "not among --configs ['dmi-offered']. Fix"),
+                         (["--baseline", str(tmp_path / "b.json")],
+                          f"not among --configs ['dmi-offered'] nor in --baseline {tmp_path / 'b.json'}. Fix")):
+        with pytest.raises(SystemExit):
+            online.main(["--cpu", "--configs", "dmi-offered", "--reference", "dmi-final", "--rates", "16",
+                         "--work", str(tmp_path / "w"), *extra])
+        err = capsys.readouterr().err
+        assert f"--reference dmi-final: {where}" in err and "add it to --configs" in err
+    assert not list((tmp_path / "w").glob("server-*.log"))     # no server started
